@@ -1,0 +1,13 @@
+"""specdecode: lossless speculative decoding. Public API: `LLM`, `SamplingParams`."""
+
+from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError
+
+__all__ = ["LLM", "SamplingParams", "SpecConfig", "SpecDecodeError"]
+
+
+def __getattr__(name: str):  # keep `import specdecode` light: the engine pulls in torch models
+    if name == "LLM":
+        from specdecode.entrypoints.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

@@ -1,0 +1,125 @@
+"""User-facing settings, validated at the edge: sampling and speculation configs.
+
+Owns: the frozen dataclasses `SamplingParams` and `SpecConfig`, their parsing from
+JSON / dicts, and the one error type for bad input (`SpecDecodeError`). Everything
+past this module may assume its inputs are valid.
+Does not own: which drafting methods exist (drafters/registry.py) or their options
+(each drafter's own `Options` dataclass).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+MAX_SPECULATIVE_TOKENS = 32
+
+
+class SpecDecodeError(ValueError):
+    """Bad input. Its message is one line that names the problem."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens from the target's distribution p (and the draft's q alike).
+
+    ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` disable those
+    filters. ``seed`` drives a per-request ``torch.Generator``; ``None`` draws one at
+    random. ``stop`` strings end generation and are not included in the text.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_tokens: int = 16
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature):
+            raise SpecDecodeError(f"temperature must be a finite number, got {self.temperature!r}")
+        if self.temperature < 0:
+            raise SpecDecodeError(f"temperature must be >= 0, got {self.temperature}")
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            raise SpecDecodeError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
+            raise SpecDecodeError(f"top_k must be an integer, got {self.top_k!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise SpecDecodeError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise SpecDecodeError(f"seed must be an integer, got {self.seed!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise SpecDecodeError("stop must be a list of non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """What vLLM calls ``speculative_config``: a method, γ, and the method's own options.
+
+    ``options`` is the drafter's own frozen ``Options`` dataclass, so unknown keys are
+    rejected where they are parsed and each method documents its keys in one place.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    options: Any = field(default=None)
+
+    @staticmethod
+    def parse(value: "str | Mapping[str, Any] | SpecConfig | None") -> "SpecConfig | None":
+        """Parse a JSON string or dict as given on the CLI / API. ``None`` means no speculation."""
+        from specdecode.drafters.registry import drafter_class, method_names
+
+        if value is None or isinstance(value, SpecConfig):
+            return value
+        if isinstance(value, str):
+            if not value.strip():
+                return None
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise SpecDecodeError(f"speculative config is not valid JSON: {e.msg} at char {e.pos}") from None
+        if not isinstance(value, Mapping):
+            raise SpecDecodeError("speculative config must be a JSON object like {\"method\": \"ngram\"}")
+        raw = dict(value)
+        method = raw.pop("method", None)
+        if method is None:
+            raise SpecDecodeError(f"speculative config needs a \"method\"; valid: {', '.join(method_names())}")
+        cls = drafter_class(method)  # raises with the valid names
+        gamma = raw.pop("num_speculative_tokens", cls.default_num_speculative_tokens)
+        if not isinstance(gamma, int) or isinstance(gamma, bool) or not 1 <= gamma <= MAX_SPECULATIVE_TOKENS:
+            raise SpecDecodeError(
+                f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {gamma!r}"
+            )
+        options = parse_options(cls.Options, raw, f"method {method!r}")
+        return SpecConfig(method=method, num_speculative_tokens=gamma, options=options)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
+        if self.options is not None:
+            out.update(dataclasses.asdict(self.options))
+        return out
+
+
+def parse_options(options_cls: type, raw: Mapping[str, Any], owner: str) -> Any:
+    """Build a frozen options dataclass from a dict, rejecting unknown keys by name."""
+    names = [f.name for f in dataclasses.fields(options_cls)]
+    unknown = sorted(set(raw) - set(names))
+    if unknown:
+        valid = ", ".join(["method", "num_speculative_tokens", *names])
+        raise SpecDecodeError(f"unknown key(s) {', '.join(unknown)} for {owner}; valid keys: {valid}")
+    try:
+        return options_cls(**raw)
+    except TypeError as e:  # e.g. a wrong type caught by the dataclass itself
+        raise SpecDecodeError(f"bad options for {owner}: {e}") from None

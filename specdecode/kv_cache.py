@@ -1,0 +1,122 @@
+"""KV cache: where each layer's keys and values live between forward passes.
+
+Owns: the storage, the per-row valid length, and the operations the engine needs
+(append new positions, commit accepted ones, roll back rejected ones, drop rows).
+Does not own: deciding what is accepted (verify.py) or attention itself (model/).
+
+Convention (gpt-fast style): a forward pass *writes* the K/V of its T new tokens at
+slots ``lengths[b] .. lengths[b] + T - 1`` of each row but does not advance
+``lengths``. The engine then calls :meth:`commit` with how many of those slots are
+kept. Rejected drafts therefore cost nothing to roll back: their slots lie past the
+row's length and are overwritten by the next write. ``lengths`` never moves as a
+side effect of attention.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class KVCache(ABC):
+    """Interface that the transformer reads and writes through.
+
+    ``lengths`` [B] (int64) is the number of valid slots per row. A paged
+    implementation replaces this class without touching the model.
+    """
+
+    lengths: torch.Tensor  # [B]
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.lengths.shape[0])
+
+    @abstractmethod
+    def append(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, kv_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``k``/``v`` [B, Hkv, T, D] at ``slots`` [B, T] of ``layer``.
+
+        Returns keys and values [B, Hkv, kv_len, D] covering slots ``0 .. kv_len-1``
+        (the caller masks what each query may see).
+        """
+
+    @abstractmethod
+    def commit(self, num_tokens: torch.Tensor) -> None:
+        """Advance each row's length by ``num_tokens`` [B] (>= 0)."""
+
+    @abstractmethod
+    def truncate(self, lengths: torch.Tensor) -> None:
+        """Roll each row back to ``min(current, lengths[b])``."""
+
+    @abstractmethod
+    def keep_slots(self, row: int, src_slots: torch.Tensor, dst_start: int) -> None:
+        """Move the K/V at ``src_slots`` of ``row`` to contiguous slots from ``dst_start``.
+
+        Used to compact an accepted tree path into contiguous positions.
+        """
+
+    @abstractmethod
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (in that order) and release the storage of the others."""
+
+
+class ContiguousKVCache(KVCache):
+    """Dense ``[L, B, Hkv, capacity, D]`` buffers: one fixed slab per row."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if capacity < 1 or batch_size < 1:
+            raise ValueError(f"cache needs capacity >= 1 and batch >= 1, got {capacity}, {batch_size}")
+        shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+
+    def append(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, kv_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if kv_len > self.capacity:
+            raise ValueError(f"KV cache overflow: need {kv_len} slots, capacity is {self.capacity}")
+        ck, cv = self.k[layer], self.v[layer]  # [B, Hkv, S, D]
+        B, _, T, _ = k.shape
+        if B == 1:
+            # Hot path for a single sequence: contiguous slice assignment, no index_put.
+            start = int(slots[0, 0])
+            ck[:, :, start : start + T] = k
+            cv[:, :, start : start + T] = v
+        else:
+            rows = torch.arange(B, device=k.device)[:, None]  # [B, 1]
+            # Advanced indices on dims 0 and 2 put the indexed dims first: [B, T, Hkv, D].
+            ck[rows, :, slots] = k.transpose(1, 2)
+            cv[rows, :, slots] = v.transpose(1, 2)
+        return ck[:, :, :kv_len], cv[:, :, :kv_len]
+
+    def commit(self, num_tokens: torch.Tensor) -> None:
+        self.lengths += num_tokens.to(self.lengths)
+
+    def truncate(self, lengths: torch.Tensor) -> None:
+        self.lengths = torch.minimum(self.lengths, lengths.to(self.lengths))
+
+    def keep_slots(self, row: int, src_slots: torch.Tensor, dst_start: int) -> None:
+        n = int(src_slots.numel())
+        dst = slice(dst_start, dst_start + n)
+        for buf in (self.k, self.v):
+            r = buf[:, row]  # [L, Hkv, S, D] view
+            r[:, :, dst] = r[:, :, src_slots]  # the gather copies first, so overlap is safe
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        rows = rows.to(self.lengths.device)
+        self.k = self.k[:, rows].contiguous()
+        self.v = self.v[:, rows].contiguous()
+        self.lengths = self.lengths[rows].clone()
