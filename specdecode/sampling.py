@@ -1,0 +1,128 @@
+"""Logits -> probabilities, and seeded sampling from them.
+
+Owns: the one place temperature / top-k / top-p are applied (`logits_to_probs`), used
+for the target's p and every drafter's q alike, so both see the same transforms; the
+per-row seeded sampler (`sample`); building the batched sampling tensors from
+`SamplingParams` (`sampling_tensors`); per-request generators (`make_generator`).
+Does not own: accepting or rejecting drafts (verify.py), or which rows share a batch
+(engine/).
+
+Randomness is per row: row b draws only from its own generator, and always the same
+amount per call, so a request's seed gives the same tokens whatever else is batched
+with it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from specdecode.config import SamplingParams
+
+Generators = Sequence[torch.Generator | None]
+
+
+def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Turn logits into the distribution tokens are sampled from, per row.
+
+    logits [B, T, V] (any float dtype); temperature [B] float, 0 = greedy; top_k [B] int64,
+    <= 0 (or >= V) = off; top_p [B] float in (0, 1], 1 = off. Returns float32 [B, T, V].
+
+    Order as in vLLM / HF: divide by temperature, keep the top-k logits (ties with the k-th
+    value are kept, as both do), then keep the smallest set of tokens whose mass is
+    >= top_p (the top token always survives), then softmax over what is left. A greedy row
+    is one-hot at ``argmax(logits)`` (the first index on ties, as ``torch.argmax``). The
+    sort is skipped entirely when no row uses top-k or top-p.
+    """
+    B, T, V = logits.shape
+    logits = logits.float()
+    greedy = temperature == 0  # [B]
+    use_k = (top_k > 0) & (top_k < V)  # [B]
+    use_p = top_p < 1  # [B]
+    any_greedy, all_greedy, any_k, any_p = torch.stack(
+        [greedy.any(), greedy.all(), use_k.any(), use_p.any()]
+    ).tolist()  # the one host sync: decides which work is needed at all
+
+    if any_greedy:
+        one_hot = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)  # [B, T, V]
+        if all_greedy:
+            return one_hot
+
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature).float()  # [B], greedy rows: 1
+    scaled = logits / temp[:, None, None]  # [B, T, V]
+    if any_k or any_p:
+        scaled = _top_k_top_p(scaled, use_k, top_k, use_p, top_p)
+    probs = torch.softmax(scaled, dim=-1)  # [B, T, V]
+    if any_greedy:
+        probs = torch.where(greedy[:, None, None], one_hot, probs)
+    return probs
+
+
+def _top_k_top_p(scaled: Tensor, use_k: Tensor, top_k: Tensor, use_p: Tensor, top_p: Tensor) -> Tensor:
+    """Mask filtered-out logits to -inf. scaled [B, T, V]; per-row settings [B]; one sort."""
+    B, T, V = scaled.shape
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)  # [B, T, V] each
+
+    k = torch.where(use_k, top_k, torch.full_like(top_k, V)).clamp(1, V)  # [B]
+    kth = sorted_logits.gather(-1, (k - 1)[:, None, None].expand(B, T, 1))  # [B, T, 1]
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+
+    # Token i (in sorted order) survives top-p iff the mass strictly before it is < top_p:
+    # that is the smallest prefix with mass >= top_p, and the top token always survives.
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)  # [B, T, V]
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs  # [B, T, V]
+    threshold = torch.where(use_p, top_p.float(), torch.full_like(top_p, 2.0, dtype=torch.float32))  # [B]
+    drop = mass_before >= threshold[:, None, None]
+    drop[..., 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+
+    return torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
+
+
+def sample(probs: Tensor, generators: Generators) -> Tensor:
+    """Draw one token per row. probs [B, V] (rows need not be normalised; zeros allowed) -> [B] int64.
+
+    Exponential race: argmax(probs / E) with E ~ Exp(1) i.i.d. picks token x with
+    probability probs[x] / sum(probs), and can never pick a zero-probability token.
+    Row b draws its V exponentials from ``generators[b]`` (None = the default RNG).
+    """
+    race = fill_per_row(torch.empty_like(probs, dtype=torch.float32), generators, Tensor.exponential_)  # [B, V]
+    # Exp(1) can round to 0; the clamp keeps 0 / 0 (a NaN that argmax would pick) out.
+    return (probs.float() / race.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(-1)
+
+
+def fill_per_row(out: Tensor, generators: Generators, fill: Callable[..., Tensor]) -> Tensor:
+    """Fill row b of ``out`` [B, ...] in place with ``fill(row, generator=generators[b])``.
+
+    One call for the whole tensor when every row uses the same generator (or all None);
+    otherwise one call per row. Either way row b consumes the same amount of its
+    generator's stream, so its numbers do not depend on the other rows.
+    """
+    if len(generators) != out.shape[0]:
+        raise ValueError(f"need one generator per row: {out.shape[0]} rows, {len(generators)} generators")
+    if len(generators) > 0 and all(g is generators[0] for g in generators):
+        fill(out, generator=generators[0])
+        return out
+    for row, g in zip(out, generators):
+        fill(row, generator=g)
+    return out
+
+
+def sampling_tensors(params: Sequence[SamplingParams], device: torch.device | str) -> tuple[Tensor, Tensor, Tensor]:
+    """Batch the per-request settings: temperature [B] float32, top_k [B] int64, top_p [B] float32."""
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+    top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+    return temperature, top_k, top_p
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
+    """A generator on ``device`` seeded with ``seed``; ``None`` draws a random seed."""
+    g = torch.Generator(device=device)
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g
