@@ -1,0 +1,69 @@
+"""The drafter protocol: what every drafting method implements, and what it is given.
+
+Owns: `Drafter` (propose / on_verified / select_rows), `Draft` (what a proposal is)
+and `DrafterContext` (what a drafter may use from the engine). The engine calls only
+these methods, so adding a method never touches engine code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from specdecode.config import SpecConfig
+    from specdecode.engine.batch import Batch
+    from specdecode.model.loader import LoadedModel
+
+
+@dataclass
+class Draft:
+    """One round's proposal for every row of the batch.
+
+    ``tokens`` [B, γ] int64 holds each row's chain, padded with -1 past the row's own
+    draft length (a row may propose nothing). ``q`` [B, γ, V] holds the draft
+    distributions the tokens were sampled from, after the same temperature / top-k /
+    top-p as the target; ``None`` means a deterministic drafter (one-hot q).
+    """
+
+    tokens: torch.Tensor
+    q: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> torch.Tensor:
+        """[B] number of real draft tokens per row."""
+        return (self.tokens >= 0).cumprod(dim=1).sum(dim=1)
+
+
+@dataclass(frozen=True)
+class DrafterContext:
+    """What the engine lends a drafter: the target (its config, tokenizer, weights) and limits."""
+
+    target: "LoadedModel"
+    dtype: torch.dtype
+    device: torch.device
+
+
+class Drafter(Protocol):
+    """A drafting method. Rows of ``batch`` hold every committed token (prompt + output).
+
+    Lifecycle per batch: ``prefill`` once, then each round ``propose`` → (target
+    verifies) → ``on_verified`` after the accepted tokens are appended to the rows.
+    ``select_rows`` drops finished rows. A drafter with a KV cache rolls it back in
+    ``on_verified``; the engine never looks inside.
+    """
+
+    Options: ClassVar[type]  # frozen dataclass of this method's speculative_config keys
+    default_num_speculative_tokens: ClassVar[int]
+
+    def __init__(self, spec: "SpecConfig", ctx: DrafterContext) -> None: ...
+
+    def prefill(self, batch: "Batch") -> None: ...
+
+    def propose(self, batch: "Batch", num_tokens: int) -> Draft: ...
+
+    def on_verified(self, batch: "Batch", num_accepted: torch.Tensor) -> None: ...
+
+    def select_rows(self, rows: list[int]) -> None: ...

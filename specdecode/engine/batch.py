@@ -1,0 +1,98 @@
+"""Per-request state the engine keeps for one batch of sequences.
+
+Owns: each row's committed tokens, sampling settings, RNG and statistics, and the
+batched sampling tensors built from them. Does not own: the KV caches (kv_cache.py,
+drafters) or the decoding loop (engine/step.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specdecode.config import SamplingParams
+from specdecode.sampling import make_generator, sampling_tensors
+
+
+@dataclass
+class SpecStats:
+    """Speculation counters for one request, named as vLLM's metrics."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        if num_draft == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_draft:
+            self.accepted_per_position += [0] * (num_draft - len(self.accepted_per_position))
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+
+@dataclass
+class Sequence:
+    """One request: prompt + committed output tokens and how to extend them."""
+
+    request_id: int
+    token_ids: list[int]
+    num_prompt: int
+    params: SamplingParams
+    generator: torch.Generator
+    stats: SpecStats = field(default_factory=SpecStats)
+    finish_reason: str | None = None
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt :]
+
+
+class Batch:
+    """The rows being decoded together. Row order matches every cache's row order.
+
+    ``capacity`` is the longest sequence (prompt + output) any row may reach; caches
+    add room for one round of drafts on top.
+    """
+
+    def __init__(self, seqs: list[Sequence], capacity: int, device: torch.device) -> None:
+        self.seqs = seqs
+        self.capacity = capacity
+        self.device = device
+        self._refresh()
+
+    def _refresh(self) -> None:
+        params = [s.params for s in self.seqs]
+        self.temperature, self.top_k, self.top_p = sampling_tensors(params, self.device)  # [B] each
+        self.all_greedy = all(p.greedy for p in params)
+        self.generators = [s.generator for s in self.seqs]
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def select_rows(self, rows: list[int]) -> None:
+        self.seqs = [self.seqs[r] for r in rows]
+        self._refresh()
+
+    def last_tokens(self) -> torch.Tensor:
+        """[B, 1] the newest committed token of each row: it is not in the target cache yet."""
+        return torch.tensor([[s.token_ids[-1]] for s in self.seqs], dtype=torch.long, device=self.device)
+
+    @staticmethod
+    def new_sequence(request_id: int, prompt: list[int], params: SamplingParams, device: torch.device) -> Sequence:
+        return Sequence(request_id, list(prompt), len(prompt), params, make_generator(params.seed, device))
+
+
+def pad_right(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token lists with 0. Returns tokens [B, T] and lengths [B]."""
+    width = max(len(r) for r in rows)
+    tokens = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    return tokens.to(device), lengths.to(device)

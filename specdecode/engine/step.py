@@ -1,0 +1,170 @@
+"""The decoding loop: prefill, then rounds of propose → verify → commit/rollback.
+
+Owns: the target's KV cache for a batch, the order of calls in a round, stop
+conditions, and per-request statistics. Plain decoding is the same loop with no
+drafter (γ = 0: each round verifies nothing and samples one bonus token).
+Does not own: how drafts are made (drafters/), the acceptance rule (verify.py), or
+text (entrypoints/).
+
+A round, for every row at once::
+
+    draft   = drafter.propose(batch, γ)                      # chains, q or None
+    logits  = target([last, d_1..d_γ], positions, cache)     # writes K/V past each row's length
+    out, n  = verify(p, draft)                               # accepted + recovered/bonus token
+    cache.commit(n + 1); drafter.on_verified(batch, n)       # rejected slots are rolled back
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from specdecode.config import SamplingParams, SpecConfig
+from specdecode.drafters.base import Draft, Drafter, DrafterContext
+from specdecode.drafters.registry import create_drafter
+from specdecode.engine.batch import Batch, Sequence, SpecStats, pad_right
+from specdecode.kv_cache import KVCache
+from specdecode.model.loader import LoadedModel
+from specdecode.sampling import logits_to_probs, sample
+from specdecode.verify import greedy_verify, rejection_sample
+
+
+@dataclass
+class StepEvent:
+    """What one round added to one request."""
+
+    request_id: int
+    new_token_ids: list[int]
+    finish_reason: str | None  # None while running; "stop" (EOS / stop string) or "length"
+    stats: SpecStats  # the request's running speculation counters
+
+
+class Engine:
+    """Static-batch speculative decoding over one target model and at most one drafter."""
+
+    def __init__(self, target: LoadedModel, spec: SpecConfig | None, max_model_len: int) -> None:
+        self.target = target
+        self.model = target.model
+        self.spec = spec
+        self.max_model_len = max_model_len
+        param = next(self.model.parameters())
+        self.device = param.device
+        self.drafter: Drafter | None = None
+        if spec is not None:
+            self.drafter = create_drafter(spec, DrafterContext(target=target, dtype=param.dtype, device=param.device))
+        self.gamma = spec.num_speculative_tokens if spec is not None else 0
+        self.eos_ids = set(target.config.eos_token_ids)
+        self.tokenizer = target.tokenizer
+
+    @torch.inference_mode()
+    def stream(self, prompts: list[list[int]], params: list[SamplingParams]) -> Iterator[list[StepEvent]]:
+        """Decode ``prompts`` together; yield each round's new tokens per request (index = request id)."""
+        seqs = [Batch.new_sequence(i, p, sp, self.device) for i, (p, sp) in enumerate(zip(prompts, params))]
+        limits = [min(len(p) + sp.max_tokens, self.max_model_len) for p, sp in zip(prompts, params)]
+        batch = Batch(seqs, capacity=max(limits), device=self.device)
+        cache = self.model.new_cache(len(batch), batch.capacity + self.gamma + 2)
+
+        first = self._prefill(batch, cache)
+        yield self._commit(batch, first[:, None], torch.zeros_like(first), torch.zeros_like(first))
+        self._drop_finished(batch, cache, drafter=None)  # the drafter has no state yet
+        if self.drafter is not None and len(batch):
+            self.drafter.prefill(batch)
+
+        while len(batch):
+            draft = self.drafter.propose(batch, self.gamma) if self.drafter is not None else None
+            out, num_accepted, num_draft = self._verify_round(batch, cache, draft)
+            cache.commit(num_accepted + 1)
+            events = self._commit(batch, out, num_accepted, num_draft)
+            if self.drafter is not None:
+                self.drafter.on_verified(batch, num_accepted)
+            yield events
+            self._drop_finished(batch, cache, self.drafter)
+
+    def _prefill(self, batch: Batch, cache: KVCache) -> torch.Tensor:
+        tokens, lengths = pad_right([s.token_ids for s in batch.seqs], self.device)
+        positions = torch.arange(tokens.shape[1], device=self.device).expand_as(tokens)
+        logits = self.model(tokens, positions, cache, logits_at=(lengths - 1)[:, None])  # [B, 1, V]
+        cache.commit(lengths)
+        if batch.all_greedy:
+            return logits[:, 0].argmax(dim=-1)
+        p = logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p)[:, 0]  # [B, V]
+        return sample(p, batch.generators)
+
+    def _verify_round(
+        self, batch: Batch, cache: KVCache, draft: Draft | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One target pass over [last, drafts]; returns out [B, w+1], num_accepted [B], num_draft [B]."""
+        B = len(batch)
+        if draft is None:
+            draft = Draft(tokens=torch.empty(B, 0, dtype=torch.long, device=self.device))
+        num_draft = draft.num_tokens
+        width = int(num_draft.max()) if B else 0  # rows that found nothing do not make others pay
+        draft_tokens = draft.tokens[:, :width]
+        q = draft.q[:, :width] if draft.q is not None else None
+        tokens = torch.cat([batch.last_tokens(), draft_tokens.clamp(min=0)], dim=1)  # [B, 1 + w]
+        positions = cache.lengths[:, None] + torch.arange(1 + width, device=self.device)
+        logits = self.model(tokens, positions, cache)  # [B, 1 + w, V]
+        if batch.all_greedy:
+            out, num_accepted = greedy_verify(logits.argmax(dim=-1), draft_tokens)
+        else:
+            p = logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p)
+            out, num_accepted = rejection_sample(p, q, draft_tokens, batch.generators)
+        return out, num_accepted, num_draft
+
+    def _commit(
+        self, batch: Batch, out: torch.Tensor, num_accepted: torch.Tensor, num_draft: torch.Tensor
+    ) -> list[StepEvent]:
+        """Append each row's emitted tokens, stopping at EOS, stop strings or its length limit."""
+        events = []
+        for seq, row, n_acc, n_draft in zip(batch.seqs, out.tolist(), num_accepted.tolist(), num_draft.tolist()):
+            seq.stats.record(n_draft, n_acc)
+            new = self._append_until_stop(seq, row[: n_acc + 1])
+            events.append(StepEvent(seq.request_id, new, seq.finish_reason, seq.stats))
+        return events
+
+    def _append_until_stop(self, seq: Sequence, tokens: list[int]) -> list[int]:
+        limit = min(seq.num_prompt + seq.params.max_tokens, self.max_model_len)
+        added: list[int] = []
+        for t in tokens:
+            seq.token_ids.append(t)
+            added.append(t)
+            if t in self.eos_ids and not seq.params.ignore_eos:
+                seq.finish_reason = "stop"
+            elif len(seq.token_ids) >= limit:
+                seq.finish_reason = "length"
+            if seq.finish_reason:
+                break
+        if seq.params.stop and self.tokenizer is not None:
+            cut = self._stop_string_cut(seq, len(added))
+            if cut is not None:
+                first_added = len(seq.token_ids) - len(added)
+                del seq.token_ids[cut:]
+                added = added[: max(0, cut - first_added)]
+                seq.finish_reason = "stop"
+        return added
+
+    def _stop_string_cut(self, seq: Sequence, num_new: int) -> int | None:
+        """Index into token_ids just after the token that completes a stop string, if any."""
+        out = seq.output_ids
+        decode = self.tokenizer.decode
+        if not any(s in decode(out, skip_special_tokens=True) for s in seq.params.stop):
+            return None
+        for k in range(max(1, len(out) - num_new + 1), len(out) + 1):
+            text = decode(out[:k], skip_special_tokens=True)
+            if any(s in text for s in seq.params.stop):
+                return seq.num_prompt + k
+        return None
+
+    @staticmethod
+    def _drop_finished(batch: Batch, cache: KVCache, drafter: Drafter | None) -> None:
+        """Release finished rows from the batch, the target cache and the drafter's state."""
+        keep = [i for i, s in enumerate(batch.seqs) if s.finish_reason is None]
+        if len(keep) == len(batch):
+            return
+        if keep:
+            cache.select_rows(torch.tensor(keep, dtype=torch.long))
+            if drafter is not None:
+                drafter.select_rows(keep)
+        batch.select_rows(keep)

@@ -1,0 +1,181 @@
+"""The `specdecode` command: `generate` and `theory` (and later `serve`, `bench`, `train`).
+
+Owns: argument parsing, streaming text to the terminal, printing statistics, and the
+error contract: bad input prints one line `error: ...` on stderr and exits with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from specdecode.config import SamplingParams, SpecDecodeError
+
+EXIT_BAD_INPUT = 2
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    g = sub.add_parser("generate", help="generate text, optionally with speculative decoding")
+    g.add_argument("prompt", help="the prompt text")
+    g.add_argument("--model", default=None, help="HF folder, .gguf file or alias (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--speculative-config", default=None, help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--dtype", default="auto", help="auto (bfloat16), float32, bfloat16, float16")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--compare", action="store_true", help="also run plain decoding and report the speedup")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
+
+
+def _add_theory(sub: argparse._SubParsersAction) -> None:
+    t = sub.add_parser("theory", help="expected tokens per round and speedup (Leviathan et al.)")
+    t.add_argument("--alpha", type=float, required=True, help="per-position acceptance rate α in [0, 1]")
+    t.add_argument("--gamma", type=int, default=None, help="draft length γ (omit to print the optimal γ)")
+    t.add_argument("--c", type=float, default=0.05, help="draft step cost / target step cost (default 0.05)")
+    t.add_argument("--json", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_theory(sub)
+    return parser
+
+
+def cmd_theory(args: argparse.Namespace) -> int:
+    from specdecode.theory import expected_speedup, expected_tokens_per_round, optimal_gamma
+
+    gamma = args.gamma if args.gamma is not None else optimal_gamma(args.alpha, args.c)
+    if gamma < 1:
+        raise SpecDecodeError(f"gamma must be >= 1, got {gamma}")
+    result = {
+        "alpha": args.alpha,
+        "gamma": gamma,
+        "c": args.c,
+        "optimal_gamma": args.gamma is None,
+        "tokens_per_round": expected_tokens_per_round(args.alpha, gamma),
+        "speedup": expected_speedup(args.alpha, gamma, args.c),
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        label = "optimal γ" if args.gamma is None else "γ"
+        print(f"α = {args.alpha}, {label} = {gamma}, c = {args.c}")
+        print(f"expected tokens per round: {result['tokens_per_round']:.2f}")
+        print(f"expected speedup:          {result['speedup']:.2f}x")
+    return 0
+
+
+def _params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
+
+
+class _TextStreamer:
+    """Prints text as rounds commit tokens. Decoding the whole output keeps multi-byte characters whole."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm, self.out, self.shown = llm, [], ""
+
+    def __call__(self, request_id: int, new_ids: list[int]) -> None:
+        self.out += new_ids
+        text = self.llm.decode(self.out)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return
+        print(text[len(self.shown) :], end="", flush=True)
+        self.shown = text
+
+    def finish(self, final_text: str) -> None:
+        print(final_text[len(self.shown) :] if final_text.startswith(self.shown) else "", flush=True)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from specdecode.config import SpecConfig
+
+    params = _params(args)
+    spec = SpecConfig.parse(args.speculative_config)  # bad JSON fails before the model loads
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SpecDecodeError(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from specdecode import LLM
+
+    llm = LLM(model=args.model, speculative_config=spec, dtype=args.dtype, device=args.device)
+    prompt_ids = llm.encode_chat(args.prompt) if args.chat else llm.tokenize(args.prompt)
+    streamer = None if args.json else _TextStreamer(llm)
+    out = llm.generate([prompt_ids], params, on_tokens=streamer)[0]
+    if streamer is not None:
+        streamer.finish(out.text)
+    result: dict[str, Any] = {
+        "text": out.text,
+        "token_ids": out.token_ids,
+        "finish_reason": out.finish_reason,
+        "speculative_config": spec.to_dict() if spec else None,
+        "metrics": out.metrics.to_dict(),
+        "tokens_per_s": out.metrics.tokens_per_s,
+    }
+    if args.compare:
+        base = llm.generate([prompt_ids], params, speculative=False)[0]
+        result["baseline_tokens_per_s"] = base.metrics.tokens_per_s
+        result["speedup"] = out.metrics.tokens_per_s / max(base.metrics.tokens_per_s, 1e-9)
+        result["identical"] = base.token_ids == out.token_ids if params.greedy else None
+    if args.json:
+        print(json.dumps(result))
+    else:
+        _print_stats(result, spec is not None)
+    return 0
+
+
+def _print_stats(r: dict[str, Any], speculative: bool) -> None:
+    m = r["metrics"]
+    lines = ["", "---"]
+    if speculative:
+        drafts = max(m["num_drafts"], 1)
+        by_pos = ", ".join(f"{n / drafts:.2f}" for n in m["accepted_per_position"]) or "-"
+        lines += [
+            f"acceptance rate α: {m['acceptance_rate']:.3f}  ({m['num_accepted_tokens']}/{m['num_draft_tokens']} draft tokens)",
+            f"mean accepted length τ: {m['mean_accepted_length']:.2f}  over {m['num_drafts']} rounds",
+            f"acceptance by position: [{by_pos}]",
+        ]
+    lines.append(f"tokens/s: {r['tokens_per_s']:.1f}  ({m['num_generated_tokens']} tokens in {m['wall_time_s']:.2f} s)")
+    if "speedup" in r:
+        lines.append(f"plain decoding: {r['baseline_tokens_per_s']:.1f} tokens/s  speedup: {r['speedup']:.2f}x")
+        if r["identical"] is not None:
+            lines.append(f"identical to plain greedy: {'yes' if r['identical'] else 'NO'}")
+    print("\n".join(lines), file=sys.stderr)  # stdout carries only the text, so it can be piped
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "theory":
+            return cmd_theory(args)
+        return cmd_generate(args)
+    except SpecDecodeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

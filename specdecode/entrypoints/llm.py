@@ -1,0 +1,195 @@
+"""`LLM`: the Python API, in vLLM's shape.
+
+Owns: loading the target once, validating prompts and settings before any work
+starts, turning token streams into text, and per-request metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence, Union
+
+from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError
+from specdecode.engine.step import Engine
+
+Prompt = Union[str, list[int]]
+
+
+@dataclass
+class RequestMetrics:
+    """Speculation statistics for one request (vLLM's metric names)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    num_generated_tokens: int = 0
+    wall_time_s: float = 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """τ = 1 + accepted / drafts: tokens emitted per verification round that drafted."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """α estimate: accepted draft tokens / proposed draft tokens."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_generated_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_position": list(self.accepted_per_position),
+            "mean_accepted_length": self.mean_accepted_length,
+            "acceptance_rate": self.acceptance_rate,
+            "num_generated_tokens": self.num_generated_tokens,
+            "wall_time_s": self.wall_time_s,
+            "tokens_per_s": self.tokens_per_s,
+        }
+
+
+@dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    metrics: RequestMetrics
+
+
+class LLM:
+    """Load a target (and drafter) once; generate for batches of prompts.
+
+    ``model=None`` is the default model (SmolLM2-135M-Instruct). ``speculative_config``
+    is a dict or JSON string such as ``{"method": "ngram", "num_speculative_tokens": 4}``;
+    ``None`` decodes plainly through the same engine.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        speculative_config: "str | Mapping[str, Any] | SpecConfig | None" = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        max_model_len: int | None = None,
+    ) -> None:
+        from specdecode.model.loader import load_model
+
+        spec = SpecConfig.parse(speculative_config)  # fail on a bad config before loading anything
+        self.target = load_model(model, dtype=dtype, device=device)
+        context = self.target.config.max_position_embeddings
+        if max_model_len is not None and not 1 < max_model_len <= context:
+            raise SpecDecodeError(f"max_model_len must be in [2, {context}], got {max_model_len}")
+        self.max_model_len = max_model_len or context
+        self.tokenizer = self.target.tokenizer
+        self.spec = spec
+        self.engine = Engine(self.target, spec, self.max_model_len)
+        self._plain = Engine(self.target, None, self.max_model_len) if spec is not None else self.engine
+
+    def generate(
+        self,
+        prompts: "Prompt | Sequence[Prompt]",
+        sampling_params: "SamplingParams | Sequence[SamplingParams] | None" = None,
+        speculative: bool = True,
+        on_tokens: Callable[[int, list[int]], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt as one batch.
+
+        ``speculative=False`` runs plain decoding of the same model. ``on_tokens(i, ids)``
+        is called as round after round commits new tokens to request ``i`` (streaming).
+        """
+        token_lists, params = self._prepare(prompts, sampling_params)
+        outputs = [[] for _ in token_lists]
+        finish: list[str | None] = [None] * len(token_lists)
+        done_at = [0.0] * len(token_lists)
+        stats: list[Any] = [None] * len(token_lists)
+        engine = self.engine if speculative else self._plain
+        start = time.perf_counter()
+        for events in engine.stream(token_lists, params):
+            now = time.perf_counter()
+            for e in events:
+                outputs[e.request_id] += e.new_token_ids
+                stats[e.request_id] = e.stats
+                if on_tokens is not None and e.new_token_ids:
+                    on_tokens(e.request_id, e.new_token_ids)
+                if e.finish_reason:
+                    finish[e.request_id] = e.finish_reason
+                    done_at[e.request_id] = now - start
+        return [
+            self._output(token_lists[i], outputs[i], finish[i] or "length", params[i], stats[i], done_at[i])
+            for i in range(len(token_lists))
+        ]
+
+    def encode_chat(self, user_message: str) -> list[int]:
+        """Token ids of a one-turn chat, with the generation prompt, via the model's chat template."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise SpecDecodeError("this model has no chat template; drop --chat")
+        messages = [{"role": "user", "content": user_message}]
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    # -- validation ---------------------------------------------------------------------
+
+    def _prepare(
+        self, prompts: "Prompt | Sequence[Prompt]", sampling_params: "SamplingParams | Sequence[SamplingParams] | None"
+    ) -> tuple[list[list[int]], list[SamplingParams]]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt, as text or token ids
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise SpecDecodeError("prompts must be a non-empty list of strings or token-id lists")
+        token_lists = [self.tokenize(p) for p in prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(token_lists)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(token_lists):
+                raise SpecDecodeError(f"got {len(params)} sampling params for {len(token_lists)} prompts")
+        return token_lists, params
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """Validated token ids of a prompt given as text or as token ids."""
+        vocab = self.target.config.vocab_size
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise SpecDecodeError("this model folder has no tokenizer; pass token-id lists")
+            ids = list(self.tokenizer(prompt)["input_ids"])
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            if any(not 0 <= t < vocab for t in ids):
+                raise SpecDecodeError(f"prompt token ids must be in [0, {vocab})")
+        else:
+            raise SpecDecodeError("each prompt must be a string or a list of token ids")
+        if not ids:
+            raise SpecDecodeError("prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise SpecDecodeError(
+                f"prompt has {len(ids)} tokens but the model's context is {self.max_model_len}; shorten the prompt"
+            )
+        return ids
+
+    def _output(self, prompt, out, finish, params, stats, wall) -> RequestOutput:
+        text = self.decode(out)
+        cuts = [text.index(s) for s in params.stop if s in text]
+        if cuts:  # the stop string itself is not part of the text (as in vLLM)
+            text = text[: min(cuts)]
+        metrics = RequestMetrics(
+            num_drafts=stats.num_drafts,
+            num_draft_tokens=stats.num_draft_tokens,
+            num_accepted_tokens=stats.num_accepted_tokens,
+            accepted_per_position=list(stats.accepted_per_position),
+            num_generated_tokens=len(out),
+            wall_time_s=wall,
+        )
+        return RequestOutput(prompt, out, text, finish, metrics)

@@ -1,0 +1,37 @@
+"""Leviathan et al.'s speedup model (Theorem 3.8): what a speculation config should buy.
+
+Owns: expected tokens per round, expected speedup, and the optimal draft length γ,
+for an i.i.d. per-position acceptance rate α and a draft/target step cost ratio c.
+"""
+
+from __future__ import annotations
+
+from specdecode.config import MAX_SPECULATIVE_TOKENS, SpecDecodeError
+
+
+def _check(alpha: float, gamma: int, c: float) -> None:
+    if not 0.0 <= alpha <= 1.0:
+        raise SpecDecodeError(f"alpha must be in [0, 1], got {alpha}")
+    if gamma < 0:
+        raise SpecDecodeError(f"gamma must be >= 0, got {gamma}")
+    if c < 0:
+        raise SpecDecodeError(f"c must be >= 0, got {c}")
+
+
+def expected_tokens_per_round(alpha: float, gamma: int) -> float:
+    """E[tokens per round] = (1 − α^{γ+1}) / (1 − α): a geometric series capped at γ+1."""
+    _check(alpha, gamma, 0.0)
+    if alpha == 1.0:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def expected_speedup(alpha: float, gamma: int, c: float = 0.05) -> float:
+    """Speedup = (1 − α^{γ+1}) / ((1 − α)(γc + 1)), assuming verifying γ+1 positions costs one step."""
+    _check(alpha, gamma, c)
+    return expected_tokens_per_round(alpha, gamma) / (gamma * c + 1.0)
+
+
+def optimal_gamma(alpha: float, c: float = 0.05, max_gamma: int = MAX_SPECULATIVE_TOKENS) -> int:
+    """The γ in [1, max_gamma] with the highest expected speedup (smallest γ on ties)."""
+    return max(range(1, max_gamma + 1), key=lambda g: (expected_speedup(alpha, g, c), -g))

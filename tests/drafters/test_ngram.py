@@ -1,0 +1,44 @@
+"""The n-gram drafter needs no model: test its lookup directly."""
+
+import numpy as np
+import pytest
+
+from specdecode.config import SpecConfig, SpecDecodeError
+from specdecode.drafters.ngram import lookup
+
+
+def arr(*xs):
+    return np.array(xs, dtype=np.int64)
+
+
+def test_longest_match_wins():
+    # suffix [2, 3]: matches at 1 (followed by 9) ; suffix [1, 2, 3] matches at 0 (followed by 4)
+    toks = arr(1, 2, 3, 4, 5, 7, 2, 3, 9, 1, 2, 3)
+    assert lookup(toks, 1, 3, 2).tolist() == [4, 5]
+
+
+def test_most_recent_match_among_equal_length():
+    toks = arr(5, 6, 1, 5, 6, 2, 5, 6)
+    assert lookup(toks, 2, 2, 1).tolist() == [2]
+
+
+def test_no_match_and_min_length():
+    toks = arr(1, 2, 3, 4)
+    assert lookup(toks, 1, 3, 4).tolist() == []
+    toks = arr(1, 2, 9, 2)
+    assert lookup(toks, 2, 3, 4).tolist() == []  # only a 1-gram matches
+    assert lookup(toks, 1, 3, 4).tolist() == [9, 2]
+
+
+def test_draft_cut_at_end_of_context():
+    toks = arr(7, 8, 7)
+    assert lookup(toks, 1, 1, 5).tolist() == [8, 7]
+
+
+def test_options_validated():
+    with pytest.raises(SpecDecodeError, match="prompt_lookup_min"):
+        SpecConfig.parse({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2})
+    with pytest.raises(SpecDecodeError, match="unknown key"):
+        SpecConfig.parse({"method": "ngram", "lookahead": 3})
+    spec = SpecConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
+    assert spec.num_speculative_tokens == 3 and spec.options.prompt_lookup_max == 4
