@@ -39,8 +39,8 @@ def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: T
     B, T, V = logits.shape
     logits = logits.float()
     greedy = temperature == 0  # [B]
-    use_k = (top_k > 0) & (top_k < V)  # [B]
-    use_p = top_p < 1  # [B]
+    use_k = (top_k > 0) & (top_k < V) & ~greedy  # [B] a greedy row's top token survives any filter
+    use_p = (top_p < 1) & ~greedy  # [B]
     any_greedy, all_greedy, any_k, any_p = torch.stack(
         [greedy.any(), greedy.all(), use_k.any(), use_p.any()]
     ).tolist()  # the one host sync: decides which work is needed at all

@@ -83,9 +83,11 @@ def rejection_sample(
     q_draft = torch.ones_like(p_draft) if q is None else q.gather(2, drafts[:, :, None])[:, :, 0].float()  # [B, γ]
 
     # Accept iff u < p/q, written without a division: q(d) = 0 accepts whenever p(d) > 0,
-    # p(d) = 0 never accepts, and p(d) >= q(d) accepts exactly (greedy rows need no luck).
+    # p(d) = 0 never accepts, and 0 < q(d) <= p(d) accepts whatever u is (so greedy rows
+    # are exact even if u rounds to 1).
     u = fill_per_row(torch.empty(B, gamma, device=p.device), generators, Tensor.uniform_)  # [B, γ]
-    accept = ((u * q_draft < p_draft) | (p_draft >= q_draft)) & valid  # [B, γ]
+    certain = (p_draft >= q_draft) & (p_draft > 0)  # [B, γ]
+    accept = ((u * q_draft < p_draft) | certain) & valid  # [B, γ]
     num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [B] length of the accepted prefix
     num_drafts = valid.sum(dim=1)  # [B] n_b
 
