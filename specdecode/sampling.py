@@ -33,16 +33,18 @@ def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: T
     Order as in vLLM / HF: divide by temperature, keep the top-k logits (ties with the k-th
     value are kept, as both do), then keep the smallest set of tokens whose mass is
     >= top_p (the top token always survives), then softmax over what is left. A greedy row
-    is one-hot at ``argmax(logits)`` (the first index on ties, as ``torch.argmax``). The
-    sort is skipped entirely when no row uses top-k or top-p.
+    is one-hot at ``argmax(logits)`` (the first index on ties, as ``torch.argmax``) and
+    ignores the filters. Cost: no sort when no sampled row filters, one ``topk`` when rows
+    use only top-k, one full sort when any row uses top-p.
     """
     B, T, V = logits.shape
     logits = logits.float()
     greedy = temperature == 0  # [B]
     use_k = (top_k > 0) & (top_k < V) & ~greedy  # [B] a greedy row's top token survives any filter
     use_p = (top_p < 1) & ~greedy  # [B]
-    any_greedy, all_greedy, any_k, any_p = torch.stack(
-        [greedy.any(), greedy.all(), use_k.any(), use_p.any()]
+    max_k = torch.where(use_k, top_k, torch.zeros_like(top_k)).max()
+    any_greedy, all_greedy, any_p, max_k = torch.stack(
+        [greedy.any().long(), greedy.all().long(), use_p.any().long(), max_k.long()]
     ).tolist()  # the one host sync: decides which work is needed at all
 
     if any_greedy:
@@ -52,12 +54,24 @@ def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: T
 
     temp = torch.where(greedy, torch.ones_like(temperature), temperature).float()  # [B], greedy rows: 1
     scaled = logits / temp[:, None, None]  # [B, T, V]
-    if any_k or any_p:
+    if any_p:
         scaled = _top_k_top_p(scaled, use_k, top_k, use_p, top_p)
+    elif max_k > 0:
+        scaled = _top_k(scaled, use_k, top_k, max_k)
     probs = torch.softmax(scaled, dim=-1)  # [B, T, V]
     if any_greedy:
         probs = torch.where(greedy[:, None, None], one_hot, probs)
     return probs
+
+
+def _top_k(scaled: Tensor, use_k: Tensor, top_k: Tensor, max_k: int) -> Tensor:
+    """Top-k alone: mask logits below each row's k-th largest to -inf. No full sort, one topk."""
+    B, T, V = scaled.shape
+    largest = torch.topk(scaled, max_k, dim=-1).values  # [B, T, max_k], descending
+    k = torch.where(use_k, top_k, torch.ones_like(top_k))  # [B]
+    kth = largest.gather(-1, (k - 1)[:, None, None].expand(B, T, 1))  # [B, T, 1]
+    kth = torch.where(use_k[:, None, None], kth, float("-inf"))
+    return scaled.masked_fill(scaled < kth, float("-inf"))
 
 
 def _top_k_top_p(scaled: Tensor, use_k: Tensor, top_k: Tensor, use_p: Tensor, top_p: Tensor) -> Tensor:

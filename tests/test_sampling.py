@@ -9,6 +9,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
+from specdecode import sampling
 from specdecode.config import SamplingParams
 from specdecode.sampling import logits_to_probs, make_generator, sample, sampling_tensors
 
@@ -54,7 +55,9 @@ def test_temperature_only_is_softmax_of_scaled_logits():
 
 
 def test_greedy_is_one_hot_at_first_argmax():
-    logits = torch.tensor([[[1.0, 3.0, 3.0, -2.0], [5.0, 0.0, 5.0, 5.0]], [[1.0, 3.0, 3.0, -2.0], [0.0, 0.0, 0.0, 0.0]]])
+    logits = torch.tensor(
+        [[[1.0, 3.0, 3.0, -2.0], [5.0, 0.0, 5.0, 5.0]], [[1.0, 3.0, 3.0, -2.0], [0.0, 0.0, 0.0, 0.0]]]
+    )
     temperature = torch.tensor([0.0, 1.0])
     probs = logits_to_probs(logits, temperature, torch.tensor([2, 0]), torch.tensor([0.5, 1.0]))
     assert probs[0].tolist() == [[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]  # exact, ties -> first index
@@ -101,6 +104,13 @@ def test_top_p_always_keeps_the_top_token():
     assert probs[0, 0].tolist() == [1.0, 0.0, 0.0, 0.0]
 
 
+def test_top_p_boundary_is_inclusive():
+    """Mass exactly top_p is enough: four tokens of 0.25 (exact in float32) and top_p = 0.5 keep two."""
+    logits = torch.zeros(1, 1, 4)
+    probs = logits_to_probs(logits, torch.ones(1), torch.zeros(1, dtype=torch.int64), torch.tensor([0.5]))
+    assert sorted(probs[0, 0].tolist()) == [0.0, 0.0, 0.5, 0.5]
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     seed=st.integers(0, 2**31 - 1),
@@ -108,7 +118,7 @@ def test_top_p_always_keeps_the_top_token():
     scale=st.floats(0.1, 8.0),
     temperature=st.sampled_from([0.0, 0.3, 1.0, 1.7]),
     top_k=st.integers(-1, 45),
-    top_p=st.floats(0.05, 1.0),
+    top_p=st.one_of(st.just(1.0), st.floats(0.05, 1.0)),
 )
 def test_matches_reference(seed, V, scale, temperature, top_k, top_p):
     logits = torch.randn(1, 2, V, generator=torch.Generator().manual_seed(seed)) * scale
@@ -150,15 +160,18 @@ def test_half_precision_logits_give_float32_probabilities():
     torch.testing.assert_close(probs.sum(-1), torch.ones(2, 3))
 
 
-def test_no_sort_when_no_row_filters(monkeypatch):
+def test_no_sort_unless_a_row_uses_top_p(monkeypatch):
     def no_sort(*args, **kwargs):
         raise AssertionError("sorted although no row uses top-k or top-p")
 
     monkeypatch.setattr(torch, "sort", no_sort)
     logits = torch.randn(3, 2, 20)
-    params = [SamplingParams(), SamplingParams(temperature=0.0, top_k=3), SamplingParams(top_k=20)]  # greedy ignores filters; k = V is off
+    # greedy rows ignore filters, and k = V is off
+    params = [SamplingParams(), SamplingParams(temperature=0.0, top_k=3), SamplingParams(top_k=20)]
     probs = logits_to_probs(logits, *sampling_tensors(params, "cpu"))
     torch.testing.assert_close(probs.sum(-1), torch.ones(3, 2))
+    top_k_only = logits_to_probs(logits, *sampling_tensors([SamplingParams(top_k=k) for k in (0, 3, 19)], "cpu"))
+    assert ((top_k_only > 0).sum(-1) == torch.tensor([[20], [3], [19]])).all()  # top-k alone needs topk, not sort
     with pytest.raises(AssertionError, match="sorted although"):
         logits_to_probs(logits, *sampling_tensors([SamplingParams(top_p=0.5)] * 3, "cpu"))
 
@@ -174,6 +187,14 @@ def test_sample_follows_probs_and_never_picks_zeros():
     # Unnormalised weights are fine: the exponential race only compares ratios.
     scaled = sample((probs * 7).expand(n, 6).contiguous(), [make_generator(11, "cpu")] * n)
     assert torch.equal(scaled, tokens)
+
+
+def test_sample_survives_an_exponential_of_zero(monkeypatch):
+    """Exp(1) draws can round to 0 (0 / 0 would be a NaN that argmax picks): still never a zero-probability token."""
+    monkeypatch.setattr(sampling, "fill_per_row", lambda out, generators, fill: out.zero_())
+    probs = torch.tensor([[0.0, 0.0, 0.3, 0.7], [0.0, 1.0, 0.0, 0.0]])
+    tokens = sample(probs, [None, None])
+    assert (probs.gather(1, tokens[:, None]) > 0).all()
 
 
 def test_sample_rows_are_reproducible_whatever_the_batch():

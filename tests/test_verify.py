@@ -131,10 +131,14 @@ def draw_drafts(r: torch.Tensor, n: int, g: torch.Generator):
     """n drafts per config from r [R, γ, V], with padding: [R*n, γ] and n_b [R*n]."""
     R, gamma, V = r.shape
     drafts = torch.stack(
-        [torch.stack([torch.multinomial(r[i, k], n, replacement=True, generator=g) for k in range(gamma)], 1) for i in range(R)]
+        [
+            torch.stack([torch.multinomial(r[i, k], n, replacement=True, generator=g) for k in range(gamma)], 1)
+            for i in range(R)
+        ]
     ).reshape(R * n, gamma)
     # half the rows propose all γ drafts, the rest a random number in [0, γ]
-    num_drafts = torch.where(torch.rand(R * n, generator=g) < 0.5, gamma, torch.randint(0, gamma + 1, (R * n,), generator=g))
+    some = torch.randint(0, gamma + 1, (R * n,), generator=g)
+    num_drafts = torch.where(torch.rand(R * n, generator=g) < 0.5, gamma, some)
     positions = torch.arange(gamma)[None, :]
     drafts = torch.where(positions < num_drafts[:, None], drafts, -1)
     # junk after the first -1 must be ignored as padding too
@@ -152,7 +156,8 @@ def test_every_emitted_token_follows_the_target(V, gamma, drafter):
     drafts, num_drafts = draw_drafts(r, n, g)
     config = torch.arange(R).repeat_interleave(n)
     p_rows = p[config]
-    out, num_accepted = rejection_sample(p_rows, None if q is None else q[config], drafts, generator=make_generator(7, "cpu"))
+    q_rows = None if q is None else q[config]
+    out, num_accepted = rejection_sample(p_rows, q_rows, drafts, generator=make_generator(7, "cpu"))
 
     check_output_shape(out, num_accepted, drafts, p_rows)
     for i in range(R):
@@ -177,7 +182,8 @@ def test_conditional_on_the_previous_token_still_follows_the_target():
     g = torch.Generator().manual_seed(5)
     p, q, r = random_case(V, gamma, "q", 1, g)
     drafts, _ = draw_drafts(r, n, g)
-    out, num_accepted = rejection_sample(p.expand(n, -1, -1).contiguous(), q.expand(n, -1, -1).contiguous(), drafts, generator=g)
+    p_rows, q_rows = p.expand(n, -1, -1).contiguous(), q.expand(n, -1, -1).contiguous()
+    out, num_accepted = rejection_sample(p_rows, q_rows, drafts, generator=g)
     for k in (1, 2):
         for a in range(V):
             rows = (num_accepted >= k) & (out[:, k - 1] == a)
@@ -203,7 +209,8 @@ def test_acceptance_rate_is_one_minus_total_variation():
         assert abs(first - alpha) < 5 * (alpha * (1 - alpha) / n) ** 0.5 + 1e-4
         # E[accepted] = α + α² + α³ when every position has the same α
         expected = alpha + alpha**2 + alpha**3
-        assert num_accepted.double().mean().item() == pytest.approx(expected, abs=5 * num_accepted.double().std().item() / n**0.5 + 1e-4)
+        tolerance = 5 * num_accepted.double().std().item() / n**0.5 + 1e-4
+        assert num_accepted.double().mean().item() == pytest.approx(expected, abs=tolerance)
 
 
 def naive_greedy(target_argmax: torch.Tensor, drafts: torch.Tensor):
@@ -228,7 +235,8 @@ def test_temperature_zero_is_exact_and_greedy_verify_agrees(B, V, gamma):
     logits[0, 0, :2] = 5.0  # a tie: argmax takes the first index
     p = logits_to_probs(logits, *sampling_tensors([SamplingParams(temperature=0.0)] * B, "cpu"))
     target_argmax = logits.argmax(-1)
-    drafts = torch.where(torch.rand(B, gamma, generator=g) < 0.7, target_argmax[:, :gamma], torch.randint(0, V, (B, gamma), generator=g))
+    other = torch.randint(0, V, (B, gamma), generator=g)
+    drafts = torch.where(torch.rand(B, gamma, generator=g) < 0.7, target_argmax[:, :gamma], other)
     drafts[torch.rand(B, gamma, generator=g) < 0.15] = -1  # padding (and junk after it)
     expected = naive_greedy(target_argmax, drafts)
 
