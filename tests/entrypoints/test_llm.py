@@ -1,0 +1,81 @@
+"""The Python API: vLLM's shape, prompt forms, stop conditions and bad input as ValueError."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdecode import LLM, SamplingParams, SpecDecodeError
+from tests.tiny import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("api") / "m", "llama", seed=0)
+    return LLM(model=str(path), speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                                    "prompt_lookup_min": 1}, dtype="float32", device="cpu")
+
+
+def test_outputs_have_text_ids_and_metrics(llm):
+    outs = llm.generate(["abcabc", [5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert len(outs) == 2
+    for o in outs:
+        assert len(o.token_ids) == 12 and isinstance(o.text, str)
+        m = o.metrics
+        assert m.mean_accepted_length == 1 + m.num_accepted_tokens / max(m.num_drafts, 1)
+        assert sum(m.accepted_per_position) == m.num_accepted_tokens
+        assert m.wall_time_s > 0
+    assert outs[0].text == llm.decode(outs[0].token_ids)
+
+
+def test_single_prompt_forms(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    by_text = llm.generate("hello", params)[0]
+    by_ids = llm.generate(llm.tokenize("hello"), params)[0]
+    assert by_text.token_ids == by_ids.token_ids
+
+
+def test_stop_string_cuts_text_and_tokens(llm):
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=30, ignore_eos=True)
+    full = llm.generate("hello", params)[0]
+    # a 2-character stop string whose first occurrence is well inside the text
+    stop = next(full.text[i : i + 2] for i in range(3, len(full.text) - 2) if full.text.index(full.text[i : i + 2]) == i)
+    cut = llm.generate("hello", SamplingParams(temperature=1.0, seed=1, max_tokens=30, ignore_eos=True, stop=[stop]))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert cut.token_ids == full.token_ids[: len(cut.token_ids)] and len(cut.token_ids) < 30
+
+
+def test_chat_template(llm):
+    ids = llm.encode_chat("hi")
+    assert llm.decode(ids).endswith("<assistant>")
+
+
+@pytest.mark.parametrize(
+    "prompts,match",
+    [
+        ([], "non-empty"),
+        ([""], "empty"),
+        ([[1, 10_000]], "token ids"),
+        ([3.5], "string or a list of token ids"),
+    ],
+)
+def test_bad_prompts(llm, prompts, match):
+    with pytest.raises(SpecDecodeError, match=match):
+        llm.generate(prompts, SamplingParams(max_tokens=2))
+
+
+def test_prompt_longer_than_context_is_a_value_error(llm):
+    with pytest.raises(ValueError, match="context"):
+        llm.generate([[5] * llm.max_model_len], SamplingParams(max_tokens=2))
+
+
+def test_generation_stops_at_context_end(llm):
+    out = llm.generate([[5] * (llm.max_model_len - 3)], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))[0]
+    assert len(out.token_ids) == 3 and out.finish_reason == "length"
+
+
+def test_bad_config_fails_before_loading(tmp_path):
+    with pytest.raises(SpecDecodeError, match="valid: draft_model, ngram"):
+        LLM(model=str(tmp_path / "missing"), speculative_config={"method": "eagle9"})
+    with pytest.raises(SpecDecodeError, match="model path not found"):
+        LLM(model=str(tmp_path / "missing"))
