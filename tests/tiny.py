@@ -43,7 +43,8 @@ def tiny_hf_config(arch: str = "llama", **overrides: Any):
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16}  # fmt: skip
         cls, kw = LlamaConfig, dict(tie_word_embeddings=False, rope_parameters=rope)
     elif arch == "qwen2":
-        cls, kw = Qwen2Config, dict(tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+        rope = {"rope_type": "default", "rope_theta": 1e6}
+        cls, kw = Qwen2Config, dict(tie_word_embeddings=False, rope_parameters=rope)
     elif arch == "qwen3":
         cls, kw = Qwen3Config, dict(tie_word_embeddings=True, head_dim=32)
     elif arch == "gemma3":

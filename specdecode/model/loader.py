@@ -42,7 +42,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 class LoadedModel:
     model: Transformer
     config: ModelConfig
-    tokenizer: "transformers.PreTrainedTokenizerBase | None"  # None when the checkpoint has none
+    tokenizer: transformers.PreTrainedTokenizerBase | None  # None when the checkpoint has none
     name: str  # short display name
     path: str  # the folder the weights were read from
 
@@ -142,7 +142,7 @@ def load_model(
     return LoadedModel(model, config, load_tokenizer(folder), name, str(folder))
 
 
-def load_tokenizer(folder: Path) -> "transformers.PreTrainedTokenizerBase | None":
+def load_tokenizer(folder: Path) -> transformers.PreTrainedTokenizerBase | None:
     if not any((folder / f).is_file() for f in _TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer

@@ -1,11 +1,11 @@
 """One decoder-only transformer for every supported architecture, chosen by config flags.
 
 Owns: `ModelConfig` (our own flags, built from a Hugging Face config by
-`ModelConfig.from_hf`), RoPE frequencies, attention masks for chains, trees and
+`ModelConfig.from_hf`), attention masks for chains, trees and
 batches with ragged cache lengths, and the forward pass that writes K/V through a
 `KVCache`.
-Does not own: reading checkpoints or tokenizers (loader.py), advancing or rolling
-back the cache (the engine calls `cache.commit` / `cache.truncate`).
+Does not own: RoPE frequency formulas (rope.py), reading checkpoints or tokenizers
+(loader.py), advancing or rolling back the cache (the engine calls `cache.commit` / `cache.truncate`).
 
 Architectures as flags: Llama / SmolLM2 / Mistral (plain), Qwen2 (qkv bias), Qwen3
 (qk-norm), Gemma3 text (qk-norm, (1+w) norms, sandwich norms, scaled embeddings,
@@ -17,7 +17,6 @@ forward and shared by all layers.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,103 +26,10 @@ from torch import Tensor, nn
 
 from specdecode.config import SpecDecodeError
 from specdecode.kv_cache import ContiguousKVCache, KVCache
+from specdecode.model.rope import RopeConfig, rope_frequencies
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 FULL, SLIDING = "full", "sliding"
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    """Rotary embedding parameters, as in transformers' ``rope_parameters``."""
-
-    theta: float = 10000.0
-    type: str = "default"  # one of ROPE_TYPES
-    factor: float = 1.0
-    original_max_position_embeddings: int | None = None  # llama3 / yarn
-    low_freq_factor: float = 1.0  # llama3
-    high_freq_factor: float = 4.0  # llama3
-    beta_fast: float = 32.0  # yarn
-    beta_slow: float = 1.0  # yarn
-    attention_factor: float | None = None  # yarn; None = derived from factor / mscale
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    truncate: bool = True
-
-    @staticmethod
-    def from_hf(params: dict[str, Any], max_positions: int) -> "RopeConfig":
-        kind = params.get("rope_type", params.get("type", "default"))
-        if kind not in ROPE_TYPES:
-            raise SpecDecodeError(f"unsupported RoPE scaling {kind!r}; supported: {', '.join(ROPE_TYPES)}")
-        if params.get("partial_rotary_factor", 1.0) != 1.0:
-            raise SpecDecodeError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
-
-        def get(key: str, default: Any) -> Any:
-            value = params.get(key)
-            return default if value is None else value
-
-        return RopeConfig(
-            theta=float(params["rope_theta"]),
-            type=kind,
-            factor=float(get("factor", 1.0)),
-            original_max_position_embeddings=get("original_max_position_embeddings", max_positions),
-            low_freq_factor=float(get("low_freq_factor", 1.0)),
-            high_freq_factor=float(get("high_freq_factor", 4.0)),
-            beta_fast=float(get("beta_fast", 32.0)),
-            beta_slow=float(get("beta_slow", 1.0)),
-            attention_factor=params.get("attention_factor"),
-            mscale=params.get("mscale"),
-            mscale_all_dim=params.get("mscale_all_dim"),
-            truncate=bool(get("truncate", True)),
-        )
-
-
-def rope_frequencies(rope: RopeConfig, dim: int) -> tuple[Tensor, float]:
-    """Inverse frequencies [dim/2] (fp32, CPU) and the cos/sin scale, as transformers computes them."""
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
-    inv_freq = 1.0 / (rope.theta**exponents)
-    if rope.type == "linear":
-        return inv_freq / rope.factor, 1.0
-    if rope.type == "llama3":
-        old_len = rope.original_max_position_embeddings
-        low_wavelen, high_wavelen = old_len / rope.low_freq_factor, old_len / rope.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
-        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-        return torch.where(medium, smoothed, scaled), 1.0
-    if rope.type == "yarn":
-        return _yarn_frequencies(rope, dim)
-    return inv_freq, 1.0
-
-
-def _yarn_frequencies(rope: RopeConfig, dim: int) -> tuple[Tensor, float]:
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    factor, base, orig = rope.factor, rope.theta, rope.original_max_position_embeddings
-    attention = rope.attention_factor
-    if attention is None:
-        if rope.mscale and rope.mscale_all_dim:
-            attention = mscale(factor, rope.mscale) / mscale(factor, rope.mscale_all_dim)
-        else:
-            attention = mscale(factor)
-
-    def correction_dim(rotations: float) -> float:
-        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
-
-    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
-    if rope.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
-    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
-    extrapolation = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-    return inv_freq, float(attention)
 
 
 @dataclass(frozen=True)
@@ -169,7 +75,7 @@ class ModelConfig:
             raise SpecDecodeError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
 
     @staticmethod
-    def from_hf(hf: Any) -> "ModelConfig":
+    def from_hf(hf: Any) -> ModelConfig:
         """Our flags from a transformers ``PretrainedConfig`` (Llama, Mistral, Qwen2/3, Gemma3 text)."""
         arch = hf.model_type
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -264,28 +170,37 @@ def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.layer, self.cfg = layer, cfg
-        self.split = (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)
-        self.qkv = nn.Linear(cfg.hidden_size, sum(self.split) * cfg.head_dim, bias=cfg.attention_bias)
-        self.o = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.attention_out_bias)
+        self.layer, self.qk_norm = layer, cfg.qk_norm
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.group = cfg.num_heads // cfg.num_kv_heads
+        self.qkv = nn.Linear(cfg.hidden_size, (self.heads + 2 * self.kv_heads) * self.head_dim, bias=cfg.attention_bias)
+        self.o = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=cfg.attention_out_bias)
         self.scale = cfg.query_scale if cfg.query_scale is not None else cfg.head_dim**-0.5
-        self.gqa = cfg.num_heads != cfg.num_kv_heads
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None, step: "_Step") -> Tensor:
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None, step: _Step) -> Tensor:
+        """``mask`` is [B, 1, G*T, S] (query rows folded, see Transformer._masks) or None (causal / T == 1)."""
         B, T, _ = x.shape
-        q, k, v = self.qkv(x).view(B, T, -1, self.cfg.head_dim).split(self.split, dim=2)
-        if self.cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        H, Hkv, G, D = self.heads, self.kv_heads, self.group, self.head_dim
+        qkv = self.qkv(x).view(B, T, H + 2 * Hkv, D)
+        v = qkv[:, :, H + Hkv :]
+        if self.qk_norm:
+            q, k = qkv[:, :, :H], qkv[:, :, H : H + Hkv]
+            q, k = apply_rope(self.q_norm(q), *rope), apply_rope(self.k_norm(k), *rope)
+        else:  # one RoPE over q and k together
+            q, k = apply_rope(qkv[:, :, : H + Hkv], *rope).split((H, Hkv), dim=2)
         k, v = step.cache.append(self.layer, k.transpose(1, 2), v.transpose(1, 2), step.slots, step.kv_len)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None and T > 1,
-            scale=self.scale, enable_gqa=self.gqa,
-        )  # fmt: skip
-        return self.o(out.transpose(1, 2).reshape(B, T, -1))
+        if mask is None and T > 1:  # causal prefill of one row with an empty cache
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k, v, is_causal=True, scale=self.scale, enable_gqa=G > 1
+            ).transpose(1, 2)
+        else:  # fold each kv head's G query heads into the query axis: no K/V repeat
+            q = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+            out = out.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4)
+        return self.o(out.reshape(B, T, H * D))
 
 
 class MLP(nn.Module):
@@ -309,7 +224,7 @@ class Block(nn.Module):
         if self.sandwich:
             self.attn_out_norm, self.mlp_out_norm = norm(), norm()
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None, step: "_Step") -> Tensor:
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None, step: _Step) -> Tensor:
         h = self.attn(self.attn_norm(x), rope, mask, step)
         x = x + (self.attn_out_norm(h) if self.sandwich else h)
         h = self.mlp(self.mlp_norm(x))
@@ -407,7 +322,8 @@ class Transformer(nn.Module):
     def _masks(
         self, positions: Tensor, lengths: Tensor, block_mask: Tensor | None, kv_len: int
     ) -> dict[str, Tensor | None]:
-        """Boolean SDPA masks [B, 1, T, kv_len] per layer type; None = plain causal, no mask."""
+        """Boolean SDPA masks [B, 1, G*T, kv_len] per layer type (the query rows of a kv head's
+        G heads folded together); None = no mask (T == 1, or causal over an empty cache)."""
         cfg = self.config
         B, T = positions.shape
         window = cfg.sliding_window
@@ -425,13 +341,15 @@ class Transformer(nn.Module):
             picked = block_mask.to(torch.bool).gather(2, s.clamp(0, T - 1)[:, None, :].expand(B, T, kv_len))
             own = s[:, None, :] == t  # a query always sees itself, so no row is fully masked
             visible = (s < 0)[:, None, :] | ((s < T)[:, None, :] & picked) | own
-        masks = {FULL: None if simple else visible[:, None], SLIDING: None}
+        group = cfg.num_heads // cfg.num_kv_heads
+        fold = lambda m: m[:, None].repeat(1, 1, group, 1)  # noqa: E731  [B, 1, G*T, S], rows (g, t)
+        masks = {FULL: None if simple else fold(visible), SLIDING: None}
         if SLIDING in cfg.layer_types:
             if use_window:
                 new_pos = positions.gather(1, s.clamp(0, T - 1))
                 key_pos = torch.where(s < 0, j[None, :], new_pos)  # cached slot == position
                 near = positions[:, :, None] - key_pos[:, None, :] < window
-                masks[SLIDING] = (visible & near)[:, None]
+                masks[SLIDING] = fold(visible & near)
             else:
                 masks[SLIDING] = masks[FULL]
         return masks
