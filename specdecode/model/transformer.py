@@ -34,6 +34,8 @@ FULL, SLIDING = "full", "sliding"
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """Our architecture flags. Build it with `from_hf`; every flag defaults to plain Llama."""
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -153,10 +155,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim) if offset == 0 else torch.zeros(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        h = F.rms_norm(x.float(), self.dim, eps=self.eps)
         if self.offset:
+            h = F.rms_norm(x.float(), self.dim, eps=self.eps)
             return (h * (self.offset + self.weight.float())).to(x.dtype)
-        return self.weight * h.to(x.dtype)
+        # rms_norm upcasts reduced-precision input itself and rounds once: same as x.float() ... .to(x.dtype)
+        return F.rms_norm(x, self.dim, eps=self.eps) * self.weight
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
@@ -327,7 +330,8 @@ class Transformer(nn.Module):
         cfg = self.config
         B, T = positions.shape
         window = cfg.sliding_window
-        use_window = SLIDING in cfg.layer_types and kv_len > window if window is not None else False
+        # Every query position is < kv_len, so a window of at least kv_len hides nothing.
+        use_window = window is not None and SLIDING in cfg.layer_types and kv_len > window
         simple = B == 1 and block_mask is None and (T == 1 or kv_len == T)
         if simple and not use_window:
             return {FULL: None, SLIDING: None}
