@@ -132,7 +132,10 @@ def convert_gguf(gguf_path: Path, out: Path, progress: bool = True) -> None:
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer
 
-    reader = GGUFReader(str(gguf_path))
+    try:
+        reader = GGUFReader(str(gguf_path))
+    except (ValueError, OSError) as e:
+        raise SpecDecodeError(f"not a readable GGUF file: {gguf_path} ({str(e).splitlines()[0]})") from None
     arch = gguf_architecture(reader)
     folder, file = str(gguf_path.parent), gguf_path.name
     hf_config = AutoConfig.from_pretrained(folder, gguf_file=file)

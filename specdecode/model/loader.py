@@ -137,7 +137,11 @@ def load_model(
     if not (folder / "config.json").is_file():
         raise SpecDecodeError(f"no config.json in model folder {folder}")
     dtype, device = resolve_dtype(dtype), resolve_device(device)
-    config = ModelConfig.from_hf(AutoConfig.from_pretrained(str(folder)))
+    try:
+        hf_config = AutoConfig.from_pretrained(str(folder))
+    except (ValueError, OSError, KeyError) as e:
+        raise SpecDecodeError(f"cannot read {folder / 'config.json'}: {str(e).splitlines()[0]}") from None
+    config = ModelConfig.from_hf(hf_config)
     model = build_model(config, read_safetensors(folder), dtype, device)
     return LoadedModel(model, config, load_tokenizer(folder), name, str(folder))
 

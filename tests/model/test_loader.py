@@ -52,6 +52,36 @@ def test_missing_path_raises(tmp_path):
         load_model(str(tmp_path / "nope"))
 
 
+def test_bad_files_raise_one_line(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all")
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text('{"model_type": "no-such-model"}')
+    for path, match in [
+        ("weights.bin", "not a model folder or .gguf file"),
+        ("junk.gguf", "not a readable GGUF file"),
+        ("cfg", "cannot read .*config.json"),
+    ]:
+        with pytest.raises(SpecDecodeError, match=match) as err:
+            load_model(str(tmp_path / path), device="cpu", progress=False)
+        assert "\n" not in str(err.value)
+
+
+def test_unsupported_gguf_architecture_raises(tmp_path):
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(tmp_path / "gpt2.gguf"), "gpt2")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(SpecDecodeError, match="unsupported GGUF architecture 'gpt2'; supported: llama, qwen2"):
+        load_model(str(tmp_path / "gpt2.gguf"), device="cpu", progress=False)
+
+
 def test_folder_without_weights_raises(tmp_path):
     folder = make_tiny_checkpoint(tmp_path / "m", "llama")
     (folder / "model.safetensors").unlink()
