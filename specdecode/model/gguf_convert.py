@@ -116,6 +116,7 @@ def converted_folder(gguf_path: Path, name: str, progress: bool = True) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
         convert_gguf(gguf_path, tmp, progress)
+        _share(tmp)
         try:
             os.rename(tmp, folder)
         except OSError:  # another process finished first
@@ -124,6 +125,15 @@ def converted_folder(gguf_path: Path, name: str, progress: bool = True) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def _share(folder: Path) -> None:
+    """mkdtemp makes the folder private; give it (and its files) the usual umask permissions."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for f in folder.iterdir():
+        os.chmod(f, 0o666 & ~umask)
 
 
 def convert_gguf(gguf_path: Path, out: Path, progress: bool = True) -> None:
