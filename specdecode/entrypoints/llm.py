@@ -6,24 +6,22 @@ starts, turning token streams into text, and per-request metrics.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence, Union
 
 from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError
+from specdecode.engine.batch import SpecStats
 from specdecode.engine.step import Engine
 
 Prompt = Union[str, list[int]]
 
 
 @dataclass
-class RequestMetrics:
-    """Speculation statistics for one request (vLLM's metric names)."""
+class RequestMetrics(SpecStats):
+    """Speculation statistics for one request (vLLM's metric names), with its timing."""
 
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
     num_generated_tokens: int = 0
     wall_time_s: float = 0.0
 
@@ -184,12 +182,5 @@ class LLM:
         cuts = [text.index(s) for s in params.stop if s in text]
         if cuts:  # the stop string itself is not part of the text (as in vLLM)
             text = text[: min(cuts)]
-        metrics = RequestMetrics(
-            num_drafts=stats.num_drafts,
-            num_draft_tokens=stats.num_draft_tokens,
-            num_accepted_tokens=stats.num_accepted_tokens,
-            accepted_per_position=list(stats.accepted_per_position),
-            num_generated_tokens=len(out),
-            wall_time_s=wall,
-        )
+        metrics = RequestMetrics(**dataclasses.asdict(stats), num_generated_tokens=len(out), wall_time_s=wall)
         return RequestOutput(prompt, out, text, finish, metrics)
