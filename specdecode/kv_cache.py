@@ -91,8 +91,9 @@ class ContiguousKVCache(KVCache):
         ck, cv = self.k[layer], self.v[layer]  # [B, Hkv, S, D]
         B, _, T, _ = k.shape
         if B == 1:
-            # Hot path for a single sequence: contiguous slice assignment, no index_put.
-            start = int(slots[0, 0])
+            # Hot path for a single sequence: contiguous slice assignment, no index_put, and
+            # no host sync: with one row, kv_len = lengths[0] + T.
+            start = kv_len - T
             ck[:, :, start : start + T] = k
             cv[:, :, start : start + T] = v
         else:
