@@ -24,6 +24,13 @@ class RequestMetrics(SpecStats):
 
     num_generated_tokens: int = 0
     wall_time_s: float = 0.0
+    first_token_time_s: float = 0.0  # prefill: from the start of generate to the first token
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first, per second after the first: the rate speculation changes."""
+        decode_s = self.wall_time_s - self.first_token_time_s
+        return (self.num_generated_tokens - 1) / decode_s if decode_s > 0 else 0.0
 
     @property
     def mean_accepted_length(self) -> float:
@@ -49,7 +56,9 @@ class RequestMetrics(SpecStats):
             "acceptance_rate": self.acceptance_rate,
             "num_generated_tokens": self.num_generated_tokens,
             "wall_time_s": self.wall_time_s,
+            "first_token_time_s": self.first_token_time_s,
             "tokens_per_s": self.tokens_per_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
         }
 
 
@@ -107,12 +116,15 @@ class LLM:
         outputs = [[] for _ in token_lists]
         finish: list[str | None] = [None] * len(token_lists)
         done_at = [0.0] * len(token_lists)
+        first_at = [0.0] * len(token_lists)
         stats: list[Any] = [None] * len(token_lists)
         engine = self.engine if speculative else self._plain
         start = time.perf_counter()
         for events in engine.stream(token_lists, params):
             now = time.perf_counter()
             for e in events:
+                if not outputs[e.request_id]:
+                    first_at[e.request_id] = now - start
                 outputs[e.request_id] += e.new_token_ids
                 stats[e.request_id] = e.stats
                 if on_tokens is not None and e.new_token_ids:
@@ -121,7 +133,7 @@ class LLM:
                     finish[e.request_id] = e.finish_reason
                     done_at[e.request_id] = now - start
         return [
-            self._output(token_lists[i], outputs[i], finish[i] or "length", params[i], stats[i], done_at[i])
+            self._output(token_lists[i], outputs[i], finish[i] or "length", params[i], stats[i], done_at[i], first_at[i])
             for i in range(len(token_lists))
         ]
 
@@ -177,10 +189,10 @@ class LLM:
             )
         return ids
 
-    def _output(self, prompt, out, finish, params, stats, wall) -> RequestOutput:
+    def _output(self, prompt, out, finish, params, stats, wall, first) -> RequestOutput:
         text = self.decode(out)
         cuts = [text.index(s) for s in params.stop if s in text]
         if cuts:  # the stop string itself is not part of the text (as in vLLM)
             text = text[: min(cuts)]
-        metrics = RequestMetrics(**dataclasses.asdict(stats), num_generated_tokens=len(out), wall_time_s=wall)
+        metrics = RequestMetrics(**dataclasses.asdict(stats), num_generated_tokens=len(out), wall_time_s=wall, first_token_time_s=first)
         return RequestOutput(prompt, out, text, finish, metrics)
