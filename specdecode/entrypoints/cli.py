@@ -37,10 +37,13 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_theory(sub: argparse._SubParsersAction) -> None:
-    t = sub.add_parser("theory", help="expected tokens per round and speedup (Leviathan et al.)")
-    t.add_argument("--alpha", type=float, required=True, help="per-position acceptance rate α in [0, 1]")
+    t = sub.add_parser("theory", help="expected speedup (Leviathan et al.) and the verification roofline")
+    t.add_argument("--alpha", type=float, default=None, help="per-position acceptance rate α in [0, 1]")
     t.add_argument("--gamma", type=int, default=None, help="draft length γ (omit to print the optimal γ)")
     t.add_argument("--c", type=float, default=0.05, help="draft step cost / target step cost (default 0.05)")
+    t.add_argument("--model", default=None, help="roofline for this model: llama-3-8b, llama-3-70b or a model path/alias")
+    t.add_argument("--hardware", default=None, help="h100, a100, h200, or local (profiles this machine)")
+    t.add_argument("--batch", type=int, default=64, help="roofline batch size B (default 64)")
     t.add_argument("--json", action="store_true")
 
 
@@ -53,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_theory(args: argparse.Namespace) -> int:
+    if args.alpha is None and args.model is None and args.hardware is None:
+        raise SpecDecodeError("theory needs --alpha (speedup formula) and/or --model/--hardware (roofline)")
+    if args.alpha is None:
+        return cmd_roofline(args)
     from specdecode.theory import expected_speedup, expected_tokens_per_round, optimal_gamma
 
     gamma = args.gamma if args.gamma is not None else optimal_gamma(args.alpha, args.c)
@@ -73,6 +80,42 @@ def cmd_theory(args: argparse.Namespace) -> int:
         print(f"α = {args.alpha}, {label} = {gamma}, c = {args.c}")
         print(f"expected tokens per round: {result['tokens_per_round']:.2f}")
         print(f"expected speedup:          {result['speedup']:.2f}x")
+    return 0
+
+
+def cmd_roofline(args: argparse.Namespace) -> int:
+    from specdecode.roofline import Roofline, resolve_hardware, resolve_model
+
+    gamma = 4 if args.gamma is None else args.gamma
+    if args.batch < 1 or gamma < 0:
+        raise SpecDecodeError("--batch must be >= 1 and --gamma >= 0")
+    roof = Roofline(resolve_model(args.model or "llama-3-8b"), resolve_hardware(args.hardware or "h100"))
+    positions = args.batch * (gamma + 1)
+    result = {
+        "model": roof.model.name,
+        "hardware": roof.hardware.name,
+        "flops_per_s": roof.hardware.flops,
+        "bandwidth_bytes_per_s": roof.hardware.bandwidth,
+        "flops_per_position": roof.flops_per_position,
+        "weight_bytes": roof.model.weight_bytes,
+        "weight_read_ms": roof.weight_read_s * 1e3,
+        "threshold_positions": roof.threshold_positions,
+        "batch": args.batch,
+        "gamma": gamma,
+        "positions": positions,
+        "compute_ms": roof.compute_s(positions) * 1e3,
+        "verification_free": roof.compute_s(positions) <= roof.weight_read_s,
+    }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    r = result
+    print(f"{r['model']} on {r['hardware']}: {r['flops_per_s'] / 1e12:.1f} TFLOP/s, {r['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s")
+    print(f"FLOPs per verified position: {r['flops_per_position']:.3g} (matrices + LM head)")
+    print(f"weight read: {r['weight_bytes'] / 1e9:.2f} GB in {r['weight_read_ms']:.2f} ms")
+    print(f"threshold B·(γ+1): {r['threshold_positions']:.0f} positions")
+    verdict = "free" if r["verification_free"] else "NOT free: compute exceeds the weight read"
+    print(f"B = {args.batch}, γ = {gamma}: {positions} positions, compute {r['compute_ms']:.2f} ms -> verification {verdict}")
     return 0
 
 
