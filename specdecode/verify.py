@@ -2,10 +2,12 @@
 
 Owns: lossless rejection sampling over a chain of drafts (`rejection_sample`, for any
 drafter, with its probabilities q or with q = None for a deterministic drafter) and its
-RNG-free special case for all-greedy batches (`greedy_verify`). Both return the same
-thing: per row, the accepted draft tokens followed by one recovered or bonus token.
+RNG-free special case for all-greedy batches (`greedy_verify`); the same two for draft
+trees (`tree_rejection_sample`, `tree_greedy_verify`), which also return the accepted
+path's node indices. All return, per row, the accepted draft tokens followed by one
+recovered or bonus token.
 Does not own: turning logits into p and q (sampling.py), proposing drafts (drafters/),
-or rolling back caches after a rejection (engine/).
+tree shapes and masks (tree.py), or rolling back caches after a rejection (engine/).
 
 Vocabulary as in vLLM: an *accepted* token is a draft token the target kept; a
 *recovered* token replaces the first rejected draft; a *bonus* token follows when every
@@ -20,6 +22,7 @@ import torch
 from torch import Tensor
 
 from specdecode.sampling import fill_per_row, sample
+from specdecode.tree import TreeBatch
 
 # A residual max(0, p - q) with less mass than this is float noise (p == q up to
 # rounding); the recovered token is then sampled from p itself. In exact arithmetic a
@@ -128,6 +131,173 @@ def greedy_verify(target_argmax: Tensor, draft_tokens: Tensor) -> tuple[Tensor, 
     last = target_argmax.gather(1, num_accepted[:, None])[:, 0]  # [B]
     positions = torch.arange(gamma + 1, device=target_argmax.device)  # [γ+1]
     return _assemble(draft_tokens, num_accepted, last, positions), num_accepted
+
+
+def tree_rejection_sample(
+    p: Tensor,
+    q: Tensor | None,
+    trees: TreeBatch,
+    generator: torch.Generator | Sequence[torch.Generator | None] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Verify a draft tree per row against the target, losslessly (multi-draft rejection sampling).
+
+    Args:
+        p: [B, N, V] target probabilities, already through temperature / top-k / top-p.
+            ``p[b, n]`` is the target's distribution for the token after node n (given
+            the path root..n), i.e. the target pass's output at node n.
+        q: [B, N, V], indexed by the *child*: ``q[b, n]`` is the distribution node n's token
+            was drawn from, under the same transforms (``q[:, 0]`` and padding are
+            ignored); or ``None`` for deterministic children (one-hot q at each token).
+        trees: the batch of trees (`specdecode.tree.TreeBatch`), N nodes, max depth D.
+        generator: as `rejection_sample`. Row b consumes N-1 uniforms (one per node, so
+            the same as a chain of N-1 drafts) and V exponentials per call.
+
+    Returns:
+        output_tokens: [B, D+1] int64: the accepted path's draft tokens, then one recovered
+            or bonus token, then -1.
+        num_accepted: [B] int64, the number of accepted drafts k (the path's depth).
+        accepted_nodes: [B, D+1] int64: the path's node indices, root first (``[0, n_1, ..,
+            n_k]``), then -1; `specdecode.tree.commit_paths` compacts the cache with it.
+
+    The rule (SpecInfer, Miao et al. 2024; Sequoia, Chen et al. 2024): start at the root
+    with the residual r = p[root]. Try its children in node order: child c with token x
+    is accepted with probability min(1, r(x) / q_c(x)); on rejection r <- norm(max(0, r -
+    q_c)) (for a deterministic child: r(x) <- 0, renormalised) and the next child is
+    tried. On acceptance move to c with r = p[c] and repeat. When every child of the
+    current node is rejected, emit a *recovered* token from the residual r; at a leaf
+    reached by acceptance, a *bonus* token from p[leaf]. A chain tree is exactly
+    `rejection_sample` (same uniforms, same exponentials: identical tokens per seed).
+
+    Why it is lossless: at a node with residual r, the probability that child 1 is
+    accepted with token y is min(r, q_1)(y), and it is rejected with probability m_1 =
+    sum(max(0, r - q_1)), after which the new residual r_1 = max(0, r - q_1) / m_1 does
+    not depend on which token was rejected. By induction over the remaining siblings
+    (none left: sample from r_1), whatever comes next emits y with probability r_1(y), so
+    in total min(r, q_1)(y) + max(0, r - q_1)(y) = r(y). Below an accepted child the
+    same argument runs with r = p[child], the target's conditional after that token. So
+    each emitted token follows the target given the tokens before it, *exactly when*:
+
+    - q[b, c] is the law node c's token was actually drawn from, given the tokens of the
+      nodes the drafter produced before it (ancestors, earlier siblings, anything else with
+      a smaller index); the tree's shape may depend on those too, never on later nodes
+      or on the target. With q = None each token must be a fixed function of the history
+      and of earlier nodes (top-k, n-gram lookups, greedy EAGLE-2 expansion with any
+      deterministic pruning).
+    - Hence exact: deterministic children, distinct or not (a sibling repeating a rejected
+      token has r(x) = 0 and is simply rejected; repeats only waste a slot); siblings
+      drawn i.i.d. from one q with replacement (SpecInfer), each passing that q;
+      siblings drawn *without* replacement if each passes its conditional q (earlier
+      siblings' tokens zeroed and renormalised), which is Sequoia's rule.
+    - Not exact: siblings drawn without replacement but passed the unconditioned q;
+      sampled nodes kept or pruned by scores of later nodes (e.g. a global top-N rerank of
+      *sampled* candidates); q under other temperature / top-k / top-p than the drafter
+      used. Acceptance is best when likelier children come first; losslessness does not
+      depend on the order.
+
+    As `rejection_sample`: a token with p = 0 is never emitted (the residual's support
+    stays within p's), and a residual with mass <= `RESIDUAL_EPS` is float noise, so the
+    node's p is used from there on (in exact arithmetic that state has probability equal
+    to the mass). Work: one [B, V] update per sibling slot and depth (sum of
+    ``trees.fanout`` steps), no per-row Python.
+    """
+    B, N, V = p.shape
+    if tuple(trees.tokens.shape) != (B, N):
+        raise ValueError(f"trees must be [B, N] = [{B}, {N}] to match p, got {list(trees.tokens.shape)}")
+    if q is not None and q.shape != (B, N, V):
+        raise ValueError(f"q must be [B, N, V] = [{B}, {N}, {V}], got {list(q.shape)}")
+    generators = _per_row(generator, B)
+    rows = torch.arange(B, device=p.device)
+    depth = trees.max_depth
+    tokens = trees.tokens.clamp_min(0)  # [B, N] safe to gather with
+    u = fill_per_row(torch.empty(B, N - 1, device=p.device), generators, Tensor.uniform_)  # [B, N-1], node c: u[:, c-1]
+
+    cur = torch.zeros(B, dtype=torch.long, device=p.device)  # [B] the node each row stands on
+    residual = p[:, 0].float()  # [B, V] unnormalised; its true law is residual / mass
+    mass = torch.ones(B, device=p.device)  # [B] exactly 1 at a freshly reached node
+    searching = torch.ones(B, dtype=torch.bool, device=p.device)  # [B] still accepting children
+    accepted_nodes = torch.full((B, depth + 1), -1, dtype=torch.long, device=p.device)
+    accepted_nodes[:, 0] = 0
+    for d in range(depth):
+        p_here = p[rows, cur].float()  # [B, V] the fallback when a residual is float noise
+        moved = torch.zeros_like(searching)
+        nxt = cur
+        for k in range(trees.fanout[d]):
+            child = trees.children[rows, cur, k]  # [B], -1 where cur has fewer children
+            trying = searching & ~moved & (child >= 0)
+            c = child.clamp_min(0)
+            x = tokens[rows, c]  # [B]
+            r_x = residual.gather(1, x[:, None])[:, 0]  # [B] mass * r(x)
+            if q is None:
+                bound = mass  # mass * q_c(x), q_c one-hot at x
+                rest = residual.scatter(1, x[:, None], 0.0)
+            else:
+                q_c = q[rows, c].float()  # [B, V]
+                bound = q_c.gather(1, x[:, None])[:, 0] * mass
+                rest = (residual - mass[:, None] * q_c).clamp_min_(0.0)
+            # accept iff u < r(x) / q_c(x), division-free as in rejection_sample
+            certain = (r_x >= bound) & (r_x > 0)
+            accept = trying & ((u[rows, (c - 1).clamp_min(0)] * bound < r_x) | certain)
+            reject = trying & ~accept
+            rest_mass = rest.sum(dim=1)  # [B]
+            noise = rest_mass <= RESIDUAL_EPS
+            rest = torch.where(noise[:, None], p_here, rest)
+            rest_mass = torch.where(noise, 1.0, rest_mass)
+            residual = torch.where(reject[:, None], rest, residual)
+            mass = torch.where(reject, rest_mass, mass)
+            moved = moved | accept
+            nxt = torch.where(accept, child, nxt)
+        cur = nxt
+        residual = torch.where(moved[:, None], p[rows, cur].float(), residual)
+        mass = torch.where(moved, 1.0, mass)
+        accepted_nodes[:, d + 1] = torch.where(moved, cur, -1)
+        searching = searching & moved
+    num_accepted = (accepted_nodes >= 0).sum(dim=1) - 1  # [B]
+    last = sample(residual, generators)  # [B] recovered from the residual, or bonus from p[leaf]
+    return _assemble_path(tokens, accepted_nodes, num_accepted, last), num_accepted, accepted_nodes
+
+
+def tree_greedy_verify(target_argmax: Tensor, trees: TreeBatch) -> tuple[Tensor, Tensor, Tensor]:
+    """`tree_rejection_sample` for one-hot p, without RNG or [V]-sized work.
+
+    target_argmax: [B, N] int64, the target's argmax at each node. A node matches iff its
+    token is the argmax at its parent; the row accepts the longest root path whose nodes
+    all match (ties: the path ending at the smallest node index) and then emits the
+    argmax at that path's end. Every such path yields the greedy continuation, so the
+    choice is lossless; with distinct sibling tokens there is at most one matching path
+    and the result equals `tree_rejection_sample` with one-hot p (with a repeated sibling
+    token this may accept a longer path than trying siblings in order would). A chain tree
+    gives `greedy_verify`. Returns (output_tokens [B, D+1], num_accepted [B],
+    accepted_nodes [B, D+1]) as `tree_rejection_sample`.
+    """
+    B, N = target_argmax.shape
+    if tuple(trees.tokens.shape) != (B, N):
+        raise ValueError(f"trees must be [B, N] = [{B}, {N}] to match target_argmax, got {list(trees.tokens.shape)}")
+    device = target_argmax.device
+    rows = torch.arange(B, device=device)
+    node = torch.arange(N, device=device)
+    depth = trees.max_depth
+    argmax_at_parent = target_argmax.gather(1, trees.parents.clamp_min(0))  # [B, N]
+    matches = ((trees.tokens == argmax_at_parent) & trees.valid) | (node == 0)[None, :]  # [B, N]
+    reachable = ~(trees.mask & ~matches[:, None, :]).any(dim=2)  # [B, N]: the node and its ancestors match
+    key = torch.where(reachable, trees.depth * N + (N - 1 - node)[None, :], -1)  # deepest, then first
+    best = key.argmax(dim=1)  # [B]
+    on_path = trees.mask[rows, best]  # [B, N] the ancestors of best, and best
+    num_accepted = trees.depth[rows, best]  # [B]
+    slot = torch.where(on_path, trees.depth, depth + 1)  # [B, N] the path position of each node
+    accepted_nodes = torch.full((B, depth + 2), -1, dtype=torch.long, device=device)
+    accepted_nodes.scatter_(1, slot, torch.where(on_path, node[None, :], -1).expand(B, N))
+    accepted_nodes = accepted_nodes[:, : depth + 1]
+    last = target_argmax[rows, best]  # [B]
+    tokens = trees.tokens.clamp_min(0)
+    return _assemble_path(tokens, accepted_nodes, num_accepted, last), num_accepted, accepted_nodes
+
+
+def _assemble_path(tokens: Tensor, accepted_nodes: Tensor, num_accepted: Tensor, last: Tensor) -> Tensor:
+    """[B, D+1]: the tokens of the accepted drafts (path minus root), then ``last``, then -1."""
+    drafts = tokens.gather(1, accepted_nodes[:, 1:].clamp_min(0))  # [B, D]
+    drafts = torch.where(accepted_nodes[:, 1:] >= 0, drafts, -1)
+    positions = torch.arange(accepted_nodes.shape[1], device=tokens.device)  # [D+1]
+    return _assemble(drafts, num_accepted, last, positions)
 
 
 def _assemble(draft_tokens: Tensor, num_accepted: Tensor, last: Tensor, positions: Tensor) -> Tensor:
