@@ -16,24 +16,37 @@ if TYPE_CHECKING:
     from specdecode.config import SpecConfig
     from specdecode.engine.batch import Batch
     from specdecode.model.loader import LoadedModel
+    from specdecode.tree import TreeBatch
 
 
 @dataclass
 class Draft:
-    """One round's proposal for every row of the batch.
+    """One round's proposal for every row of the batch: chains, or trees.
 
-    ``tokens`` [B, γ] int64 holds each row's chain, padded with -1 past the row's own
-    draft length (a row may propose nothing). ``q`` [B, γ, V] holds the draft
+    Chains: ``tokens`` [B, γ] int64 holds each row's chain, padded with -1 past the
+    row's own draft length (a row may propose nothing). ``q`` [B, γ, V] holds the draft
     distributions the tokens were sampled from, after the same temperature / top-k /
     top-p as the target; ``None`` means a deterministic drafter (one-hot q).
+
+    Trees: ``tree`` is a `TreeBatch` whose node 0 in each row is the row's newest
+    committed token (``batch.seqs[b].token_ids[-1]``); ``tokens`` is then
+    ``tree.tokens[:, 1:]`` and ``q``, if given, is [B, N, V] indexed by node (the
+    distribution node n's token was drawn from). Siblings are tried in node order.
     """
 
     tokens: torch.Tensor
     q: torch.Tensor | None = None
+    tree: "TreeBatch | None" = None
+
+    @staticmethod
+    def from_tree(tree: "TreeBatch", q: torch.Tensor | None = None) -> "Draft":
+        return Draft(tokens=tree.tokens[:, 1:], q=q, tree=tree)
 
     @property
     def num_tokens(self) -> torch.Tensor:
-        """[B] number of real draft tokens per row."""
+        """[B] draft tokens per row along one path: the chain's length, or the tree's depth."""
+        if self.tree is not None:
+            return (self.tree.depth * self.tree.valid).amax(dim=1)
         return (self.tokens >= 0).cumprod(dim=1).sum(dim=1)
 
 

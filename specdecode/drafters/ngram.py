@@ -3,7 +3,9 @@
 Finds the most recent earlier occurrence of the sequence's last n tokens (n from
 ``prompt_lookup_max`` down to ``prompt_lookup_min``, longest first) in prompt + output,
 and proposes the tokens that followed it. Costs a few vectorised numpy comparisons
-per row and round.
+per row and round. With ``max_matches > 1`` it merges the continuations of several
+matches (longest n first, then most recent) into one tree of at most
+``num_draft_tokens`` nodes; siblings are distinct, as one-hot tree verification needs.
 """
 
 from __future__ import annotations
@@ -17,12 +19,18 @@ import torch
 from specdecode.config import SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Draft, DrafterContext
 from specdecode.engine.batch import Batch
+from specdecode.tree import TreeBatch
+
+
+MAX_TREE_NODES = 256
 
 
 @dataclass(frozen=True)
 class NgramOptions:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
+    max_matches: int = 1  # continuations merged into one tree; 1 = a chain
+    num_draft_tokens: int | None = None  # tree node budget (SGLang's name); None = γ · max_matches
 
     def __post_init__(self) -> None:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
@@ -30,6 +38,11 @@ class NgramOptions:
             raise SpecDecodeError(
                 f"ngram needs integers 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r} and {hi!r}"
             )
+        if not isinstance(self.max_matches, int) or not 1 <= self.max_matches <= 16:
+            raise SpecDecodeError(f"max_matches must be an integer in [1, 16], got {self.max_matches!r}")
+        budget = self.num_draft_tokens
+        if budget is not None and (not isinstance(budget, int) or not 1 <= budget <= MAX_TREE_NODES):
+            raise SpecDecodeError(f"num_draft_tokens (the tree node budget) must be in [1, {MAX_TREE_NODES}], got {budget!r}")
 
 
 def lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
@@ -46,6 +59,46 @@ def lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
     return tokens[:0]
 
 
+def lookup_all(tokens: np.ndarray, min_n: int, max_n: int, k: int, max_matches: int) -> list[np.ndarray]:
+    """Up to ``max_matches`` distinct continuations: longest suffix n-gram first, then most recent."""
+    size = len(tokens)
+    found: list[np.ndarray] = []
+    seen: set[bytes] = set()
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: size - 1], n)
+        for hit in np.flatnonzero((windows == tokens[size - n :]).all(axis=1))[::-1]:
+            cont = tokens[hit + n : hit + n + k]
+            if cont.size and cont.tobytes() not in seen:
+                seen.add(cont.tobytes())
+                found.append(cont)
+                if len(found) == max_matches:
+                    return found
+    return found
+
+
+def merge_into_tree(chains: list[np.ndarray], budget: int) -> tuple[list[int], list[int]]:
+    """A trie over ``chains`` (priority order) with at most ``budget`` draft nodes.
+
+    Returns (tokens, parents) of the draft nodes, numbered from 1 (node 0 is the root).
+    Parents come before children and earlier chains' branches before later ones.
+    """
+    tokens: list[int] = []
+    parents: list[int] = []
+    children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    for chain in chains:
+        node = 0
+        for t in chain.tolist():
+            child = children.get((node, t))
+            if child is None:
+                if len(tokens) == budget:
+                    break
+                tokens.append(t)
+                parents.append(node)
+                child = children[(node, t)] = len(tokens)
+            node = child
+    return tokens, parents
+
+
 class NgramDrafter:
     Options: ClassVar[type] = NgramOptions
     default_num_speculative_tokens: ClassVar[int] = 4
@@ -58,12 +111,31 @@ class NgramDrafter:
         pass  # stateless: every proposal is computed from the rows' tokens
 
     def propose(self, batch: Batch, num_tokens: int) -> Draft:
-        out = np.full((len(batch), num_tokens), -1, dtype=np.int64)
         lo, hi = self.options.prompt_lookup_min, self.options.prompt_lookup_max
-        for row, seq in enumerate(batch.seqs):
-            found = lookup(np.asarray(seq.token_ids, dtype=np.int64), lo, hi, num_tokens)
+        rows = [np.asarray(seq.token_ids, dtype=np.int64) for seq in batch.seqs]
+        if self.options.max_matches > 1:
+            return self._propose_tree(rows, num_tokens)
+        out = np.full((len(batch), num_tokens), -1, dtype=np.int64)
+        for row, tokens in enumerate(rows):
+            found = lookup(tokens, lo, hi, num_tokens)
             out[row, : len(found)] = found
         return Draft(tokens=torch.from_numpy(out).to(self.device), q=None)
+
+    def _propose_tree(self, rows: list[np.ndarray], depth: int) -> Draft:
+        o = self.options
+        budget = o.num_draft_tokens or depth * o.max_matches
+        node_tokens = np.full((len(rows), budget + 1), -1, dtype=np.int64)  # [B, N], node 0 = root
+        node_parents = np.full((len(rows), budget + 1), -1, dtype=np.int64)
+        for row, tokens in enumerate(rows):
+            chains = lookup_all(tokens, o.prompt_lookup_min, o.prompt_lookup_max, depth, o.max_matches)
+            nodes, parents = merge_into_tree(chains, budget)
+            node_tokens[row, : len(nodes) + 1] = [int(tokens[-1]), *nodes]
+            node_parents[row, 1 : len(nodes) + 1] = parents
+        width = int((node_parents >= 0).sum(axis=1).max()) + 1  # no row pays for another's budget
+        tree = TreeBatch.from_parents(
+            torch.from_numpy(node_tokens[:, :width]).to(self.device), torch.from_numpy(node_parents[:, :width]).to(self.device)
+        )
+        return Draft.from_tree(tree)
 
     def on_verified(self, batch: Batch, num_accepted: torch.Tensor) -> None:
         pass

@@ -42,3 +42,30 @@ def test_options_validated():
         SpecConfig.parse({"method": "ngram", "lookahead": 3})
     spec = SpecConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
     assert spec.num_speculative_tokens == 3 and spec.options.prompt_lookup_max == 4
+
+
+def test_lookup_all_orders_longest_then_most_recent():
+    from specdecode.drafters.ngram import lookup_all
+
+    toks = arr(1, 2, 3, 4, 9, 2, 3, 5, 7, 2, 3, 6, 1, 2, 3)
+    # suffix (1, 2, 3) matched at 0 -> [4, 9]; then (2, 3) most recent first: [6, 1], [5, 7], then 3-grams done
+    found = [c.tolist() for c in lookup_all(toks, 2, 3, 2, 4)]
+    assert found == [[4, 9], [6, 1], [5, 7]]
+    assert [c.tolist() for c in lookup_all(toks, 2, 3, 2, 1)] == [[4, 9]]
+
+
+def test_merge_into_tree_shares_prefixes_and_respects_budget():
+    from specdecode.drafters.ngram import merge_into_tree
+
+    chains = [arr(5, 6, 7), arr(5, 8), arr(9)]
+    tokens, parents = merge_into_tree(chains, budget=10)
+    assert tokens == [5, 6, 7, 8, 9] and parents == [0, 1, 2, 1, 0]
+    tokens, parents = merge_into_tree(chains, budget=4)
+    assert tokens == [5, 6, 7, 8] and parents == [0, 1, 2, 1]
+
+
+def test_tree_options_validated():
+    with pytest.raises(SpecDecodeError, match="node budget"):
+        SpecConfig.parse({"method": "ngram", "max_matches": 3, "num_draft_tokens": 0})
+    with pytest.raises(SpecDecodeError, match="max_matches"):
+        SpecConfig.parse({"method": "ngram", "max_matches": 0})
