@@ -55,6 +55,9 @@ class DraftModelDrafter:
         self.gamma = spec.num_speculative_tokens
         self.cache: KVCache | None = None
 
+    def max_draft_tokens(self, num_tokens: int) -> int:
+        return num_tokens
+
     def _feed(self, rows: list[list[int]]) -> torch.Tensor:
         """Run the draft on each row's pending tokens; commit them; return logits [B, V] at each row's last."""
         assert self.cache is not None

@@ -107,6 +107,10 @@ class NgramDrafter:
         self.options: NgramOptions = spec.options
         self.device = ctx.device
 
+    def max_draft_tokens(self, num_tokens: int) -> int:
+        o = self.options
+        return num_tokens if o.max_matches == 1 else o.num_draft_tokens or num_tokens * o.max_matches
+
     def prefill(self, batch: Batch) -> None:
         pass  # stateless: every proposal is computed from the rows' tokens
 
@@ -123,7 +127,7 @@ class NgramDrafter:
 
     def _propose_tree(self, rows: list[np.ndarray], depth: int) -> Draft:
         o = self.options
-        budget = o.num_draft_tokens or depth * o.max_matches
+        budget = self.max_draft_tokens(depth)
         node_tokens = np.full((len(rows), budget + 1), -1, dtype=np.int64)  # [B, N], node 0 = root
         node_parents = np.full((len(rows), budget + 1), -1, dtype=np.int64)
         for row, tokens in enumerate(rows):

@@ -8,10 +8,13 @@ text (entrypoints/).
 
 A round, for every row at once::
 
-    draft   = drafter.propose(batch, γ)                      # chains, q or None
+    draft   = drafter.propose(batch, γ)                      # chains or trees, q or None
     logits  = target([last, d_1..d_γ], positions, cache)     # writes K/V past each row's length
     out, n  = verify(p, draft)                               # accepted + recovered/bonus token
     cache.commit(n + 1); drafter.on_verified(batch, n)       # rejected slots are rolled back
+
+A tree runs the same round with a tree mask and depth positions; its accepted path's
+K/V are compacted into contiguous slots before the commit.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from specdecode.engine.batch import Batch, Sequence, SpecStats, pad_right
 from specdecode.kv_cache import KVCache
 from specdecode.model.loader import LoadedModel
 from specdecode.sampling import logits_to_probs, sample
-from specdecode.verify import greedy_verify, rejection_sample
+from specdecode.tree import commit_paths
+from specdecode.verify import greedy_verify, rejection_sample, tree_greedy_verify, tree_rejection_sample
 
 
 @dataclass
@@ -44,17 +48,24 @@ class StepEvent:
 class Engine:
     """Static-batch speculative decoding over one target model and at most one drafter."""
 
-    def __init__(self, target: LoadedModel, spec: SpecConfig | None, max_model_len: int) -> None:
+    def __init__(
+        self, target: LoadedModel, spec: SpecConfig | None, max_model_len: int, drafter: Drafter | None = None
+    ) -> None:
+        """``drafter`` overrides the registry: bring your own `Drafter` (``spec`` still gives γ)."""
+        if drafter is not None and spec is None:
+            raise ValueError("a custom drafter needs a SpecConfig for its num_speculative_tokens")
         self.target = target
         self.model = target.model
         self.spec = spec
         self.max_model_len = max_model_len
         param = next(self.model.parameters())
         self.device = param.device
-        self.drafter: Drafter | None = None
-        if spec is not None:
+        self.drafter = drafter
+        if spec is not None and drafter is None:
             self.drafter = create_drafter(spec, DrafterContext(target=target, dtype=param.dtype, device=param.device))
         self.gamma = spec.num_speculative_tokens if spec is not None else 0
+        # Room past each row's length for one round's draft tokens (and the root).
+        self.round_room = self.drafter.max_draft_tokens(self.gamma) + 2 if self.drafter is not None else 2
         self.eos_ids = set(target.config.eos_token_ids)
         self.tokenizer = target.tokenizer
 
@@ -64,19 +75,18 @@ class Engine:
         seqs = [Batch.new_sequence(i, p, sp, self.device) for i, (p, sp) in enumerate(zip(prompts, params))]
         limits = [min(len(p) + sp.max_tokens, self.max_model_len) for p, sp in zip(prompts, params)]
         batch = Batch(seqs, capacity=max(limits), device=self.device)
-        cache = self.model.new_cache(len(batch), batch.capacity + self.gamma + 2)
+        cache = self.model.new_cache(len(batch), batch.capacity + self.round_room)
 
         first = self._prefill(batch, cache)
-        yield self._commit(batch, first[:, None], torch.zeros_like(first), torch.zeros_like(first))
+        yield self._append_tokens(batch, first[:, None], torch.zeros_like(first), torch.zeros_like(first))
         self._drop_finished(batch, cache, drafter=None)  # the drafter has no state yet
         if self.drafter is not None and len(batch):
             self.drafter.prefill(batch)
 
         while len(batch):
             draft = self.drafter.propose(batch, self.gamma) if self.drafter is not None else None
-            out, num_accepted, num_draft = self._verify_round(batch, cache, draft)
-            cache.commit(num_accepted + 1)
-            events = self._commit(batch, out, num_accepted, num_draft)
+            out, num_accepted, num_draft = self._verify_round(batch, cache, draft)  # commits the cache
+            events = self._append_tokens(batch, out, num_accepted, num_draft)
             if self.drafter is not None:
                 self.drafter.on_verified(batch, num_accepted)
             yield events
@@ -95,10 +105,16 @@ class Engine:
     def _verify_round(
         self, batch: Batch, cache: KVCache, draft: Draft | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One target pass over [last, drafts]; returns out [B, w+1], num_accepted [B], num_draft [B]."""
+        """One target pass over [last, drafts]; commits the accepted K/V.
+
+        Returns out [B, w+1] (accepted drafts, then the recovered / bonus token, -1
+        padded), num_accepted [B] and num_draft [B].
+        """
         B = len(batch)
         if draft is None:
             draft = Draft(tokens=torch.empty(B, 0, dtype=torch.long, device=self.device))
+        if draft.tree is not None:
+            return self._verify_tree(batch, cache, draft)
         num_draft = draft.num_tokens
         width = int(num_draft.max()) if B else 0  # rows that found nothing do not make others pay
         draft_tokens = draft.tokens[:, :width]
@@ -111,9 +127,24 @@ class Engine:
         else:
             p = logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p)
             out, num_accepted = rejection_sample(p, q, draft_tokens, batch.generators)
+        cache.commit(num_accepted + 1)
         return out, num_accepted, num_draft
 
-    def _commit(
+    def _verify_tree(
+        self, batch: Batch, cache: KVCache, draft: Draft
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One target pass over every row's tree; the accepted path's K/V are compacted in the cache."""
+        tree = draft.tree
+        logits = self.model(tree.tokens.clamp(min=0), tree.positions(cache.lengths), cache, block_mask=tree.mask)
+        if batch.all_greedy:
+            out, num_accepted, nodes = tree_greedy_verify(logits.argmax(dim=-1), tree)  # [B, N, V] -> paths
+        else:
+            p = logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p)
+            out, num_accepted, nodes = tree_rejection_sample(p, draft.q, tree, batch.generators)
+        commit_paths(cache, nodes, num_accepted)
+        return out, num_accepted, draft.num_tokens
+
+    def _append_tokens(
         self, batch: Batch, out: torch.Tensor, num_accepted: torch.Tensor, num_draft: torch.Tensor
     ) -> list[StepEvent]:
         """Append each row's emitted tokens, stopping at EOS, stop strings or its length limit."""

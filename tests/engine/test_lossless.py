@@ -36,6 +36,8 @@ def spec_configs(ckpts):
         "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
         "draft_model": {"method": "draft_model", "model": ckpts["draft"], "num_speculative_tokens": 4},
         "draft_model_self": {"method": "draft_model", "model": ckpts["target"], "num_speculative_tokens": 3},
+        "ngram_tree": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+                       "max_matches": 4, "num_draft_tokens": 10},
     }
 
 
@@ -48,7 +50,7 @@ def plain(ckpts):
     return LLM(model=ckpts["target"], dtype="float32", device="cpu")
 
 
-@pytest.mark.parametrize("name", ["ngram", "draft_model", "draft_model_self"])
+@pytest.mark.parametrize("name", ["ngram", "draft_model", "draft_model_self", "ngram_tree"])
 def test_greedy_equals_plain(ckpts, plain, name):
     llm = LLM(model=ckpts["target"], speculative_config=spec_configs(ckpts)[name], dtype="float32", device="cpu")
     for max_tokens in (1, 2, 17, 40):
@@ -75,7 +77,7 @@ def test_draft_equal_to_target_accepts_everything(ckpts):
             assert m.accepted_per_position == [m.num_drafts] * gamma
 
 
-@pytest.mark.parametrize("name", ["ngram", "draft_model"])
+@pytest.mark.parametrize("name", ["ngram", "draft_model", "ngram_tree"])
 def test_greedy_stops_at_eos_like_plain(ckpts, plain, tmp_path, name):
     # Pick as EOS a token that plain greedy emits mid-way, so EOS lands inside a round.
     ref = plain.generate(PROMPTS, greedy(30))

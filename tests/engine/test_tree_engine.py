@@ -1,0 +1,123 @@
+"""Tree rounds through the engine: any accepted path (including through a later sibling)
+leaves the cache as a fresh prefill would, so greedy output equals plain greedy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from specdecode.config import SamplingParams, SpecConfig
+from specdecode.drafters.base import Draft
+from specdecode.engine.step import Engine
+from specdecode.model.loader import load_model
+from specdecode.tree import TreeBatch
+from tests.tiny import make_tiny_checkpoint
+
+PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4, 4, 6], [11, 12], [2, 3, 2, 3, 2]]
+STEPS = 24
+
+
+class OracleTreeDrafter:
+    """Proposes random trees in which one random path follows the reference greedy
+    continuation for a random number of steps; every other node is a wrong token."""
+
+    def __init__(self, reference: dict[tuple, list[int]], seed: int, nodes: int) -> None:
+        self.reference, self.rng, self.nodes = reference, torch.Generator().manual_seed(seed), nodes
+        self.moved_paths = 0
+
+    def max_draft_tokens(self, num_tokens: int) -> int:
+        return self.nodes - 1
+
+    def prefill(self, batch) -> None:
+        self.prompts = [tuple(s.token_ids[: s.num_prompt]) for s in batch.seqs]
+
+    def select_rows(self, rows) -> None:
+        self.prompts = [self.prompts[r] for r in rows]
+
+    def on_verified(self, batch, num_accepted) -> None:
+        pass
+
+    def _randint(self, high: int) -> int:
+        return int(torch.randint(high, (1,), generator=self.rng))
+
+    def propose(self, batch, num_tokens: int) -> Draft:
+        N = self.nodes
+        tokens = torch.full((len(batch), N), -1, dtype=torch.long)
+        parents = torch.full((len(batch), N), -1, dtype=torch.long)
+        for b, seq in enumerate(batch.seqs):
+            ref = self.reference[self.prompts[b]]
+            done = len(seq.token_ids) - seq.num_prompt  # reference tokens already emitted
+            truth = ref[done : done + num_tokens]
+            tokens[b, 0] = seq.token_ids[-1]
+            for n in range(1, N):  # random shape: each node hangs under a random earlier node
+                parents[b, n] = self._randint(n)
+                tokens[b, n] = self._randint(64)
+            # walk one random root-to-node path and make its first k tokens correct,
+            # keeping every sibling on the way distinct from them (siblings must be distinct).
+            node, depth = 0, 0
+            keep = self._randint(len(truth) + 1)
+            while depth < keep:
+                kids = [c for c in range(1, N) if parents[b, c] == node]
+                if not kids:
+                    break
+                node = kids[self._randint(len(kids))]
+                if kids.index(node) > 0:
+                    self.moved_paths += 1
+                for k in kids:
+                    if k != node and tokens[b, k] == truth[depth]:
+                        tokens[b, k] = (truth[depth] + 1) % 64
+                tokens[b, node] = truth[depth]
+                depth += 1
+            # deduplicate the remaining siblings so the tree is well formed
+            for parent in range(N):
+                seen: set[int] = set()
+                for c in range(1, N):
+                    if parents[b, c] == parent:
+                        while int(tokens[b, c]) in seen:
+                            tokens[b, c] = (tokens[b, c] + 1) % 64
+                        seen.add(int(tokens[b, c]))
+        return Draft.from_tree(TreeBatch.from_parents(tokens, parents))
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("tree") / "m", "llama", seed=0, vocab_size=64)
+    target = load_model(str(path), dtype="float32", device="cpu")
+    plain = Engine(target, None, max_model_len=256)
+    params = [SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)] * len(PROMPTS)
+    reference = {}
+    outputs = [[] for _ in PROMPTS]
+    for events in plain.stream(PROMPTS, params):
+        for e in events:
+            outputs[e.request_id] += e.new_token_ids
+    for p, out in zip(PROMPTS, outputs):
+        reference[tuple(p)] = out
+    return target, reference, params
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), nodes=st.integers(2, 12), batch=st.sampled_from([1, 4]))
+def test_random_trees_keep_greedy_exact(setup, seed, nodes, batch):
+    target, reference, params = setup
+    drafter = OracleTreeDrafter(reference, seed, nodes)
+    engine = Engine(target, SpecConfig("oracle", 4), max_model_len=256, drafter=drafter)
+    prompts = PROMPTS[:batch]
+    outputs = [[] for _ in prompts]
+    for events in engine.stream(prompts, params[:batch]):
+        for e in events:
+            outputs[e.request_id] += e.new_token_ids
+    assert outputs == [reference[tuple(p)] for p in prompts]
+
+
+def test_paths_through_later_siblings_are_exercised(setup):
+    target, reference, params = setup
+    drafter = OracleTreeDrafter(reference, seed=7, nodes=10)
+    engine = Engine(target, SpecConfig("oracle", 4), max_model_len=256, drafter=drafter)
+    outs = [[] for _ in PROMPTS]
+    for events in engine.stream(PROMPTS, params):
+        for e in events:
+            outs[e.request_id] += e.new_token_ids
+    assert outs == [reference[tuple(p)] for p in PROMPTS]
+    assert drafter.moved_paths > 5  # the accepted path often leaves nodes 0..k: the cache had to compact
