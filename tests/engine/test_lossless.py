@@ -113,14 +113,22 @@ def exact_joint(llm: LLM, prompt: list[int], n: int, temperature: float, top_k: 
     return probs
 
 
-@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.8, 3)])
-def test_sampled_joint_distribution_matches_target(tmp_path, temperature, top_k):
+@pytest.mark.parametrize(
+    "method,temperature,top_k",
+    [("draft_model", 1.0, 0), ("draft_model", 0.8, 3), ("ngram_tree", 1.0, 0), ("ngram_tree", 0.7, 4)],
+)
+def test_sampled_joint_distribution_matches_target(tmp_path, method, temperature, top_k):
     V, n, samples = 6, 3, 3000
     target = make_tiny_checkpoint(tmp_path / "t", "llama", seed=0, vocab_size=V)
     draft = make_tiny_checkpoint(tmp_path / "d", "llama", seed=5, vocab_size=V)
-    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
+    spec = {
+        "draft_model": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2},
+        # one-hot q, several distinct children per node: multi-draft tree verification
+        "ngram_tree": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
+                       "prompt_lookup_max": 2, "max_matches": 3},
+    }[method]
     llm = LLM(model=str(target), speculative_config=spec, dtype="float32", device="cpu")
-    prompt = [1, 2, 3]
+    prompt = [1, 2, 3, 4, 1, 5, 1, 2, 0, 1]  # many earlier matches of the last token
     want = exact_joint(llm, prompt, n, temperature, top_k)
 
     params = [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=n, seed=s, ignore_eos=True) for s in range(samples)]
