@@ -1,0 +1,70 @@
+"""Tree against chain at the same number of verified positions, side by side in one run.
+
+Default model, CPU, batch 1, greedy, prompts from prompts.json. Both drafts verify at
+most ``--positions`` positions per round (root included): the chain has γ = positions−1
+tokens; the tree merges up to ``--matches`` n-gram matches, ``positions−1`` nodes in all,
+depth up to ``--depth``. Reports τ (mean accepted length), tokens per round, tokens/s
+and the speedup over plain decoding, and the formula's prediction for the chain.
+
+    python benchmarks/bench_tree.py [--positions 9] [--matches 4] [--depth 8] [--max-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from specdecode import LLM, SamplingParams
+from specdecode.theory import expected_speedup
+
+HERE = Path(__file__).parent
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--positions", type=int, default=9)
+    ap.add_argument("--matches", type=int, default=4)
+    ap.add_argument("--depth", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    args = ap.parse_args()
+    prompts = json.loads((HERE / "prompts.json").read_text())
+    n = args.positions - 1
+    chain = LLM(model=args.model, dtype=args.dtype, device="cpu",
+                speculative_config={"method": "ngram", "num_speculative_tokens": n})  # fmt: skip
+    tree = LLM(model=args.model, dtype=args.dtype, device="cpu", speculative_config={
+        "method": "ngram", "num_speculative_tokens": args.depth, "max_matches": args.matches, "num_draft_tokens": n})  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    warm = chain.encode_chat("Hi")
+    for llm in (chain, tree):
+        llm.generate([warm], SamplingParams(temperature=0.0, max_tokens=8))
+    chain.generate([warm], SamplingParams(temperature=0.0, max_tokens=8), speculative=False)
+
+    rows = []
+    print("| kind | prompt | plain tok/s | chain τ | chain tok/s | chain speedup | chain formula | tree τ | tree tok/s | tree speedup | tree τ / chain τ |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for kind, texts in prompts.items():
+        for text in texts:
+            ids = chain.encode_chat(text)
+            base = chain.generate([ids], params, speculative=False)[0].metrics
+            c = chain.generate([ids], params)[0].metrics
+            t = tree.generate([ids], params)[0].metrics
+            r = {"kind": kind, "plain": base.decode_tokens_per_s, "chain_tau": c.mean_accepted_length,
+                 "chain_tps": c.decode_tokens_per_s, "tree_tau": t.mean_accepted_length, "tree_tps": t.decode_tokens_per_s,
+                 "chain_formula": expected_speedup(c.acceptance_rate, n, 0.0)}  # fmt: skip
+            rows.append(r)
+            print(f"| {kind} | {text[:32]!r} | {r['plain']:.1f} | {r['chain_tau']:.2f} | {r['chain_tps']:.1f} | "
+                  f"{r['chain_tps'] / r['plain']:.2f}x | {r['chain_formula']:.2f}x | {r['tree_tau']:.2f} | {r['tree_tps']:.1f} | "
+                  f"{r['tree_tps'] / r['plain']:.2f}x | {r['tree_tau'] / r['chain_tau']:.2f} |", flush=True)
+    for kind in sorted({r["kind"] for r in rows}):
+        sel = [r for r in rows if r["kind"] == kind]
+        g = lambda f: statistics.geometric_mean([f(r) for r in sel])  # noqa: E731
+        print(f"\n**{kind}** (geometric means, decode tokens/s): chain {g(lambda r: r['chain_tps'] / r['plain']):.2f}x, "
+              f"tree {g(lambda r: r['tree_tps'] / r['plain']):.2f}x, tree τ / chain τ {g(lambda r: r['tree_tau'] / r['chain_tau']):.2f}")
+
+
+if __name__ == "__main__":
+    main()
