@@ -2,8 +2,10 @@
 
 Owns: mapping llama.cpp tensor names to transformers' names, undoing what
 llama.cpp's converter did to the weights (Q/K row permutation for ``llama``, +1 on
-Gemma norm weights), dequantisation with the ``gguf`` package, and the atomic
-conversion cache ``${SPECDECODE_CACHE:-~/.cache/specdecode}/<name>-<hash>/``.
+Gemma norm weights), dequantisation with the ``gguf`` package, the atomic
+conversion cache ``${SPECDECODE_CACHE:-~/.cache/specdecode}/<name>-<hash>/``, and
+decoding Q4_0 / Q4_1 / Q4_K / Q8_0 blocks into int4 groups of 32 for
+``quantization="gguf"`` (`gguf_int4_weights`).
 Does not own: building our Transformer (loader.py). The config and tokenizer are
 built by transformers from the GGUF metadata; only the weights mapping is ours.
 """
@@ -16,8 +18,10 @@ import os
 import re
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from specdecode.config import SpecDecodeError
@@ -161,3 +165,105 @@ def convert_gguf(gguf_path: Path, out: Path, progress: bool = True) -> None:
         AutoTokenizer.from_pretrained(folder, gguf_file=file).save_pretrained(out)
     save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "source.json").write_text(json.dumps({"gguf": str(gguf_path.resolve()), "version": CONVERTER_VERSION}))
+
+
+# ---- GGUF blocks kept quantized ("gguf" quantization) -----------------------------------
+
+GGUF_INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")  # decoded into int4 groups of 32
+GGUF_DENSE_TYPES = ("F32", "F16", "BF16")  # left to the dense (converted) weights
+
+
+@dataclass
+class Int4Groups:
+    """One weight [N, K] as int4 groups of 32 in the kernels' convention w = (q - 8) * s + z.
+
+    ``planes`` = 1 (4-bit types) or 2 (Q8_0 as hi/lo nibbles: q = 16 hi + lo, so the weight is
+    the sum of two int4 matrices over the same input; ``q`` is then [N, 2K], hi plane first).
+    """
+
+    q: torch.Tensor  # uint8 [N, planes * K], values 0..15
+    scales: torch.Tensor  # fp32 [N, planes * K / 32]
+    zeros: torch.Tensor  # fp32 [N, planes * K / 32]
+    planes: int
+    source_type: str
+
+    def to_planes(self, planes: int) -> Int4Groups:
+        """The same weight with extra all-zero planes (w = (8 - 8) * 0 + 0)."""
+        extra = planes - self.planes
+        if extra <= 0:
+            return self
+        N, G = self.scales.shape
+        q = torch.cat([self.q, torch.full((N, self.q.shape[1] * extra // self.planes), 8, dtype=torch.uint8)], 1)
+        pad = torch.zeros(N, G * extra // self.planes)
+        return Int4Groups(q, torch.cat([self.scales, pad], 1), torch.cat([self.zeros, pad], 1), planes, self.source_type)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32] values: low nibbles are elements 0-15, high ones 16-31."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def decode_int4_groups(raw: np.ndarray, type_name: str, n: int, k: int) -> Int4Groups:
+    """Raw GGUF rows [n, bytes] of type ``type_name`` (see GGUF_INT4_TYPES) -> Int4Groups."""
+    if type_name == "Q4_K":
+        b = raw.reshape(n, k // 256, 144)
+        d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]  # [n, B, 1]
+        from gguf.quants import Q4_K
+
+        sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(b[..., 4:16]).reshape(-1, 12))
+        sc = sc.reshape(n, k // 256, 8).astype(np.float32)
+        mn = mn.reshape(n, k // 256, 8).astype(np.float32)
+        qs = b[..., 16:].reshape(n, k // 256, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+        q = (qs & 0x0F).reshape(n, k)
+        scale = (d * sc).reshape(n, -1)  # w = d sc q - dmin m per 32
+        zero = (8 * d * sc - dmin * mn).reshape(n, -1)
+        return Int4Groups(torch.from_numpy(q.copy()), torch.from_numpy(scale), torch.from_numpy(zero), 1, type_name)
+    width = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[type_name]
+    b = raw.reshape(n, k // 32, width)
+    d = _f16(b[..., 0:2])[..., 0]  # [n, G]
+    if type_name == "Q4_0":  # w = d (q - 8)
+        q, zero = _nibbles(b[..., 2:]), np.zeros_like(d)
+    elif type_name == "Q4_1":  # w = d q + m
+        q, zero = _nibbles(b[..., 4:]), _f16(b[..., 2:4])[..., 0] + 8 * d
+    else:  # Q8_0: w = d q8, q8 = 16 hi + lo with hi in [-8, 7], lo in [0, 15]
+        q8 = np.ascontiguousarray(b[..., 2:]).view(np.int8).astype(np.int16)
+        hi, lo = (q8 >> 4) + 8, q8 & 0x0F  # arithmetic shift: floor division by 16
+        q = np.concatenate([hi.reshape(n, k), lo.reshape(n, k)], axis=1).astype(np.uint8)
+        scale = np.concatenate([16 * d, d], axis=1)  # hi plane: (hi - 8) 16 d; lo plane: (lo - 8) d + 8 d
+        zero = np.concatenate([np.zeros_like(d), 8 * d], axis=1)
+        return Int4Groups(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(zero), 2, type_name)
+    q = q.reshape(n, k).astype(np.uint8)
+    return Int4Groups(torch.from_numpy(q), torch.from_numpy(d.copy()), torch.from_numpy(zero), 1, type_name)
+
+
+def gguf_int4_weights(gguf_path: Path, num_heads: int, num_kv_heads: int) -> dict[str, Int4Groups]:
+    """transformers' name -> Int4Groups for every 2-D projection of a GGUF stored in a GGUF_INT4_TYPES
+    type; dense (F32/F16/BF16) weights are left out. Any other type raises, naming the supported ones."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    arch = gguf_architecture(reader)
+    out = {}
+    for t in reader.tensors:
+        if len(t.shape) != 2 or t.name.endswith("norm.weight"):
+            continue
+        kind = t.tensor_type.name
+        if kind in GGUF_DENSE_TYPES:
+            continue
+        if kind not in GGUF_INT4_TYPES:
+            raise SpecDecodeError(
+                f"quantization 'gguf' cannot keep tensor {t.name!r} of type {kind} quantized; "
+                f"supported types: {', '.join(GGUF_INT4_TYPES + GGUF_DENSE_TYPES)}"
+            )
+        k, n = (int(d) for d in t.shape)  # ggml lists dims innermost first
+        g = decode_int4_groups(np.asarray(t.data), kind, n, k)
+        heads = num_heads if ".attn_q." in t.name else num_kv_heads if ".attn_k." in t.name else None
+        if arch == "llama" and heads is not None:  # rows permuted whole: blocks run along K
+            g = Int4Groups(unpermute_qk(g.q, heads), unpermute_qk(g.scales, heads), unpermute_qk(g.zeros, heads),
+                           g.planes, g.source_type)  # fmt: skip
+        out[hf_name(t.name, arch)] = g
+    return out

@@ -1,11 +1,12 @@
 """Checkpoint loading: a path or a model alias -> our `Transformer` plus its tokenizer.
 
 Owns: resolving paths (None = the packaged default model, aliases for the
-packaged GGUFs, HF folders, .gguf files), dtype / device resolution, and mapping
+packaged GGUFs, HF folders, .gguf files), dtype / device resolution, mapping
 transformers' parameter names onto our fused modules (q/k/v -> ``qkv``,
-gate/up -> ``gate_up``).
+gate/up -> ``gate_up``), and applying the ``quantization`` setting (int8 / int4
+quantize the built model; "gguf" swaps in the file's own blocks, fused the same way).
 Does not own: GGUF decoding and the conversion cache (gguf_convert.py), the
-forward pass (transformer.py). Configs and tokenizers come from transformers.
+forward pass (transformer.py), the quantized modules and kernels (quant.py). Configs and tokenizers come from transformers.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdecode.config import SpecDecodeError
-from specdecode.model.gguf_convert import cache_root, converted_folder
+from specdecode.model.gguf_convert import Int4Groups, cache_root, converted_folder, gguf_int4_weights
+from specdecode.model.quant import Int4Linear, parse_quantization, quantize_model_, set_submodule
 from specdecode.model.transformer import ModelConfig, Transformer
 
 if TYPE_CHECKING:
@@ -121,21 +123,31 @@ def _resolve(path: str | None) -> tuple[Path, str]:
 
 
 def load_model(
-    path: str | None, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto", progress: bool = True
+    path: str | None,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "auto",
+    progress: bool = True,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load an HF folder, a .gguf file, an alias (smollm2-135m, gemma3-270m) or None (the default).
 
     GGUF files are converted once into a cached HF folder (fp32, so the dequantised
-    weights are exact); later loads read that folder.
+    weights are exact); later loads read that folder. ``dtype`` is the activation
+    (and embedding) dtype; ``quantization`` picks the weights of the linears:
+    None / "none" (``dtype``), "int8" (per channel), "int4" (group 32; "int4-g64",
+    "int4-g128") or "gguf" (a .gguf's own Q4_0/Q4_1/Q4_K/Q8_0 blocks as int4 groups).
     """
     from transformers import AutoConfig
 
     dtype, device = resolve_dtype(dtype), resolve_device(device)  # before any slow conversion
+    quant = parse_quantization(quantization)
     source, name = _resolve(path)
     if source.is_file():
         if source.suffix != ".gguf":
             raise SpecDecodeError(f"not a model folder or .gguf file: {source}")
         folder = converted_folder(source, name, progress)
+    elif quant is not None and quant.mode == "gguf":
+        raise SpecDecodeError(f"quantization 'gguf' needs a .gguf file, not the folder {source}")
     else:
         folder = source
     if not (folder / "config.json").is_file():
@@ -145,8 +157,48 @@ def load_model(
     except (ValueError, OSError, KeyError) as e:
         raise SpecDecodeError(f"cannot read {folder / 'config.json'}: {str(e).splitlines()[0]}") from None
     config = ModelConfig.from_hf(hf_config)
+    if quant is not None and quant.mode == "gguf":  # read (and reject) the blocks before building
+        blocks = gguf_int4_weights(source, config.num_heads, config.num_kv_heads)
     model = build_model(config, read_safetensors(folder), dtype, device)
+    if quant is not None and quant.mode == "gguf":
+        use_gguf_blocks_(model, config, blocks)
+    elif quant is not None:
+        quantize_model_(model, quant.mode, quant.group_size)
     return LoadedModel(model, config, load_tokenizer(folder), name, str(folder))
+
+
+def use_gguf_blocks_(model: Transformer, config: ModelConfig, blocks: dict[str, Int4Groups]) -> None:
+    """Replace each linear whose GGUF parts were all block-quantized by one Int4Linear (group 32).
+
+    Parts are fused along the outputs like the dense weights (q/k/v, gate/up); a part in two
+    planes (Q8_0) turns the others into two planes too. Linears with any dense part stay dense.
+    """
+    blocks = {k.removeprefix("model."): v for k, v in blocks.items()}
+    for i in range(config.num_layers):
+        src, dst = f"layers.{i}.", f"layers.{i}."
+        parts = {
+            "attn.qkv": [f"{src}self_attn.{p}_proj.weight" for p in "qkv"],
+            "attn.o": [f"{src}self_attn.o_proj.weight"],
+            "mlp.gate_up": [f"{src}mlp.gate_proj.weight", f"{src}mlp.up_proj.weight"],
+            "mlp.down": [f"{src}mlp.down_proj.weight"],
+        }
+        for ours, theirs in parts.items():
+            _swap_int4(model, dst + ours, [blocks.get(t) for t in theirs])
+    head = "embed_tokens.weight" if config.tie_embeddings else "lm_head.weight"
+    _swap_int4(model, "lm_head", [blocks.get(head)])
+
+
+def _swap_int4(model: Transformer, name: str, parts: list[Int4Groups | None]) -> None:
+    if any(p is None for p in parts):
+        return
+    planes = max(p.planes for p in parts)
+    parts = [p.to_planes(planes) for p in parts]
+    lin = model.get_submodule(name)
+    device = lin.weight.device
+    q, s, z = (torch.cat([getattr(p, f) for p in parts]).to(device) for f in ("q", "scales", "zeros"))
+    bias = None if lin.bias is None else lin.bias.detach()
+    source = "+".join(sorted({p.source_type for p in parts}))
+    set_submodule(model, name, Int4Linear(q, s, z, 32, lin.in_features, bias, input_planes=planes, source=source))
 
 
 def load_tokenizer(folder: Path) -> transformers.PreTrainedTokenizerBase | None:

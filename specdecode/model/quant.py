@@ -1,0 +1,265 @@
+"""Weight-only quantized linears: int8 per output channel and group-wise int4.
+
+Owns: `Int8Linear` (``torch._weight_int8pack_mm``), `Int4Linear` (``_weight_int4pack_mm_for_cpu``
+on CPU, ``_weight_int4pack_mm`` on CUDA), the quantize / dequantize helpers that define their
+numerics, `quantize_model_` (swap a Transformer's linears in place), the parsing of the
+``quantization`` setting and `describe_kernels`.
+Does not own: reading GGUF blocks (gguf_convert.py), choosing when to quantize (loader.py).
+
+Numerics (checked against torch 2.13's kernels):
+  int8: w = q * s[n], q in [-127, 127], one scale per output row (symmetric).
+  int4: w = (q - 8) * s[n, g] + z[n, g], q in [0, 15], one (scale, zero) per row and group of
+        ``group_size`` inputs. The kernels take ``scales_and_zeros`` [K/g, N, 2] in bf16 and
+        dequantise in fp32 (``lut[q] * s + z``), accumulate in fp32 and round the output to bf16.
+        Only bf16 is vectorised on CPU (fp32/fp16 run a scalar loop ~30x slower), so int4 always
+        computes in bf16 and casts the result back to the activation dtype.
+Both modules pad K internally (int4: to a group multiple; int8: to a multiple of 32, as the bf16
+CPU kernel crashes otherwise) and int4 pads N to the CPU kernel's 16-column tiles.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specdecode.config import SpecDecodeError
+
+QUANTIZATIONS = ("none", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "gguf")
+GROUP_SIZES = (32, 64, 128)
+DEFAULT_GROUP_SIZE = 32
+LINEAR_NAMES = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # per Block, plus lm_head
+
+
+@dataclass(frozen=True)
+class Quantization:
+    mode: str  # "int8" | "int4" | "gguf"
+    group_size: int | None = None  # int4 only
+
+
+def parse_quantization(value: str | None, group_size: int | None = None) -> Quantization | None:
+    """None / "none" -> None; "int8", "int4" (g32), "int4-g64", ..., "gguf" -> a Quantization."""
+    if value is None or value == "none":
+        return None
+    if not isinstance(value, str) or value not in QUANTIZATIONS:
+        raise SpecDecodeError(f"unsupported quantization {value!r}; supported: {', '.join(QUANTIZATIONS)}")
+    if value.startswith("int4"):
+        g = int(value.removeprefix("int4-g")) if "-g" in value else group_size or DEFAULT_GROUP_SIZE
+        if group_size is not None and group_size != g:
+            raise SpecDecodeError(f"quantization {value!r} contradicts group_size={group_size}")
+        if g not in GROUP_SIZES:
+            raise SpecDecodeError(f"unsupported int4 group size {g}; supported: {', '.join(map(str, GROUP_SIZES))}")
+        return Quantization("int4", g)
+    if group_size is not None:
+        raise SpecDecodeError(f"group_size applies to int4 only, not {value!r}")
+    return Quantization(value)
+
+
+# ---- numerics --------------------------------------------------------------------------
+
+
+def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric per-row int8: (q int8 [N, K], scales fp32 [N]) with w ~ q * scales[:, None]."""
+    w = w.float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def dequantize_int8(q: Tensor, scales: Tensor) -> Tensor:
+    return q.float() * scales.float()[:, None]
+
+
+def quantize_int4(w: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Asymmetric group-wise int4 over K padded to a multiple of ``group_size`` (with zeros).
+
+    Returns (q uint8 [N, Kp] in [0, 15], scales fp32 [N, Kp/g], zeros fp32 [N, Kp/g]) with
+    w ~ (q - 8) * s + z per group: s = (max - min) / 15, z = min + 8 s (gpt-fast's convention).
+    """
+    w = w.float()
+    N, K = w.shape
+    w = F.pad(w, (0, -K % group_size)).view(N, -1, group_size)
+    lo, hi = w.amin(dim=2), w.amax(dim=2)
+    scales = ((hi - lo) / 15).clamp(min=1e-8)
+    q = torch.round((w - lo[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
+    return q.view(N, -1), scales, lo + 8 * scales
+
+
+def dequantize_int4(q: Tensor, scales: Tensor, zeros: Tensor, group_size: int) -> Tensor:
+    """fp32 [N, Kp]: (q - 8) * s + z, the formula the kernels evaluate (with their s, z dtype)."""
+    N = q.shape[0]
+    w = (q.float().view(N, -1, group_size) - 8) * scales.float()[..., None] + zeros.float()[..., None]
+    return w.view(N, -1)
+
+
+# ---- modules -----------------------------------------------------------------------------
+
+
+class Int8Linear(nn.Module):
+    """y = x @ (q * s).T + b with int8 q [N, K] and per-row scales, via ``_weight_int8pack_mm``.
+
+    Computes in ``dtype`` (the scales' dtype); other activation dtypes are cast in and out.
+    """
+
+    def __init__(self, q: Tensor, scales: Tensor, bias: Tensor | None = None, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.k_pad = -self.in_features % 32  # the bf16 CPU kernel crashes on K % 16 != 0
+        self.register_buffer("weight", F.pad(q.to(torch.int8), (0, self.k_pad)).contiguous())
+        self.register_buffer("scales", scales.to(dtype))
+        self.register_buffer("bias", None if bias is None else bias.to(dtype))
+
+    @classmethod
+    def from_weight(cls, w: Tensor, bias: Tensor | None = None, dtype: torch.dtype = torch.bfloat16) -> Int8Linear:
+        q, s = quantize_int8(w)
+        return cls(q.to(w.device), s.to(w.device), bias, dtype)
+
+    def kernel(self) -> str:
+        return f"int8pack_mm {str(self.scales.dtype).removeprefix('torch.')}"
+
+    def forward(self, x: Tensor) -> Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(self.scales.dtype)
+        if self.k_pad:
+            x2 = F.pad(x2, (0, self.k_pad))
+        y = torch._weight_int8pack_mm(x2.contiguous(), self.weight, self.scales)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W.T + b with W = (q - 8) * s + z group-wise (``dequantize_int4``), computed in bf16.
+
+    Built from (q uint8 [N, P * Kp] in [0, 15], scales and zeros [N, P * Kp / g]) where Kp is K
+    padded to a multiple of ``group_size`` (the padded columns meet zero inputs) and P =
+    ``input_planes``: W is the sum of P int4 matrices side by side, each applied to the same input
+    (GGUF Q8_0 = 16 * hi nibble + lo nibble). ``source`` labels where the weights came from.
+    """
+
+    def __init__(
+        self,
+        q: Tensor,
+        scales: Tensor,
+        zeros: Tensor,
+        group_size: int,
+        in_features: int | None = None,
+        bias: Tensor | None = None,
+        input_planes: int = 1,
+        source: str = "",
+    ):
+        super().__init__()
+        N, width = q.shape
+        plane = width // input_planes
+        G = width // group_size
+        if width % input_planes or plane % group_size or scales.shape != (N, G) or zeros.shape != scales.shape:
+            raise ValueError(f"int4: q {tuple(q.shape)}, scales {tuple(scales.shape)}, group {group_size} disagree")
+        self.out_features, self.in_features = N, in_features or plane
+        self.group_size, self.input_planes, self.source = group_size, input_planes, source
+        self.k_pad = plane - self.in_features
+        self.n_pad = -N % 16  # the CPU kernel works on 16-column tiles
+        device = q.device
+        q = F.pad(q.to(torch.int32), (0, 0, 0, self.n_pad), value=8)
+        sz = torch.stack((scales.float(), zeros.float()), dim=-1)  # [N, G, 2]
+        sz = F.pad(sz, (0, 0, 0, 0, 0, self.n_pad)).transpose(0, 1).contiguous()  # [G, Np, 2]
+        if device.type == "cuda":
+            packed_u8 = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+            tiles = 8 if width % 128 == 0 else 4 if width % 64 == 0 else 2
+            packed = torch._convert_weight_to_int4pack(packed_u8.contiguous(), tiles)
+        else:
+            packed = torch._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+        self.register_buffer("weight", packed)
+        self.register_buffer("scales_and_zeros", sz.to(torch.bfloat16))
+        self.register_buffer("bias", None if bias is None else bias.float())
+
+    @classmethod
+    def from_weight(cls, w: Tensor, group_size: int = DEFAULT_GROUP_SIZE, bias: Tensor | None = None) -> Int4Linear:
+        q, s, z = quantize_int4(w, group_size)
+        return cls(q, s, z, group_size, in_features=w.shape[1], bias=bias)
+
+    def kernel(self) -> str:
+        name = "int4pack_mm" if self.weight.device.type == "cuda" else "int4pack_mm_for_cpu"
+        planes = f" x{self.input_planes} planes" if self.input_planes > 1 else ""
+        return f"{name} g{self.group_size}{planes}" + (f" ({self.source})" if self.source else "")
+
+    def forward(self, x: Tensor) -> Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        if self.k_pad:
+            x2 = F.pad(x2, (0, self.k_pad))
+        if self.input_planes > 1:
+            x2 = x2.repeat(1, self.input_planes)
+        x2 = x2.contiguous()
+        if x2.device.type == "cuda":
+            y = torch._weight_int4pack_mm(x2, self.weight, self.group_size, self.scales_and_zeros)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(x2, self.weight, self.group_size, self.scales_and_zeros)
+        if self.n_pad:
+            y = y[:, : self.out_features]
+        if self.bias is not None:
+            y = (y.float() + self.bias).to(y.dtype)
+        return y.to(x.dtype).reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"group_size={self.group_size}, input_planes={self.input_planes}, bias={self.bias is not None}"
+        )
+
+
+# ---- whole models ------------------------------------------------------------------------
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    """The quantizable linears of a Transformer: every block's qkv, o, gate_up, down, then lm_head."""
+    return [f"layers.{i}.{n}" for i in range(len(model.layers)) for n in LINEAR_NAMES] + ["lm_head"]
+
+
+def quantize_model_(model: nn.Module, quantization: str, group_size: int | None = None) -> nn.Module:
+    """Replace the Transformer's linears by Int8Linear / Int4Linear in place; returns the model.
+
+    A head tied to the embeddings is quantized as its own copy; the embedding table stays as is.
+    """
+    spec = parse_quantization(quantization, group_size)
+    if spec is None:
+        return model
+    if spec.mode == "gguf":
+        raise SpecDecodeError("quantization 'gguf' needs the GGUF file: use load_model(path, quantization='gguf')")
+    dtype = model.embed.weight.dtype
+    for name in linear_names(model):
+        lin = model.get_submodule(name)
+        if not isinstance(lin, nn.Linear):
+            continue
+        w, b = lin.weight.detach(), None if lin.bias is None else lin.bias.detach()
+        if spec.mode == "int8":
+            new = Int8Linear.from_weight(w, b, dtype=dtype)
+        else:
+            new = Int4Linear.from_weight(w, spec.group_size, b)
+        set_submodule(model, name, new)
+    return model
+
+
+def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+def describe_kernels(model: nn.Module) -> str:
+    """One line naming the matmul kernels that run, e.g.
+    ``int4pack_mm_for_cpu g32 (211 layers), bf16 embedding``."""
+    kinds: Counter[str] = Counter()
+    for name in linear_names(model):
+        m = model.get_submodule(name)
+        if isinstance(m, (Int8Linear, Int4Linear)):
+            kinds[m.kernel()] += 1
+        else:
+            kinds[f"{str(m.weight.dtype).removeprefix('torch.')} matmul"] += 1
+    parts = [f"{k} ({n} layer{'s' * (n != 1)})" for k, n in kinds.items()]
+    emb = str(model.embed.weight.dtype).removeprefix("torch.")
+    return ", ".join(parts + [f"{emb} embedding"])
