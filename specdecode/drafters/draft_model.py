@@ -3,7 +3,15 @@
 Owns the draft model's own KV cache. Invariant between rounds: the draft cache holds a
 prefix of each row's committed tokens; after verification it is rolled back to at most
 ``len(tokens) - 1`` (everything it holds up to there is known to match), and the next
-``propose`` first feeds the committed tokens it has not seen (1 or 2 per row).
+``propose`` first feeds the committed tokens it has not seen.
+
+Chains (``topk = 1``) sample each draft token from q, which the verifier then uses.
+Trees (``topk > 1``) grow EAGLE-2 style: each level expands the ``topk`` frontier nodes
+with the highest cumulative draft log-probability by their ``topk`` likeliest tokens,
+then the ``num_draft_tokens`` best nodes overall form the tree. Children are chosen
+deterministically (distinct top-k tokens), so q is one-hot and the tree verifier's
+multi-draft rule keeps it lossless. Tree nodes are never committed to the draft cache:
+each level re-runs the frontier's ancestor paths as one masked block.
 """
 
 from __future__ import annotations
@@ -18,16 +26,27 @@ from specdecode.drafters.base import Draft, DrafterContext
 from specdecode.engine.batch import Batch, pad_right
 from specdecode.kv_cache import KVCache
 from specdecode.model.loader import load_model
+from specdecode.drafters.draft_tree import grow_tree
 from specdecode.sampling import logits_to_probs, sample
+
+
+MAX_TREE_NODES = 256
 
 
 @dataclass(frozen=True)
 class DraftModelOptions:
     model: str | None = None  # path or alias of the draft checkpoint
+    topk: int = 1  # children per expanded node (SGLang's speculative_eagle_topk); 1 = a chain
+    num_draft_tokens: int | None = None  # tree node budget (SGLang's name); None = γ · topk
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise SpecDecodeError('draft_model needs "model": the path of a checkpoint with the target\'s tokenizer')
+        if not isinstance(self.topk, int) or not 1 <= self.topk <= 16:
+            raise SpecDecodeError(f"topk must be an integer in [1, 16], got {self.topk!r}")
+        budget = self.num_draft_tokens
+        if budget is not None and (not isinstance(budget, int) or not 1 <= budget <= MAX_TREE_NODES):
+            raise SpecDecodeError(f"num_draft_tokens (the tree node budget) must be in [1, {MAX_TREE_NODES}], got {budget!r}")
 
 
 def check_same_vocab(target, draft, draft_path: str) -> None:
@@ -53,10 +72,12 @@ class DraftModelDrafter:
         self.model = loaded.model
         self.ctx = ctx
         self.gamma = spec.num_speculative_tokens
+        self.topk: int = spec.options.topk
+        self.budget: int = spec.options.num_draft_tokens or self.gamma * self.topk
         self.cache: KVCache | None = None
 
     def max_draft_tokens(self, num_tokens: int) -> int:
-        return num_tokens
+        return num_tokens if self.topk == 1 else self.budget
 
     def _feed(self, rows: list[list[int]]) -> torch.Tensor:
         """Run the draft on each row's pending tokens; commit them; return logits [B, V] at each row's last."""
@@ -69,13 +90,17 @@ class DraftModelDrafter:
 
     def prefill(self, batch: Batch) -> None:
         # Everything but the newest token, which the first propose feeds.
-        self.cache = self.model.new_cache(len(batch), batch.capacity + self.gamma + 2)
+        room = self.gamma + 2 if self.topk == 1 else self.topk * self.gamma + 2  # tree levels re-run ≤ k paths
+        self.cache = self.model.new_cache(len(batch), batch.capacity + room)
         self._feed([s.token_ids[:-1] for s in batch.seqs])
 
     def propose(self, batch: Batch, num_tokens: int) -> Draft:
         assert self.cache is not None
         seen = self.cache.lengths.tolist()
         logits = self._feed([s.token_ids[n:] for s, n in zip(batch.seqs, seen)])
+        if self.topk > 1:
+            roots = [s.token_ids[-1] for s in batch.seqs]
+            return grow_tree(self._score_block, logits, roots, num_tokens, self.topk, self.budget)
         drafts, qs = [], []
         for k in range(num_tokens):
             if batch.all_greedy:  # one-hot q: the verifier needs no distribution
@@ -89,6 +114,12 @@ class DraftModelDrafter:
                 logits = self._feed_one(token)
         q_all = torch.stack(qs, dim=1) if qs else None  # [B, γ, V]
         return Draft(tokens=torch.stack(drafts, dim=1), q=q_all)
+
+    def _score_block(self, tokens: torch.Tensor, depths: torch.Tensor, mask: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        """Logits [B, K, V] at ``at`` for a block of tree nodes (not committed: the next level re-runs them)."""
+        assert self.cache is not None
+        positions = self.cache.lengths[:, None] + depths - 1  # the root sits at lengths - 1
+        return self.model(tokens, positions, self.cache, block_mask=mask, logits_at=at)
 
     def _feed_one(self, token: torch.Tensor) -> torch.Tensor:
         assert self.cache is not None

@@ -1,0 +1,102 @@
+"""EAGLE-2 dynamic tree growth, for any drafter that can score a masked block of nodes.
+
+Owns: expanding a tree level by level from the ``topk`` frontier nodes with the highest
+cumulative draft log-probability, then keeping the ``budget`` best nodes overall
+(reranking), and handing the result to the verifier as a `TreeBatch`.
+Does not own: running the draft network (the caller's ``score`` function does).
+
+Children are a node's ``topk`` likeliest tokens, distinct by construction, so the draft
+is deterministic (one-hot q) and tree verification stays lossless. A child's cumulative
+score never exceeds its parent's, so the best ``budget`` nodes (ties broken by depth)
+always include each kept node's parent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from specdecode.drafters.base import Draft
+from specdecode.tree import TreeBatch
+
+# score(tokens [B, T], depth [B, T], mask [B, T, T], at [B, K]) -> logits [B, K, V]:
+# the draft's next-token logits at block positions ``at``, for a block of tree nodes
+# (depth >= 1) that sees the committed history plus its ancestors in the block.
+ScoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class _Pool:
+    """One row's candidate nodes (index = candidate id; parent -1 = the root)."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+
+    def add(self, token: int, parent: int, score: float) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.scores.append(score)
+        self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
+        return len(self.tokens) - 1
+
+    def path(self, node: int) -> list[int]:
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+
+def grow_tree(
+    score: ScoreFn, root_logits: torch.Tensor, root_tokens: list[int], depth: int, topk: int, budget: int
+) -> Draft:
+    """A tree per row, at most ``depth`` deep and ``budget`` draft nodes. root_logits [B, V]."""
+    B, device = root_logits.shape[0], root_logits.device
+    pools = [_Pool() for _ in range(B)]
+    logq, tok = torch.log_softmax(root_logits.float(), dim=-1).topk(topk, dim=-1)  # [B, k]
+    frontier = [[p.add(t, -1, s) for t, s in zip(tok[b].tolist(), logq[b].tolist())] for b, p in enumerate(pools)]
+    for _ in range(depth - 1):
+        block = [sorted({n for f in fr for n in p.path(f)}) for p, fr in zip(pools, frontier)]
+        T = max(len(nodes) for nodes in block)
+        tokens = torch.zeros(B, T, dtype=torch.long)
+        depths = torch.ones(B, T, dtype=torch.long)
+        mask = torch.eye(T, dtype=torch.bool).repeat(B, 1, 1)  # padding sees only itself
+        at = torch.zeros(B, topk, dtype=torch.long)
+        for b, (p, nodes) in enumerate(zip(pools, block)):
+            where = {n: i for i, n in enumerate(nodes)}
+            for i, n in enumerate(nodes):
+                tokens[b, i], depths[b, i] = p.tokens[n], p.depths[n]
+                for a in p.path(n):
+                    mask[b, i, where[a]] = True
+            at[b, : len(frontier[b])] = torch.tensor([where[f] for f in frontier[b]])
+        logits = score(tokens.to(device), depths.to(device), mask.to(device), at.to(device))  # [B, k, V]
+        logq, tok = torch.log_softmax(logits.float(), dim=-1).topk(topk, dim=-1)  # [B, k, k]
+        for b, p in enumerate(pools):
+            fresh = [
+                p.add(t, f, p.scores[f] + s)
+                for i, f in enumerate(frontier[b])
+                for t, s in zip(tok[b, i].tolist(), logq[b, i].tolist())
+            ]
+            frontier[b] = sorted(fresh, key=lambda n: -p.scores[n])[:topk]
+    return _rerank(pools, root_tokens, budget, device)
+
+
+def _rerank(pools: list[_Pool], root_tokens: list[int], budget: int, device: torch.device) -> Draft:
+    """Keep each row's ``budget`` best nodes; number them by depth, likeliest sibling first."""
+    rows = []
+    for p in pools:
+        best = sorted(range(len(p.tokens)), key=lambda n: (-p.scores[n], p.depths[n]))[:budget]
+        kept = sorted(best, key=lambda n: (p.depths[n], -p.scores[n]))
+        index = {n: i + 1 for i, n in enumerate(kept)}  # node 0 is the root
+        rows.append(([p.tokens[n] for n in kept], [index[p.parents[n]] if p.parents[n] >= 0 else 0 for n in kept]))
+    N = 1 + max(len(t) for t, _ in rows)
+    tokens = torch.full((len(rows), N), -1, dtype=torch.long)
+    parents = torch.full((len(rows), N), -1, dtype=torch.long)
+    for b, ((toks, pars), root) in enumerate(zip(rows, root_tokens)):
+        tokens[b, : len(toks) + 1] = torch.tensor([root, *toks])
+        parents[b, 1 : len(pars) + 1] = torch.tensor(pars, dtype=torch.long)
+    return Draft.from_tree(TreeBatch.from_parents(tokens.to(device), parents.to(device)))

@@ -1,0 +1,51 @@
+"""EAGLE-2 tree growth with a scripted scorer: shape, budget, distinct siblings, reranking."""
+
+import torch
+
+from specdecode.drafters.draft_tree import grow_tree
+
+V = 8
+
+
+def scripted_score(tokens, depths, mask, at):
+    # next-token logits depend only on the node's own token: token t prefers t+1, then t+2, ...
+    B, K = at.shape
+    last = tokens.gather(1, at)  # [B, K]
+    logits = torch.full((B, K, V), -10.0)
+    for r in range(3):
+        logits.scatter_(2, ((last + 1 + r) % V)[:, :, None], 3.0 - r)
+    return logits
+
+
+def root_logits(B):
+    lg = torch.full((B, V), -10.0)
+    lg[:, 1], lg[:, 2], lg[:, 3] = 3.0, 2.0, 1.0
+    return lg
+
+
+def test_tree_shape_budget_and_siblings():
+    draft = grow_tree(scripted_score, root_logits(2), [7, 5], depth=3, topk=2, budget=6)
+    tree = draft.tree
+    assert tree.tokens.shape == (2, 7)
+    assert tree.tokens[:, 0].tolist() == [7, 5]
+    for b in range(2):
+        real = tree.valid[b].nonzero()[:, 0].tolist()
+        assert len(real) == 7  # root + budget
+        parents = tree.parents[b].tolist()
+        for n in real[1:]:
+            assert parents[n] < n
+        for p in real:
+            kids = [tree.tokens[b, c].item() for c in real[1:] if parents[c] == p]
+            assert len(kids) == len(set(kids))
+    # the likeliest path 1 -> 2 -> 3 is the first branch, depth 3
+    assert tree.tokens[0, 1].item() == 1
+    assert int(tree.depth[0].max()) == 3
+
+
+def test_rerank_keeps_the_best_nodes_overall():
+    draft = grow_tree(scripted_score, root_logits(1), [0], depth=4, topk=2, budget=4)
+    tree = draft.tree
+    # cumulative log-probs: 1 (-0.41), 1>2 (-0.82), 1>2>3 (-1.23), then the root's second
+    # child 2 (-1.41) beats 1>2>3>4 (-1.64). Numbered by depth: [root, 1, 2 | 2 | 3].
+    assert tree.tokens[0].tolist() == [0, 1, 2, 2, 3]
+    assert tree.parents[0].tolist() == [-1, 0, 0, 1, 3]
