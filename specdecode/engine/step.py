@@ -24,7 +24,7 @@ from typing import Iterator
 
 import torch
 
-from specdecode.config import SamplingParams, SpecConfig
+from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Draft, Drafter, DrafterContext
 from specdecode.drafters.registry import create_drafter
 from specdecode.engine.batch import Batch, Sequence, SpecStats, pad_right
@@ -66,6 +66,10 @@ class Engine:
         self.gamma = spec.num_speculative_tokens if spec is not None else 0
         # Room past each row's length for one round's draft tokens (and the root).
         self.round_room = self.drafter.max_draft_tokens(self.gamma) + 2 if self.drafter is not None else 2
+        if self.round_room >= max_model_len:
+            raise SpecDecodeError(
+                f"one round drafts up to {self.round_room - 2} tokens, which does not fit the context of {max_model_len}"
+            )
         self.eos_ids = set(target.config.eos_token_ids)
         self.tokenizer = target.tokenizer
 

@@ -79,3 +79,10 @@ def test_bad_config_fails_before_loading(tmp_path):
         LLM(model=str(tmp_path / "missing"), speculative_config={"method": "eagle9"})
     with pytest.raises(SpecDecodeError, match="model path not found"):
         LLM(model=str(tmp_path / "missing"))
+
+
+def test_tree_budget_beyond_context(tmp_path):
+    path = make_tiny_checkpoint(tmp_path / "m", "llama", seed=0)
+    spec = {"method": "ngram", "max_matches": 4, "num_draft_tokens": 200}
+    with pytest.raises(SpecDecodeError, match="does not fit the context"):
+        LLM(model=str(path), speculative_config=spec, dtype="float32", max_model_len=128)
