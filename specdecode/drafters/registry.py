@@ -15,6 +15,7 @@ from specdecode.drafters.base import Drafter, DrafterContext
 _METHODS: dict[str, str] = {
     "draft_model": "specdecode.drafters.draft_model:DraftModelDrafter",
     "ngram": "specdecode.drafters.ngram:NgramDrafter",
+    "suffix": "specdecode.drafters.suffix:SuffixDrafter",
 }
 
 
