@@ -177,17 +177,18 @@ def tree_rejection_sample(
     same argument runs with r = p[child], the target's conditional after that token. So
     each emitted token follows the target given the tokens before it, *exactly when*:
 
-    - q[b, c] is the law node c's token was actually drawn from, given the tokens of the
-      nodes the drafter produced before it (ancestors, earlier siblings, anything else with
-      a smaller index); the tree's shape may depend on those too, never on later nodes
-      or on the target. With q = None each token must be a fixed function of the history
-      and of earlier nodes (top-k, n-gram lookups, greedy EAGLE-2 expansion with any
-      deterministic pruning).
-    - Hence exact: deterministic children, distinct or not (a sibling repeating a rejected
-      token has r(x) = 0 and is simply rejected; repeats only waste a slot); siblings
-      drawn i.i.d. from one q with replacement (SpecInfer), each passing that q;
-      siblings drawn *without* replacement if each passes its conditional q (earlier
-      siblings' tokens zeroed and renormalised), which is Sequoia's rule.
+    - q = None (one-hot): exact *given the tree*, whatever its tokens and shape and however
+      they were chosen (top-k, n-gram lookups, greedy EAGLE-2 expansion and pruning, even
+      a sampling drafter that does not report q), as long as the tree is fixed before
+      verification. Siblings need not be distinct: a sibling repeating a rejected token has
+      r(x) = 0 and is simply rejected (the slot is wasted, nothing is biased).
+    - q given: q[b, c] must be the law node c's token was actually drawn from, given the
+      nodes the drafter produced before it (ancestors, earlier siblings, anything with a
+      smaller index); the shape may depend on those too, never on later nodes or on the
+      target. So siblings drawn i.i.d. from one q with replacement, each passing that q,
+      are exact (SpecInfer), and so are siblings drawn *without* replacement if each passes
+      its conditional q (earlier siblings' tokens zeroed, renormalised: Sequoia's rule).
+      A drafter mixing both passes one-hot rows of q for its deterministic nodes.
     - Not exact: siblings drawn without replacement but passed the unconditioned q;
       sampled nodes kept or pruned by scores of later nodes (e.g. a global top-N rerank of
       *sampled* candidates); q under other temperature / top-k / top-p than the drafter
