@@ -57,6 +57,7 @@ class DrafterContext:
     target: "LoadedModel"
     dtype: torch.dtype
     device: torch.device
+    quantization: str | None = None  # weight format for a drafter's own network, as the target's
 
 
 class Drafter(Protocol):

@@ -67,7 +67,7 @@ class DraftModelDrafter:
 
     def __init__(self, spec: SpecConfig, ctx: DrafterContext) -> None:
         path = spec.options.model
-        loaded = load_model(path, dtype=ctx.dtype, device=ctx.device)
+        loaded = load_model(path, dtype=ctx.dtype, device=ctx.device, quantization=ctx.quantization)
         check_same_vocab(ctx.target, loaded, path)
         self.model = loaded.model
         self.ctx = ctx

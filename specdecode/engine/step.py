@@ -49,7 +49,12 @@ class Engine:
     """Static-batch speculative decoding over one target model and at most one drafter."""
 
     def __init__(
-        self, target: LoadedModel, spec: SpecConfig | None, max_model_len: int, drafter: Drafter | None = None
+        self,
+        target: LoadedModel,
+        spec: SpecConfig | None,
+        max_model_len: int,
+        drafter: Drafter | None = None,
+        quantization: str | None = None,
     ) -> None:
         """``drafter`` overrides the registry: bring your own `Drafter` (``spec`` still gives γ)."""
         if drafter is not None and spec is None:
@@ -58,11 +63,12 @@ class Engine:
         self.model = target.model
         self.spec = spec
         self.max_model_len = max_model_len
-        param = next(self.model.parameters())
+        param = self.model.embed.weight  # the activation dtype (linears may hold quantized weights)
         self.device = param.device
         self.drafter = drafter
         if spec is not None and drafter is None:
-            self.drafter = create_drafter(spec, DrafterContext(target=target, dtype=param.dtype, device=param.device))
+            ctx = DrafterContext(target=target, dtype=param.dtype, device=param.device, quantization=quantization)
+            self.drafter = create_drafter(spec, ctx)
         self.gamma = spec.num_speculative_tokens if spec is not None else 0
         # Room past each row's length for one round's draft tokens (and the root).
         self.round_room = self.drafter.max_draft_tokens(self.gamma) + 2 if self.drafter is not None else 2

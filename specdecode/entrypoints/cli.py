@@ -30,6 +30,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--dtype", default="auto", help="auto (bfloat16), float32, bfloat16, float16")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    g.add_argument("--quantization", default=None, help="weights of the linears: none, int8, int4[-g32|-g64|-g128], gguf")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--compare", action="store_true", help="also run plain decoding and report the speedup")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -162,7 +163,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     from specdecode import LLM
 
-    llm = LLM(model=args.model, speculative_config=spec, dtype=args.dtype, device=args.device)
+    llm = LLM(model=args.model, speculative_config=spec, dtype=args.dtype, device=args.device, quantization=args.quantization)
     prompt_ids = llm.encode_chat(args.prompt) if args.chat else llm.tokenize(args.prompt)
     streamer = None if args.json else _TextStreamer(llm)
     out = llm.generate([prompt_ids], params, on_tokens=streamer)[0]
@@ -173,6 +174,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "token_ids": out.token_ids,
         "finish_reason": out.finish_reason,
         "speculative_config": spec.to_dict() if spec else None,
+        "kernels": llm.kernels,
         "metrics": out.metrics.to_dict(),
         "tokens_per_s": out.metrics.tokens_per_s,
     }
@@ -200,6 +202,7 @@ def _print_stats(r: dict[str, Any], speculative: bool) -> None:
             f"acceptance by position: [{by_pos}]",
         ]
     lines.append(f"tokens/s: {r['tokens_per_s']:.1f}  ({m['num_generated_tokens']} tokens in {m['wall_time_s']:.2f} s)")
+    lines.append(f"kernels: {r['kernels']}")
     if "speedup" in r:
         lines.append(f"plain decoding: {r['baseline_tokens_per_s']:.1f} tokens/s  speedup: {r['speedup']:.2f}x")
         if r["identical"] is not None:

@@ -76,7 +76,9 @@ class LLM:
 
     ``model=None`` is the default model (SmolLM2-135M-Instruct). ``speculative_config``
     is a dict or JSON string such as ``{"method": "ngram", "num_speculative_tokens": 4}``;
-    ``None`` decodes plainly through the same engine.
+    ``None`` decodes plainly through the same engine. ``dtype`` is the activation dtype;
+    ``quantization`` ("int8", "int4", "int4-g64", "gguf", ...) picks the weight format of
+    the linears, for the target and a draft model alike; ``llm.kernels`` says which run.
     """
 
     def __init__(
@@ -86,18 +88,22 @@ class LLM:
         dtype: str = "auto",
         device: str = "auto",
         max_model_len: int | None = None,
+        quantization: str | None = None,
     ) -> None:
         from specdecode.model.loader import load_model
+        from specdecode.model.quant import describe_kernels, parse_quantization
 
         spec = SpecConfig.parse(speculative_config)  # fail on a bad config before loading anything
-        self.target = load_model(model, dtype=dtype, device=device)
+        parse_quantization(quantization)
+        self.target = load_model(model, dtype=dtype, device=device, quantization=quantization)
+        self.kernels = describe_kernels(self.target.model)
         context = self.target.config.max_position_embeddings
         if max_model_len is not None and not 1 < max_model_len <= context:
             raise SpecDecodeError(f"max_model_len must be in [2, {context}], got {max_model_len}")
         self.max_model_len = max_model_len or context
         self.tokenizer = self.target.tokenizer
         self.spec = spec
-        self.engine = Engine(self.target, spec, self.max_model_len)
+        self.engine = Engine(self.target, spec, self.max_model_len, quantization=quantization)
         self._plain = Engine(self.target, None, self.max_model_len) if spec is not None else self.engine
 
     def generate(
