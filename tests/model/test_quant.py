@@ -1,0 +1,237 @@
+"""Quantized linears: kernels against dequantized references, whole tiny models, GGUF-native blocks, errors."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from specdecode.config import SpecDecodeError
+from specdecode.model.gguf_convert import decode_int4_groups
+from specdecode.model.loader import load_model
+from specdecode.model.quant import (
+    Int4Linear,
+    Int8Linear,
+    dequantize_int4,
+    dequantize_int8,
+    describe_kernels,
+    linear_names,
+    parse_quantization,
+    quantize_int4,
+    quantize_int8,
+    quantize_model_,
+    set_submodule,
+)
+from tests.tiny import make_tiny_checkpoint, make_tiny_gguf
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+
+
+def close(y: torch.Tensor, ref: torch.Tensor, rel: float) -> bool:
+    return (y.float() - ref).abs().max().item() <= rel * ref.abs().max().item()
+
+
+# ---- kernels -----------------------------------------------------------------------------
+
+# (N, K, group): odd group counts (3, 5, 9), K not a multiple of the group (200 / 64), N not of 16
+SHAPES_INT4 = [(3, 96, 32), (40, 200, 64), (24, 160, 32), (17, 1152, 128)]
+
+
+@pytest.mark.parametrize("n,k,g", SHAPES_INT4)
+@pytest.mark.parametrize("m", [1, 3, 9])
+def test_int4_matches_dequantized_reference(n, k, g, m):
+    gen = torch.Generator().manual_seed(n * k + m)
+    w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    q, s, z = quantize_int4(w, g)
+    # the kernel's weights: bf16 scales and zeros, evaluated in fp32
+    ref_w = dequantize_int4(q, s.bfloat16(), z.bfloat16(), g)[:, :k]
+    assert close(ref_w, w, 0.1)  # 4 bits: within ~1/15 of each group's range
+    lin = Int4Linear.from_weight(w, g, bias=b)
+    x = torch.randn(2, m, k, generator=gen)
+    ref = x.bfloat16().float() @ ref_w.T + b  # the kernel computes in bf16
+    y = lin(x)
+    assert y.shape == (2, m, n) and y.dtype == torch.float32
+    assert close(y, ref, 1e-2)  # bf16 output rounding
+    assert close(lin(x.bfloat16()), ref, 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(3, 96), (40, 200), (17, 160)])
+def test_int8_matches_dequantized_reference(dtype, n, k):
+    gen = torch.Generator().manual_seed(n + k)
+    w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    q, s = quantize_int8(w)
+    assert close(dequantize_int8(q, s), w, 0.01)
+    lin = Int8Linear.from_weight(w, b, dtype=dtype)
+    for m in (1, 3, 9):
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        ref = x.float() @ dequantize_int8(q, s.to(dtype)).T + b.to(dtype).float()
+        assert close(lin(x), ref, 1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_parse_quantization():
+    assert parse_quantization(None) is None and parse_quantization("none") is None
+    assert parse_quantization("int4").group_size == 32
+    assert parse_quantization("int4-g128").group_size == 128
+    assert parse_quantization("int4", group_size=64).group_size == 64
+    assert parse_quantization("gguf").mode == "gguf"
+    for bad in ("int3", "int4-g48", "q4_1", "INT8", 4):
+        with pytest.raises(SpecDecodeError, match="supported"):
+            parse_quantization(bad)
+
+
+# ---- whole tiny models ------------------------------------------------------------------
+
+
+def logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(
+            tokens[None],
+            torch.arange(len(tokens))[None],
+            model.new_cache(1, len(tokens)),
+        )[0]
+
+
+def greedy(model, prompt: list[int], n: int) -> list[int]:
+    cache = model.new_cache(1, len(prompt) + n)
+    x, pos, out = torch.tensor([prompt]), torch.arange(len(prompt))[None], []
+    with torch.inference_mode():
+        for _ in range(n):
+            nxt = model(x, pos, cache)[:, -1].argmax(-1)
+            cache.commit(torch.tensor([x.shape[1]]))
+            out.append(int(nxt))
+            x, pos = nxt[:, None], pos[:, -1:] + 1
+    return out
+
+
+SEQ = torch.tensor([5, 17, 33, 90, 41, 8, 77, 12, 60, 25, 99, 14])
+
+
+@pytest.fixture(scope="module", params=["llama", "llama_untied"])
+def tiny_folder(request, tmp_path_factory):
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp(request.param), request.param, hidden_size=128
+    )
+
+
+def dequantized_copy(model: nn.Module, quant: str) -> nn.Module:
+    """A dense copy whose linears hold exactly the weights the quantized kernels use (head untied)."""
+    spec = parse_quantization(quant)
+    ref = copy.deepcopy(model)
+    for name in linear_names(ref):
+        lin = ref.get_submodule(name)
+        w = lin.weight.detach().float()
+        if spec.mode == "int8":
+            q, s = quantize_int8(w)
+            deq = dequantize_int8(q, s.to(w.dtype))
+        else:
+            q, s, z = quantize_int4(w, spec.group_size)
+            deq = dequantize_int4(q, s.bfloat16(), z.bfloat16(), spec.group_size)[
+                :, : w.shape[1]
+            ]
+        new = nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None)
+        new.weight = nn.Parameter(deq.to(w.dtype), requires_grad=False)
+        new.bias = lin.bias
+        set_submodule(ref, name, new)
+    return ref
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4", "int4-g64"])
+def test_quantized_model_matches_dequantized_weights(tiny_folder, quant):
+    dense = load_model(str(tiny_folder), dtype="float32", device="cpu", progress=False)
+    quantized = load_model(
+        str(tiny_folder),
+        dtype="float32",
+        device="cpu",
+        progress=False,
+        quantization=quant,
+    )
+    ref, got = (
+        logits(dequantized_copy(dense.model, quant), SEQ),
+        logits(quantized.model, SEQ),
+    )
+    # int8 computes in fp32 here; int4 always in bf16
+    assert (got - ref).norm() / ref.norm() < (1e-4 if quant == "int8" else 0.03)
+    plain = logits(dense.model, SEQ)  # 4 bits on O(1) random weights: close, not equal
+    assert (got - plain).norm() / plain.norm() < (0.03 if quant == "int8" else 0.4)
+    model = quantized.model
+    kind = Int8Linear if quant == "int8" else Int4Linear
+    assert all(
+        isinstance(model.get_submodule(n), kind)
+        for n in ("layers.0.attn.qkv", "layers.2.mlp.down", "lm_head")
+    )
+    assert isinstance(model.embed, nn.Embedding)  # a tied table stays dense and equal
+    assert torch.equal(model.embed.weight, dense.model.embed.weight)
+    assert "(13 layers), float32 embedding" in describe_kernels(model)
+
+
+def test_quantize_model_in_place_and_bf16(tiny_folder):
+    model = load_model(
+        str(tiny_folder), dtype="bfloat16", device="cpu", progress=False
+    ).model
+    ref = logits(model, SEQ)
+    assert quantize_model_(model, "int4-g64") is model
+    assert (
+        describe_kernels(model)
+        == "int4pack_mm_for_cpu g64 (13 layers), bfloat16 embedding"
+    )
+    got = logits(model, SEQ)
+    assert got.dtype == torch.float32 and (got - ref).norm() / ref.norm() < 0.4
+    with pytest.raises(SpecDecodeError, match="gguf"):
+        quantize_model_(model, "gguf")
+
+
+# ---- GGUF blocks kept quantized ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_decode_exactly(kind):
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    w = np.random.default_rng(0).standard_normal((12, 96)).astype(np.float32)
+    qtype = gguf.GGMLQuantizationType[kind]
+    raw = quantize(w, qtype)
+    g = decode_int4_groups(raw, kind, 12, 96)
+    ours = dequantize_int4(g.q, g.scales, g.zeros, 32)  # fp32 scales and zeros
+    ours = ours[:, :96] + ours[:, 96:] if g.planes == 2 else ours
+    np.testing.assert_array_equal(ours.numpy(), dequantize(raw, qtype))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_native_greedy_matches_fp32_dequantized(tmp_path, arch, kind):
+    path, _ = make_tiny_gguf(
+        tmp_path / f"{arch}-{kind}.gguf", arch, quant=kind, hidden_size=128
+    )
+    dense = load_model(str(path), dtype="float32", device="cpu", progress=False).model
+    native = load_model(
+        str(path), dtype="bfloat16", device="cpu", progress=False, quantization="gguf"
+    ).model
+    assert isinstance(native.get_submodule("layers.1.attn.qkv"), Int4Linear)
+    assert isinstance(native.lm_head, Int4Linear)
+    assert f"({kind})" in describe_kernels(native)
+    prompt = [5, 17, 33, 90, 41, 8]
+    assert greedy(native, prompt, 12) == greedy(dense, prompt, 12)
+    ref, got = logits(dense, SEQ), logits(native, SEQ)
+    assert (
+        got - ref
+    ).norm() / ref.norm() < 0.02  # bf16 activations; the weights are the file's
+
+
+def test_bad_quantization_values_raise(tmp_path, tiny_folder):
+    with pytest.raises(SpecDecodeError, match="supported: none, int8, int4"):
+        load_model(str(tiny_folder), device="cpu", progress=False, quantization="int2")
+    with pytest.raises(SpecDecodeError, match="needs a .gguf file"):
+        load_model(str(tiny_folder), device="cpu", progress=False, quantization="gguf")
+    path, _ = make_tiny_gguf(tmp_path / "q5.gguf", "llama", quant="Q5_0")
+    with pytest.raises(
+        SpecDecodeError, match="type Q5_0.*supported types: Q4_0, Q4_1, Q4_K, Q8_0"
+    ):
+        load_model(str(path), device="cpu", progress=False, quantization="gguf")
