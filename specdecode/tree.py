@@ -249,7 +249,7 @@ class TreeBatch:
         tokens, parents [B, N] int64. Node 0 of each row is its root (parent -1, token >= 0).
         A node n >= 1 is real iff ``parents[b, n] >= 0``; it must then have a real parent
         ``< n`` and a token >= 0. Padding nodes have parent -1 (their token is ignored and
-        reported as -1). One host sync (validation, depth and fanout).
+        reported as -1). One host sync (validation, depth and fanout), O(N) small tensor ops.
         """
         if tokens.dim() != 2 or parents.shape != tokens.shape or tokens.shape[1] == 0:
             raise ValueError(f"tokens and parents must both be [B, N>=1], got {list(tokens.shape)}, {list(parents.shape)}")
@@ -283,9 +283,10 @@ class TreeBatch:
         if stats[0]:
             raise ValueError("malformed tree batch: each real node needs a token >= 0 and a real parent before it")
         max_depth, width = stats[1], max(stats[2], 1)
-        children = torch.full((B, N, width), -1, dtype=torch.long, device=device)
-        b_idx, n_idx = real_child.nonzero(as_tuple=True)
-        children[b_idx, parent_at[b_idx, n_idx], rank[b_idx, n_idx]] = n_idx
+        # children[b, parent, rank] = node, as one scatter; non-children land in a dropped last column
+        flat = torch.full((B, N * width + 1), -1, dtype=torch.long, device=device)
+        flat.scatter_(1, torch.where(real_child, parent_at * width + rank, N * width), node.expand(B, N))
+        children = flat[:, :-1].reshape(B, N, width)
         return TreeBatch(
             tokens=torch.where(valid, tokens, -1),
             parents=torch.where(real_child, parents, -1),
@@ -340,14 +341,16 @@ def commit_paths(cache: "KVCache", accepted_nodes: Tensor, num_accepted: Tensor)
 
     Rows whose path is already contiguous (nodes 0..k, as for any chain) are not moved.
     Moving must come before the commit: it reads slots past the row's current length.
-    One host sync to find the rows that move; a per-row `KVCache.keep_slots` for each.
+    One host sync to find the rows that move (one more if any do), then a per-row
+    `KVCache.keep_slots` for each. The rejected nodes' slots lie past the new length and
+    are overwritten by the next pass, as rejected chain drafts are.
     """
     k_max = accepted_nodes.shape[1]
     in_place = (accepted_nodes == torch.arange(k_max, device=accepted_nodes.device)) | (accepted_nodes < 0)
     moving = (~in_place.all(dim=1)).nonzero()[:, 0].tolist()
     if moving:
-        lengths = cache.lengths.tolist()
+        lengths, counts = cache.lengths.tolist(), num_accepted.tolist()
         for row in moving:
-            nodes = accepted_nodes[row, : int(num_accepted[row]) + 1]
+            nodes = accepted_nodes[row, : counts[row] + 1]
             cache.keep_slots(row, lengths[row] + nodes, dst_start=lengths[row])
     cache.commit(num_accepted + 1)

@@ -55,9 +55,7 @@ _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def cache_root() -> Path:
-    return Path(
-        os.environ.get("SPECDECODE_CACHE") or Path.home() / ".cache" / "specdecode"
-    )
+    return Path(os.environ.get("SPECDECODE_CACHE") or Path.home() / ".cache" / "specdecode")
 
 
 def hf_name(gguf_name: str, arch: str) -> str:
@@ -65,14 +63,7 @@ def hf_name(gguf_name: str, arch: str) -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _BLOCK.fullmatch(gguf_name)
-    table = {
-        **_LAYER_NAMES,
-        **(
-            _GEMMA3_NORMS
-            if arch == "gemma3"
-            else {"ffn_norm": "post_attention_layernorm"}
-        ),
-    }
+    table = {**_LAYER_NAMES, **(_GEMMA3_NORMS if arch == "gemma3" else {"ffn_norm": "post_attention_layernorm"})}
     if m is None or m.group(2) not in table:
         raise SpecDecodeError(f"unexpected tensor {gguf_name!r} in a {arch} GGUF")
     return f"model.layers.{m.group(1)}.{table[m.group(2)]}.{m.group(3)}"
@@ -80,50 +71,34 @@ def hf_name(gguf_name: str, arch: str) -> str:
 
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's ``LlamaModel.permute`` of Q/K rows (interleaved -> rotate-half RoPE)."""
-    return (
-        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def gguf_architecture(reader) -> str:
     field = reader.fields.get("general.architecture")
     arch = field.contents() if field is not None else None
     if arch not in GGUF_ARCHITECTURES:
-        raise SpecDecodeError(
-            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}"
-        )
+        raise SpecDecodeError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
     return arch
 
 
-def gguf_state_dict(
-    reader, arch: str, hf_config, progress: bool = False
-) -> dict[str, torch.Tensor]:
+def gguf_state_dict(reader, arch: str, hf_config, progress: bool = False) -> dict[str, torch.Tensor]:
     """All tensors of a GGUF as an fp32 state dict with transformers' names and layout."""
     from gguf.quants import dequantize
     from tqdm import tqdm
 
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise SpecDecodeError(
-            "GGUF files with rope_freqs (llama3-style RoPE scaling) are not supported"
-        )
+        raise SpecDecodeError("GGUF files with rope_freqs (llama3-style RoPE scaling) are not supported")
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
     state = {}
-    for t in tqdm(
-        reader.tensors, desc="converting GGUF", unit="tensor", disable=not progress
-    ):
+    for t in tqdm(reader.tensors, desc="converting GGUF", unit="tensor", disable=not progress):
         name = hf_name(t.name, arch)
         try:
             data = dequantize(t.data, t.tensor_type)
         except NotImplementedError:
-            raise SpecDecodeError(
-                f"unsupported GGUF tensor type {t.tensor_type.name} (tensor {t.name!r})"
-            ) from None
+            raise SpecDecodeError(f"unsupported GGUF tensor type {t.tensor_type.name} (tensor {t.name!r})") from None
         w = torch.from_numpy(data.astype("float32", copy=False).copy())
-        w = w.reshape(
-            tuple(int(d) for d in reversed(t.shape))
-        )  # ggml lists dims innermost first
+        w = w.reshape(tuple(int(d) for d in reversed(t.shape)))  # ggml lists dims innermost first
         if arch == "llama" and ".attn_q." in t.name:
             w = unpermute_qk(w, heads)
         elif arch == "llama" and ".attn_k." in t.name:
@@ -174,9 +149,7 @@ def convert_gguf(gguf_path: Path, out: Path, progress: bool = True) -> None:
     try:
         reader = GGUFReader(str(gguf_path))
     except (ValueError, OSError) as e:
-        raise SpecDecodeError(
-            f"not a readable GGUF file: {gguf_path} ({str(e).splitlines()[0]})"
-        ) from None
+        raise SpecDecodeError(f"not a readable GGUF file: {gguf_path} ({str(e).splitlines()[0]})") from None
     arch = gguf_architecture(reader)
     folder, file = str(gguf_path.parent), gguf_path.name
     hf_config = AutoConfig.from_pretrained(folder, gguf_file=file)
@@ -190,14 +163,8 @@ def convert_gguf(gguf_path: Path, out: Path, progress: bool = True) -> None:
     hf_config.save_pretrained(out)
     if "tokenizer.ggml.model" in reader.fields:
         AutoTokenizer.from_pretrained(folder, gguf_file=file).save_pretrained(out)
-    save_file(
-        {k: v.contiguous() for k, v in state.items()},
-        str(out / "model.safetensors"),
-        metadata={"format": "pt"},
-    )
-    (out / "source.json").write_text(
-        json.dumps({"gguf": str(gguf_path.resolve()), "version": CONVERTER_VERSION})
-    )
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "source.json").write_text(json.dumps({"gguf": str(gguf_path.resolve()), "version": CONVERTER_VERSION}))
 
 
 # ---- GGUF blocks kept quantized ("gguf" quantization) -----------------------------------
@@ -226,23 +193,9 @@ class Int4Groups:
         if extra <= 0:
             return self
         N, G = self.scales.shape
-        q = torch.cat(
-            [
-                self.q,
-                torch.full(
-                    (N, self.q.shape[1] * extra // self.planes), 8, dtype=torch.uint8
-                ),
-            ],
-            1,
-        )
+        q = torch.cat([self.q, torch.full((N, self.q.shape[1] * extra // self.planes), 8, dtype=torch.uint8)], 1)
         pad = torch.zeros(N, G * extra // self.planes)
-        return Int4Groups(
-            q,
-            torch.cat([self.scales, pad], 1),
-            torch.cat([self.zeros, pad], 1),
-            planes,
-            self.source_type,
-        )
+        return Int4Groups(q, torch.cat([self.scales, pad], 1), torch.cat([self.zeros, pad], 1), planes, self.source_type)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -258,28 +211,17 @@ def decode_int4_groups(raw: np.ndarray, type_name: str, n: int, k: int) -> Int4G
     """Raw GGUF rows [n, bytes] of type ``type_name`` (see GGUF_INT4_TYPES) -> Int4Groups."""
     if type_name == "Q4_K":
         b = raw.reshape(n, k // 256, 144)
-        d, dmin = (
-            _f16(b[..., 0:2])[..., None],
-            _f16(b[..., 2:4])[..., None],
-        )  # [n, B, 1]
+        d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]  # [n, B, 1]
         from gguf.quants import Q4_K
 
         sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(b[..., 4:16]).reshape(-1, 12))
         sc = sc.reshape(n, k // 256, 8).astype(np.float32)
         mn = mn.reshape(n, k // 256, 8).astype(np.float32)
-        qs = b[..., 16:].reshape(n, k // 256, 4, 1, 32) >> np.array(
-            [0, 4], dtype=np.uint8
-        ).reshape(1, 1, 1, 2, 1)
+        qs = b[..., 16:].reshape(n, k // 256, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
         q = (qs & 0x0F).reshape(n, k)
         scale = (d * sc).reshape(n, -1)  # w = d sc q - dmin m per 32
         zero = (8 * d * sc - dmin * mn).reshape(n, -1)
-        return Int4Groups(
-            torch.from_numpy(q.copy()),
-            torch.from_numpy(scale),
-            torch.from_numpy(zero),
-            1,
-            type_name,
-        )
+        return Int4Groups(torch.from_numpy(q.copy()), torch.from_numpy(scale), torch.from_numpy(zero), 1, type_name)
     width = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[type_name]
     b = raw.reshape(n, k // 32, width)
     d = _f16(b[..., 0:2])[..., 0]  # [n, G]
@@ -290,33 +232,15 @@ def decode_int4_groups(raw: np.ndarray, type_name: str, n: int, k: int) -> Int4G
     else:  # Q8_0: w = d q8, q8 = 16 hi + lo with hi in [-8, 7], lo in [0, 15]
         q8 = np.ascontiguousarray(b[..., 2:]).view(np.int8).astype(np.int16)
         hi, lo = (q8 >> 4) + 8, q8 & 0x0F  # arithmetic shift: floor division by 16
-        q = np.concatenate([hi.reshape(n, k), lo.reshape(n, k)], axis=1).astype(
-            np.uint8
-        )
-        scale = np.concatenate(
-            [16 * d, d], axis=1
-        )  # hi plane: (hi - 8) 16 d; lo plane: (lo - 8) d + 8 d
+        q = np.concatenate([hi.reshape(n, k), lo.reshape(n, k)], axis=1).astype(np.uint8)
+        scale = np.concatenate([16 * d, d], axis=1)  # hi plane: (hi - 8) 16 d; lo plane: (lo - 8) d + 8 d
         zero = np.concatenate([np.zeros_like(d), 8 * d], axis=1)
-        return Int4Groups(
-            torch.from_numpy(q),
-            torch.from_numpy(scale),
-            torch.from_numpy(zero),
-            2,
-            type_name,
-        )
+        return Int4Groups(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(zero), 2, type_name)
     q = q.reshape(n, k).astype(np.uint8)
-    return Int4Groups(
-        torch.from_numpy(q),
-        torch.from_numpy(d.copy()),
-        torch.from_numpy(zero),
-        1,
-        type_name,
-    )
+    return Int4Groups(torch.from_numpy(q), torch.from_numpy(d.copy()), torch.from_numpy(zero), 1, type_name)
 
 
-def gguf_int4_weights(
-    gguf_path: Path, num_heads: int, num_kv_heads: int
-) -> dict[str, Int4Groups]:
+def gguf_int4_weights(gguf_path: Path, num_heads: int, num_kv_heads: int) -> dict[str, Int4Groups]:
     """transformers' name -> Int4Groups for every 2-D projection of a GGUF stored in a GGUF_INT4_TYPES
     type; dense (F32/F16/BF16) weights are left out. Any other type raises, naming the supported ones."""
     from gguf import GGUFReader
@@ -337,16 +261,8 @@ def gguf_int4_weights(
             )
         k, n = (int(d) for d in t.shape)  # ggml lists dims innermost first
         g = decode_int4_groups(np.asarray(t.data), kind, n, k)
-        heads = (
-            num_heads
-            if ".attn_q." in t.name
-            else num_kv_heads
-            if ".attn_k." in t.name
-            else None
-        )
-        if (
-            arch == "llama" and heads is not None
-        ):  # rows permuted whole: blocks run along K
+        heads = num_heads if ".attn_q." in t.name else num_kv_heads if ".attn_k." in t.name else None
+        if arch == "llama" and heads is not None:  # rows permuted whole: blocks run along K
             g = Int4Groups(unpermute_qk(g.q, heads), unpermute_qk(g.scales, heads), unpermute_qk(g.zeros, heads),
                            g.planes, g.source_type)  # fmt: skip
         out[hf_name(t.name, arch)] = g

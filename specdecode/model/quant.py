@@ -31,12 +31,7 @@ from specdecode.config import SpecDecodeError
 QUANTIZATIONS = ("none", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "gguf")
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 32
-LINEAR_NAMES = (
-    "attn.qkv",
-    "attn.o",
-    "mlp.gate_up",
-    "mlp.down",
-)  # per Block, plus lm_head
+LINEAR_NAMES = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # per Block, plus lm_head
 
 
 @dataclass(frozen=True)
@@ -45,30 +40,18 @@ class Quantization:
     group_size: int | None = None  # int4 only
 
 
-def parse_quantization(
-    value: str | None, group_size: int | None = None
-) -> Quantization | None:
+def parse_quantization(value: str | None, group_size: int | None = None) -> Quantization | None:
     """None / "none" -> None; "int8", "int4" (g32), "int4-g64", ..., "gguf" -> a Quantization."""
     if value is None or value == "none":
         return None
     if not isinstance(value, str) or value not in QUANTIZATIONS:
-        raise SpecDecodeError(
-            f"unsupported quantization {value!r}; supported: {', '.join(QUANTIZATIONS)}"
-        )
+        raise SpecDecodeError(f"unsupported quantization {value!r}; supported: {', '.join(QUANTIZATIONS)}")
     if value.startswith("int4"):
-        g = (
-            int(value.removeprefix("int4-g"))
-            if "-g" in value
-            else group_size or DEFAULT_GROUP_SIZE
-        )
+        g = int(value.removeprefix("int4-g")) if "-g" in value else group_size or DEFAULT_GROUP_SIZE
         if group_size is not None and group_size != g:
-            raise SpecDecodeError(
-                f"quantization {value!r} contradicts group_size={group_size}"
-            )
+            raise SpecDecodeError(f"quantization {value!r} contradicts group_size={group_size}")
         if g not in GROUP_SIZES:
-            raise SpecDecodeError(
-                f"unsupported int4 group size {g}; supported: {', '.join(map(str, GROUP_SIZES))}"
-            )
+            raise SpecDecodeError(f"unsupported int4 group size {g}; supported: {', '.join(map(str, GROUP_SIZES))}")
         return Quantization("int4", g)
     if group_size is not None:
         raise SpecDecodeError(f"group_size applies to int4 only, not {value!r}")
@@ -101,22 +84,14 @@ def quantize_int4(w: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
     w = F.pad(w, (0, -K % group_size)).view(N, -1, group_size)
     lo, hi = w.amin(dim=2), w.amax(dim=2)
     scales = ((hi - lo) / 15).clamp(min=1e-8)
-    q = (
-        torch.round((w - lo[..., None]) / scales[..., None])
-        .clamp(0, 15)
-        .to(torch.uint8)
-    )
+    q = torch.round((w - lo[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
     return q.view(N, -1), scales, lo + 8 * scales
 
 
-def dequantize_int4(
-    q: Tensor, scales: Tensor, zeros: Tensor, group_size: int
-) -> Tensor:
+def dequantize_int4(q: Tensor, scales: Tensor, zeros: Tensor, group_size: int) -> Tensor:
     """fp32 [N, Kp]: (q - 8) * s + z, the formula the kernels evaluate (with their s, z dtype)."""
     N = q.shape[0]
-    w = (q.float().view(N, -1, group_size) - 8) * scales.float()[
-        ..., None
-    ] + zeros.float()[..., None]
+    w = (q.float().view(N, -1, group_size) - 8) * scales.float()[..., None] + zeros.float()[..., None]
     return w.view(N, -1)
 
 
@@ -129,28 +104,16 @@ class Int8Linear(nn.Module):
     Computes in ``dtype`` (the scales' dtype); other activation dtypes are cast in and out.
     """
 
-    def __init__(
-        self,
-        q: Tensor,
-        scales: Tensor,
-        bias: Tensor | None = None,
-        dtype: torch.dtype = torch.bfloat16,
-    ):
+    def __init__(self, q: Tensor, scales: Tensor, bias: Tensor | None = None, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         self.out_features, self.in_features = q.shape
-        self.k_pad = (
-            -self.in_features % 32
-        )  # the bf16 CPU kernel crashes on K % 16 != 0
-        self.register_buffer(
-            "weight", F.pad(q.to(torch.int8), (0, self.k_pad)).contiguous()
-        )
+        self.k_pad = -self.in_features % 32  # the bf16 CPU kernel crashes on K % 16 != 0
+        self.register_buffer("weight", F.pad(q.to(torch.int8), (0, self.k_pad)).contiguous())
         self.register_buffer("scales", scales.to(dtype))
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
 
     @classmethod
-    def from_weight(
-        cls, w: Tensor, bias: Tensor | None = None, dtype: torch.dtype = torch.bfloat16
-    ) -> Int8Linear:
+    def from_weight(cls, w: Tensor, bias: Tensor | None = None, dtype: torch.dtype = torch.bfloat16) -> Int8Linear:
         q, s = quantize_int8(w)
         return cls(q.to(w.device), s.to(w.device), bias, dtype)
 
@@ -195,29 +158,16 @@ class Int4Linear(nn.Module):
         N, width = q.shape
         plane = width // input_planes
         G = width // group_size
-        if (
-            width % input_planes
-            or plane % group_size
-            or scales.shape != (N, G)
-            or zeros.shape != scales.shape
-        ):
-            raise ValueError(
-                f"int4: q {tuple(q.shape)}, scales {tuple(scales.shape)}, group {group_size} disagree"
-            )
+        if width % input_planes or plane % group_size or scales.shape != (N, G) or zeros.shape != scales.shape:
+            raise ValueError(f"int4: q {tuple(q.shape)}, scales {tuple(scales.shape)}, group {group_size} disagree")
         self.out_features, self.in_features = N, in_features or plane
-        self.group_size, self.input_planes, self.source = (
-            group_size,
-            input_planes,
-            source,
-        )
+        self.group_size, self.input_planes, self.source = group_size, input_planes, source
         self.k_pad = plane - self.in_features
         self.n_pad = -N % 16  # the CPU kernel works on 16-column tiles
         device = q.device
         q = F.pad(q.to(torch.int32), (0, 0, 0, self.n_pad), value=8)
         sz = torch.stack((scales.float(), zeros.float()), dim=-1)  # [N, G, 2]
-        sz = (
-            F.pad(sz, (0, 0, 0, 0, 0, self.n_pad)).transpose(0, 1).contiguous()
-        )  # [G, Np, 2]
+        sz = F.pad(sz, (0, 0, 0, 0, 0, self.n_pad)).transpose(0, 1).contiguous()  # [G, Np, 2]
         if device.type == "cuda":
             packed_u8 = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
             tiles = 8 if width % 128 == 0 else 4 if width % 64 == 0 else 2
@@ -229,22 +179,14 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.float())
 
     @classmethod
-    def from_weight(
-        cls, w: Tensor, group_size: int = DEFAULT_GROUP_SIZE, bias: Tensor | None = None
-    ) -> Int4Linear:
+    def from_weight(cls, w: Tensor, group_size: int = DEFAULT_GROUP_SIZE, bias: Tensor | None = None) -> Int4Linear:
         q, s, z = quantize_int4(w, group_size)
         return cls(q, s, z, group_size, in_features=w.shape[1], bias=bias)
 
     def kernel(self) -> str:
-        name = (
-            "int4pack_mm"
-            if self.weight.device.type == "cuda"
-            else "int4pack_mm_for_cpu"
-        )
+        name = "int4pack_mm" if self.weight.device.type == "cuda" else "int4pack_mm_for_cpu"
         planes = f" x{self.input_planes} planes" if self.input_planes > 1 else ""
-        return f"{name} g{self.group_size}{planes}" + (
-            f" ({self.source})" if self.source else ""
-        )
+        return f"{name} g{self.group_size}{planes}" + (f" ({self.source})" if self.source else "")
 
     def forward(self, x: Tensor) -> Tensor:
         lead = x.shape[:-1]
@@ -255,13 +197,9 @@ class Int4Linear(nn.Module):
             x2 = x2.repeat(1, self.input_planes)
         x2 = x2.contiguous()
         if x2.device.type == "cuda":
-            y = torch._weight_int4pack_mm(
-                x2, self.weight, self.group_size, self.scales_and_zeros
-            )
+            y = torch._weight_int4pack_mm(x2, self.weight, self.group_size, self.scales_and_zeros)
         else:
-            y = torch._weight_int4pack_mm_for_cpu(
-                x2, self.weight, self.group_size, self.scales_and_zeros
-            )
+            y = torch._weight_int4pack_mm_for_cpu(x2, self.weight, self.group_size, self.scales_and_zeros)
         if self.n_pad:
             y = y[:, : self.out_features]
         if self.bias is not None:
@@ -280,14 +218,10 @@ class Int4Linear(nn.Module):
 
 def linear_names(model: nn.Module) -> list[str]:
     """The quantizable linears of a Transformer: every block's qkv, o, gate_up, down, then lm_head."""
-    return [
-        f"layers.{i}.{n}" for i in range(len(model.layers)) for n in LINEAR_NAMES
-    ] + ["lm_head"]
+    return [f"layers.{i}.{n}" for i in range(len(model.layers)) for n in LINEAR_NAMES] + ["lm_head"]
 
 
-def quantize_model_(
-    model: nn.Module, quantization: str, group_size: int | None = None
-) -> nn.Module:
+def quantize_model_(model: nn.Module, quantization: str, group_size: int | None = None) -> nn.Module:
     """Replace the Transformer's linears by Int8Linear / Int4Linear in place; returns the model.
 
     A head tied to the embeddings is quantized as its own copy; the embedding table stays as is.
@@ -296,9 +230,7 @@ def quantize_model_(
     if spec is None:
         return model
     if spec.mode == "gguf":
-        raise SpecDecodeError(
-            "quantization 'gguf' needs the GGUF file: use load_model(path, quantization='gguf')"
-        )
+        raise SpecDecodeError("quantization 'gguf' needs the GGUF file: use load_model(path, quantization='gguf')")
     dtype = model.embed.weight.dtype
     for name in linear_names(model):
         lin = model.get_submodule(name)
