@@ -67,12 +67,7 @@ def main() -> None:
     modes = args.modes.split(",")
     ms = [int(m) for m in args.positions.split(",")]
 
-    loaded = {
-        q: load_model(
-            None, dtype="bfloat16", device="cpu", progress=False, quantization=q
-        )
-        for q in modes
-    }
+    loaded = {q: load_model(None, dtype="bfloat16", device="cpu", progress=False, quantization=q) for q in modes}
     tok = next(iter(loaded.values())).tokenizer
     text = tok.apply_chat_template(
         [{"role": "user", "content": PROMPT}],
@@ -107,12 +102,7 @@ def main() -> None:
     print(f"\n$ python {' '.join(sys.argv)}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16 activations, prompt {ids.shape[1]} tokens, "
           f"medians of {args.rounds} rounds (forward) / {args.decode_rounds} (decode)")  # fmt: skip
-    head = (
-        "| mode | "
-        + " | ".join(f"M={m} ms" for m in ms)
-        + " | M=5/M=1 | decode tok/s | vs "
-        + base
-    )
+    head = "| mode | " + " | ".join(f"M={m} ms" for m in ms) + " | M=5/M=1 | decode tok/s | vs " + base
     head += f" | greedy = {base} |"
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
@@ -120,17 +110,9 @@ def main() -> None:
         row = [f"{med[q, m]:.1f}" for m in ms]
         ratio = f"{med[q, 5] / med[q, 1]:.2f}x" if 5 in ms and 1 in ms else "-"
         same = sum(a == b for a, b in zip(tokens[q], tokens[base]))
-        first_diff = next(
-            (i for i, (a, b) in enumerate(zip(tokens[q], tokens[base])) if a != b), None
-        )
-        agree = f"{same}/{len(tokens[base])}" + (
-            f" (first diff @{first_diff})" if first_diff is not None else ""
-        )
-        print(
-            f"| {q} | "
-            + " | ".join(row)
-            + f" | {ratio} | {tps[q]:.1f} | {tps[q] / tps[base]:.2f}x | {agree} |"
-        )
+        first_diff = next((i for i, (a, b) in enumerate(zip(tokens[q], tokens[base])) if a != b), None)
+        agree = f"{same}/{len(tokens[base])}" + (f" (first diff @{first_diff})" if first_diff is not None else "")
+        print(f"| {q} | " + " | ".join(row) + f" | {ratio} | {tps[q]:.1f} | {tps[q] / tps[base]:.2f}x | {agree} |")
     print()
     for q, lm in loaded.items():
         print(f"{q}: {describe_kernels(lm.model)}")

@@ -195,7 +195,9 @@ class Int4Groups:
         N, G = self.scales.shape
         q = torch.cat([self.q, torch.full((N, self.q.shape[1] * extra // self.planes), 8, dtype=torch.uint8)], 1)
         pad = torch.zeros(N, G * extra // self.planes)
-        return Int4Groups(q, torch.cat([self.scales, pad], 1), torch.cat([self.zeros, pad], 1), planes, self.source_type)
+        return Int4Groups(
+            q, torch.cat([self.scales, pad], 1), torch.cat([self.zeros, pad], 1), planes, self.source_type
+        )
 
 
 def _f16(b: np.ndarray) -> np.ndarray:

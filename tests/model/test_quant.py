@@ -115,9 +115,7 @@ SEQ = torch.tensor([5, 17, 33, 90, 41, 8, 77, 12, 60, 25, 99, 14])
 
 @pytest.fixture(scope="module", params=["llama", "llama_untied"])
 def tiny_folder(request, tmp_path_factory):
-    return make_tiny_checkpoint(
-        tmp_path_factory.mktemp(request.param), request.param, hidden_size=128
-    )
+    return make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), request.param, hidden_size=128)
 
 
 def dequantized_copy(model: nn.Module, quant: str) -> nn.Module:
@@ -132,9 +130,7 @@ def dequantized_copy(model: nn.Module, quant: str) -> nn.Module:
             deq = dequantize_int8(q, s.to(w.dtype))
         else:
             q, s, z = quantize_int4(w, spec.group_size)
-            deq = dequantize_int4(q, s.bfloat16(), z.bfloat16(), spec.group_size)[
-                :, : w.shape[1]
-            ]
+            deq = dequantize_int4(q, s.bfloat16(), z.bfloat16(), spec.group_size)[:, : w.shape[1]]
         new = nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None)
         new.weight = nn.Parameter(deq.to(w.dtype), requires_grad=False)
         new.bias = lin.bias
@@ -162,25 +158,17 @@ def test_quantized_model_matches_dequantized_weights(tiny_folder, quant):
     assert (got - plain).norm() / plain.norm() < (0.03 if quant == "int8" else 0.4)
     model = quantized.model
     kind = Int8Linear if quant == "int8" else Int4Linear
-    assert all(
-        isinstance(model.get_submodule(n), kind)
-        for n in ("layers.0.attn.qkv", "layers.2.mlp.down", "lm_head")
-    )
+    assert all(isinstance(model.get_submodule(n), kind) for n in ("layers.0.attn.qkv", "layers.2.mlp.down", "lm_head"))
     assert isinstance(model.embed, nn.Embedding)  # a tied table stays dense and equal
     assert torch.equal(model.embed.weight, dense.model.embed.weight)
     assert "(13 layers), float32 embedding" in describe_kernels(model)
 
 
 def test_quantize_model_in_place_and_bf16(tiny_folder):
-    model = load_model(
-        str(tiny_folder), dtype="bfloat16", device="cpu", progress=False
-    ).model
+    model = load_model(str(tiny_folder), dtype="bfloat16", device="cpu", progress=False).model
     ref = logits(model, SEQ)
     assert quantize_model_(model, "int4-g64") is model
-    assert (
-        describe_kernels(model)
-        == "int4pack_mm_for_cpu g64 (13 layers), bfloat16 embedding"
-    )
+    assert describe_kernels(model) == "int4pack_mm_for_cpu g64 (13 layers), bfloat16 embedding"
     got = logits(model, SEQ)
     assert got.dtype == torch.float32 and (got - ref).norm() / ref.norm() < 0.4
     with pytest.raises(SpecDecodeError, match="gguf"):
@@ -207,22 +195,16 @@ def test_gguf_blocks_decode_exactly(kind):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 def test_gguf_native_greedy_matches_fp32_dequantized(tmp_path, arch, kind):
-    path, _ = make_tiny_gguf(
-        tmp_path / f"{arch}-{kind}.gguf", arch, quant=kind, hidden_size=128
-    )
+    path, _ = make_tiny_gguf(tmp_path / f"{arch}-{kind}.gguf", arch, quant=kind, hidden_size=128)
     dense = load_model(str(path), dtype="float32", device="cpu", progress=False).model
-    native = load_model(
-        str(path), dtype="bfloat16", device="cpu", progress=False, quantization="gguf"
-    ).model
+    native = load_model(str(path), dtype="bfloat16", device="cpu", progress=False, quantization="gguf").model
     assert isinstance(native.get_submodule("layers.1.attn.qkv"), Int4Linear)
     assert isinstance(native.lm_head, Int4Linear)
     assert f"({kind})" in describe_kernels(native)
     prompt = [5, 17, 33, 90, 41, 8]
     assert greedy(native, prompt, 12) == greedy(dense, prompt, 12)
     ref, got = logits(dense, SEQ), logits(native, SEQ)
-    assert (
-        got - ref
-    ).norm() / ref.norm() < 0.02  # bf16 activations; the weights are the file's
+    assert (got - ref).norm() / ref.norm() < 0.02  # bf16 activations; the weights are the file's
 
 
 def test_bad_quantization_values_raise(tmp_path, tiny_folder):
@@ -231,7 +213,5 @@ def test_bad_quantization_values_raise(tmp_path, tiny_folder):
     with pytest.raises(SpecDecodeError, match="needs a .gguf file"):
         load_model(str(tiny_folder), device="cpu", progress=False, quantization="gguf")
     path, _ = make_tiny_gguf(tmp_path / "q5.gguf", "llama", quant="Q5_0")
-    with pytest.raises(
-        SpecDecodeError, match="type Q5_0.*supported types: Q4_0, Q4_1, Q4_K, Q8_0"
-    ):
+    with pytest.raises(SpecDecodeError, match="type Q5_0.*supported types: Q4_0, Q4_1, Q4_K, Q8_0"):
         load_model(str(path), device="cpu", progress=False, quantization="gguf")
