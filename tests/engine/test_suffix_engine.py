@@ -1,0 +1,118 @@
+"""The suffix drafter end to end on tiny random models, in fp32.
+
+(a) At temperature 0 it gives exactly plain greedy's tokens, at batch 1 and batch 4,
+    over several `generate` calls in a row, so the global tree of earlier outputs is
+    used (and, with a small cache, evicted from) while it stays lossless.
+(b) Under sampling, the joint distribution of the first tokens equals the target's,
+    with proposals drawn from both trees (multi-draft one-hot tree verification).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from scipy.stats import chisquare
+
+from specdecode import LLM, SamplingParams
+from tests.engine.test_lossless import exact_joint
+from tests.tiny import make_tiny_checkpoint
+
+PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4, 4, 6], [11], [2, 3, 2, 3, 2, 3, 2, 3, 2]]
+
+
+def greedy(max_tokens):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("suffix") / "target", "llama", seed=0))
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    return LLM(model=target, dtype="float32", device="cpu")
+
+
+@pytest.mark.parametrize("options", [{}, {"num_speculative_tokens": 6, "suffix_decoding_max_cached_requests": 2,
+                                          "suffix_decoding_max_tree_depth": 8, "suffix_decoding_min_token_prob": 0.0}])
+def test_greedy_equals_plain_across_calls(target, plain, options):
+    llm = LLM(model=target, speculative_config={"method": "suffix", **options}, dtype="float32", device="cpu")
+    drafter = llm.engine.drafter
+    for call, max_tokens in enumerate((40, 40, 17, 1, 33)):
+        ref = plain.generate(PROMPTS, greedy(max_tokens))
+        before = drafter.stats.global_
+        single = [llm.generate([p], greedy(max_tokens))[0] for p in PROMPTS]
+        batch = llm.generate(PROMPTS, greedy(max_tokens))
+        for r, s, b in zip(ref, single, batch):
+            assert len(r.token_ids) == max_tokens
+            assert s.token_ids == r.token_ids, (options, call)
+            assert b.token_ids == r.token_ids, (options, call)
+        if call == 1:  # the prompts repeat: earlier outputs are drafted from and accepted
+            assert drafter.stats.global_ > before
+            assert all(o.metrics.num_drafts > 0 for o in batch)
+            assert min(o.metrics.acceptance_rate for o in batch) > 0.5
+    assert 0 < len(drafter.cache) <= options.get("suffix_decoding_max_cached_requests", 10000)
+
+
+def test_global_tree_drafts_a_repeated_prompt(target, plain):
+    llm = LLM(model=target, speculative_config={"method": "suffix"}, dtype="float32", device="cpu")
+    prompt = [40, 41, 42, 43]
+    first = llm.generate([prompt], greedy(48))[0]
+    second = llm.generate([prompt], greedy(48))[0]
+    assert first.token_ids == second.token_ids == plain.generate([prompt], greedy(48))[0].token_ids
+    # the second run drafts the first run's answer: fewer, fuller rounds
+    assert second.metrics.num_accepted_tokens > first.metrics.num_accepted_tokens
+    assert second.metrics.num_drafts < first.metrics.num_drafts or first.metrics.num_drafts == 0
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 4)])
+def test_sampled_joint_distribution_matches_target(tmp_path, temperature, top_k):
+    V, n, samples = 6, 3, 3000
+    target = make_tiny_checkpoint(tmp_path / "t", "llama", seed=0, vocab_size=V)
+    spec = {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_min_token_prob": 0.0,
+            "suffix_decoding_max_spec_factor": 2.0}
+    llm = LLM(model=str(target), speculative_config=spec, dtype="float32", device="cpu")
+    drafter = llm.engine.drafter
+    prompt = [1, 2, 3, 4, 1, 5, 1, 2, 0, 1]  # many earlier matches of the last tokens
+    want = exact_joint(llm, prompt, n, temperature, top_k)
+
+    def params(seeds):
+        return [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=n, seed=s, ignore_eos=True) for s in seeds]
+
+    llm.generate([prompt] * 200, params(range(10**6, 10**6 + 200)))  # fills the global tree
+    assert len(drafter.cache) > 0
+    global_before = drafter.stats.global_
+    branching = []  # rounds whose draft had a node with several children
+    propose = drafter.propose
+
+    def counting_propose(batch, num_tokens):
+        draft = propose(batch, num_tokens)
+        branching.append(draft.tree is not None and max(draft.tree.fanout, default=0) > 1)
+        return draft
+
+    drafter.propose = counting_propose
+    outs = llm.generate([prompt] * samples, params(range(samples)))
+    assert any(branching)
+    assert drafter.stats.global_ > global_before  # proposals came from earlier outputs too
+    assert sum(o.metrics.num_drafts for o in outs) > 0
+    counts: dict[tuple, int] = {}
+    for o in outs:
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+
+    keys = [k for k in itertools.product(range(V), repeat=n) if want[k] > 0]
+    assert set(counts) <= set(keys), "sampled a continuation the target gives probability 0"
+    # Pool rare cells so the chi-square approximation holds (expected count >= 5 per cell).
+    common = [k for k in keys if want[k] * samples >= 5]
+    obs = [counts.get(k, 0) for k in common] + [samples - sum(counts.get(k, 0) for k in common)]
+    exp = [want[k] * samples for k in common] + [samples * (1 - sum(want[k] for k in common))]
+    assert chisquare(obs, exp).pvalue > 1e-3
+    # Power check: a sampler that is slightly off (the target at 0.8x the temperature, or
+    # one that puts 10% of its mass uniformly over the continuations the target allows)
+    # is rejected by the same test at the same size.
+    colder = exact_joint(llm, prompt, n, 0.8 * temperature, top_k)
+    for wrong in (colder, {k: 0.9 * want[k] + 0.1 / len(keys) for k in keys}):
+        alt = [wrong.get(k, 0) * samples for k in common]
+        alt.append(samples - sum(alt))
+        assert chisquare(alt, exp).pvalue < 1e-3
