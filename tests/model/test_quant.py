@@ -15,6 +15,7 @@ from specdecode.model.loader import load_model
 from specdecode.model.quant import (
     Int4Linear,
     Int8Linear,
+    _avx512_bf16_lib,
     dequantize_int4,
     dequantize_int8,
     describe_kernels,
@@ -43,16 +44,29 @@ def close(y: torch.Tensor, ref: torch.Tensor, rel: float) -> bool:
 SHAPES_INT4 = [(3, 96, 32), (40, 200, 64), (24, 160, 32), (17, 1152, 128)]
 
 
+KERNELS = ["stock"] + (["avx512_bf16"] if _avx512_bf16_lib() is not None else [])
+
+
+def kernel_weights(q, s, z, g, kernel: str) -> torch.Tensor:
+    """The weights a CPU kernel evaluates (in fp32): stock keeps s, z in bf16; ours keeps s and z - 8 s in fp16."""
+    if kernel == "stock":
+        return dequantize_int4(q, s.bfloat16(), z.bfloat16(), g)
+    n = q.shape[0]
+    s16, z16 = s.half().float(), (z.double() - 8 * s.double()).half().float()
+    return (q.float().view(n, -1, g) * s16[..., None] + z16[..., None]).view(n, -1)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("n,k,g", SHAPES_INT4)
-@pytest.mark.parametrize("m", [1, 3, 9])
-def test_int4_matches_dequantized_reference(n, k, g, m):
+@pytest.mark.parametrize("m", [1, 3, 9, 20])
+def test_int4_matches_dequantized_reference(kernel, n, k, g, m):
     gen = torch.Generator().manual_seed(n * k + m)
     w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
     q, s, z = quantize_int4(w, g)
-    # the kernel's weights: bf16 scales and zeros, evaluated in fp32
-    ref_w = dequantize_int4(q, s.bfloat16(), z.bfloat16(), g)[:, :k]
+    ref_w = kernel_weights(q, s, z, g, kernel)[:, :k]
     assert close(ref_w, w, 0.1)  # 4 bits: within ~1/15 of each group's range
-    lin = Int4Linear.from_weight(w, g, bias=b)
+    lin = Int4Linear.from_weight(w, g, bias=b, kernel=kernel)
+    assert lin.impl == kernel
     x = torch.randn(2, m, k, generator=gen)
     ref = x.bfloat16().float() @ ref_w.T + b  # the kernel computes in bf16
     y = lin(x)
@@ -130,7 +144,7 @@ def dequantized_copy(model: nn.Module, quant: str) -> nn.Module:
             deq = dequantize_int8(q, s.to(w.dtype))
         else:
             q, s, z = quantize_int4(w, spec.group_size)
-            deq = dequantize_int4(q, s.bfloat16(), z.bfloat16(), spec.group_size)[:, : w.shape[1]]
+            deq = kernel_weights(q, s, z, spec.group_size, KERNELS[-1])[:, : w.shape[1]]
         new = nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None)
         new.weight = nn.Parameter(deq.to(w.dtype), requires_grad=False)
         new.bias = lin.bias
@@ -167,7 +181,7 @@ def test_quantized_model_matches_dequantized_weights(tiny_folder, quant):
 def test_quantize_model_in_place_and_bf16(tiny_folder):
     model = load_model(str(tiny_folder), dtype="bfloat16", device="cpu", progress=False).model
     ref = logits(model, SEQ)
-    assert quantize_model_(model, "int4-g64") is model
+    assert quantize_model_(model, "int4-g64", int4_kernel="stock") is model
     assert describe_kernels(model) == "int4pack_mm_for_cpu g64 (13 layers), bfloat16 embedding"
     got = logits(model, SEQ)
     assert got.dtype == torch.float32 and (got - ref).norm() / ref.norm() < 0.4
@@ -190,6 +204,22 @@ def test_gguf_blocks_decode_exactly(kind):
     ours = dequantize_int4(g.q, g.scales, g.zeros, 32)  # fp32 scales and zeros
     ours = ours[:, :96] + ours[:, 96:] if g.planes == 2 else ours
     np.testing.assert_array_equal(ours.numpy(), dequantize(raw, qtype))
+
+
+@pytest.mark.skipif("avx512_bf16" not in KERNELS, reason="needs an AVX512-BF16 CPU and a C compiler")
+def test_avx512_kernel_keeps_gguf_q4_1_scales_exactly():
+    import gguf
+    from gguf.quants import quantize
+
+    w = np.random.default_rng(1).standard_normal((32, 64)).astype(np.float32)
+    raw = quantize(w, gguf.GGMLQuantizationType.Q4_1)
+    blocks = raw.reshape(32, 2, 20)
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0])  # [N, G]
+    m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0])
+    g = decode_int4_groups(raw, "Q4_1", 32, 64)
+    lin = Int4Linear(g.q, g.scales, g.zeros, 32, kernel="avx512_bf16")
+    sz = lin.scales_and_zeros  # [N/32, G, 2, 32]: fp16 scale and zero of w = d q + m
+    assert torch.equal(sz[0, :, 0].T, d) and torch.equal(sz[0, :, 1].T, m)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
