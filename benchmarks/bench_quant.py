@@ -1,7 +1,7 @@
 """Quantized weight-only linears on the default model: every ratio measured side by side in one run.
 
 CPU, batch 1, activations in bf16. For each quantization (none = bf16 weights, int8, int4 g32,
-gguf = the file's own Q4_1/Q8_0 blocks) it reports:
+gguf = the file's own Q4_1/Q8_0 blocks; "@stock" = torch's int4 CPU kernel instead of ours) it reports:
   1. ms per forward of M = 1, 2, 5, 9, 16 new positions over a cached prompt (the verify cost
      curve of speculative decoding), and the M=5 / M=1 ratio;
   2. greedy decode tok/s (time after the first token) and its speedup over bf16;
@@ -9,7 +9,7 @@ gguf = the file's own Q4_1/Q8_0 blocks) it reports:
 Modes are interleaved round by round so that load from other processes hits them alike; the
 table reports medians.
 
-    python benchmarks/bench_quant.py [--modes none,int8,int4,gguf] [--positions 1,2,5,9,16]
+    python benchmarks/bench_quant.py [--modes none,int8,int4@stock,int4,gguf@stock,gguf] [--positions 1,2,5,9,16]
                                      [--rounds 15] [--new-tokens 64] [--threads 2]
 """
 
@@ -22,10 +22,25 @@ import time
 
 import torch
 
-from specdecode.model.loader import load_model
-from specdecode.model.quant import describe_kernels
+from specdecode.model.gguf_convert import gguf_int4_weights
+from specdecode.model.loader import default_model_path, load_model, use_gguf_blocks_
+from specdecode.model.quant import describe_kernels, quantize_model_
 
 PROMPT = "Explain in a few sentences why the sky is blue, then list three other colours of the sky at dusk."
+
+
+def load(mode: str):
+    """``mode`` is a quantization, or "int4@stock" / "gguf@stock" for torch's own int4 CPU kernel."""
+    quant, _, kernel = mode.partition("@")
+    if not kernel:
+        return load_model(None, dtype="bfloat16", device="cpu", progress=False, quantization=quant)
+    lm = load_model(None, dtype="bfloat16", device="cpu", progress=False)
+    if quant == "gguf":
+        blocks = gguf_int4_weights(default_model_path(), lm.config.num_heads, lm.config.num_kv_heads)
+        use_gguf_blocks_(lm.model, lm.config, blocks, int4_kernel=kernel)
+    else:
+        quantize_model_(lm.model, quant, int4_kernel=kernel)
+    return lm
 
 
 def forward_ms(model, cache, context: torch.Tensor, m: int) -> float:
@@ -55,7 +70,7 @@ def greedy(model, ids: torch.Tensor, n: int) -> tuple[list[int], float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--modes", default="none,int8,int4,gguf")
+    ap.add_argument("--modes", default="none,int8,int4@stock,int4,gguf@stock,gguf")
     ap.add_argument("--positions", default="1,2,5,9,16")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--decode-rounds", type=int, default=3)
@@ -67,7 +82,7 @@ def main() -> None:
     modes = args.modes.split(",")
     ms = [int(m) for m in args.positions.split(",")]
 
-    loaded = {q: load_model(None, dtype="bfloat16", device="cpu", progress=False, quantization=q) for q in modes}
+    loaded = {q: load(q) for q in modes}
     tok = next(iter(loaded.values())).tokenizer
     text = tok.apply_chat_template(
         [{"role": "user", "content": PROMPT}],

@@ -167,7 +167,9 @@ def load_model(
     return LoadedModel(model, config, load_tokenizer(folder), name, str(folder))
 
 
-def use_gguf_blocks_(model: Transformer, config: ModelConfig, blocks: dict[str, Int4Groups]) -> None:
+def use_gguf_blocks_(
+    model: Transformer, config: ModelConfig, blocks: dict[str, Int4Groups], int4_kernel: str = "auto"
+) -> None:
     """Replace each linear whose GGUF parts were all block-quantized by one Int4Linear (group 32).
 
     Parts are fused along the outputs like the dense weights (q/k/v, gate/up); a part in two
@@ -183,12 +185,12 @@ def use_gguf_blocks_(model: Transformer, config: ModelConfig, blocks: dict[str, 
             "mlp.down": [f"{src}mlp.down_proj.weight"],
         }
         for ours, theirs in parts.items():
-            _swap_int4(model, dst + ours, [blocks.get(t) for t in theirs])
+            _swap_int4(model, dst + ours, [blocks.get(t) for t in theirs], int4_kernel)
     head = "embed_tokens.weight" if config.tie_embeddings else "lm_head.weight"
-    _swap_int4(model, "lm_head", [blocks.get(head)])
+    _swap_int4(model, "lm_head", [blocks.get(head)], int4_kernel)
 
 
-def _swap_int4(model: Transformer, name: str, parts: list[Int4Groups | None]) -> None:
+def _swap_int4(model: Transformer, name: str, parts: list[Int4Groups | None], kernel: str) -> None:
     if any(p is None for p in parts):
         return
     planes = max(p.planes for p in parts)
@@ -198,7 +200,9 @@ def _swap_int4(model: Transformer, name: str, parts: list[Int4Groups | None]) ->
     q, s, z = (torch.cat([getattr(p, f) for p in parts]).to(device) for f in ("q", "scales", "zeros"))
     bias = None if lin.bias is None else lin.bias.detach()
     source = "+".join(sorted({p.source_type for p in parts}))
-    set_submodule(model, name, Int4Linear(q, s, z, 32, lin.in_features, bias, input_planes=planes, source=source))
+    set_submodule(
+        model, name, Int4Linear(q, s, z, 32, lin.in_features, bias, input_planes=planes, source=source, kernel=kernel)
+    )
 
 
 def load_tokenizer(folder: Path) -> transformers.PreTrainedTokenizerBase | None:
