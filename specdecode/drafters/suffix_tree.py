@@ -74,18 +74,20 @@ class SuffixTree:
         """
         root, deep = self.root, self.max_depth - 1
         for t in tokens:
-            new: list[Node] = []
-            for parent in (root, *state[:deep]):
-                child = parent.children.get(t)
+            new: list[Node] = [root]
+            new.extend(state[:deep])
+            for i, parent in enumerate(new):
+                children = parent.children
+                child = children.get(t)
                 if child is None:
-                    child = parent.children[t] = Node()
+                    child = children[t] = Node()
                 child.count += delta
                 parent.out += delta
-                if owner >= 0:
+                if delta < 0 and child.count == 0:
+                    del children[t]  # its subtree empties as the replay walks on
+                elif owner >= 0:
                     child.owner = owner
-                if child.count <= 0:
-                    del parent.children[t]  # its subtree empties as the replay walks on
-                new.append(child)
+                new[i] = child
             state = new
         return state
 
