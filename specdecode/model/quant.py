@@ -1,20 +1,26 @@
 """Weight-only quantized linears: int8 per output channel and group-wise int4.
 
-Owns: `Int8Linear` (``torch._weight_int8pack_mm``), `Int4Linear` (``_weight_int4pack_mm_for_cpu``
-on CPU, ``_weight_int4pack_mm`` on CUDA), the quantize / dequantize helpers that define their
-numerics, `quantize_model_` (swap a Transformer's linears in place), the parsing of the
-``quantization`` setting and `describe_kernels`.
+Owns: `Int8Linear` (``torch._weight_int8pack_mm``), `Int4Linear` (on CPU our AVX512-BF16 kernel,
+compiled on first use, else torch's ``_weight_int4pack_mm_for_cpu``; on CUDA
+``_weight_int4pack_mm``), the quantize / dequantize helpers that define their numerics,
+`quantize_model_` (swap a Transformer's linears in place), the parsing of the ``quantization``
+setting and `describe_kernels`.
 Does not own: reading GGUF blocks (gguf_convert.py), choosing when to quantize (loader.py).
 
 Numerics (checked against torch 2.13's kernels):
   int8: w = q * s[n], q in [-127, 127], one scale per output row (symmetric).
   int4: w = (q - 8) * s[n, g] + z[n, g], q in [0, 15], one (scale, zero) per row and group of
-        ``group_size`` inputs. The kernels take ``scales_and_zeros`` [K/g, N, 2] in bf16 and
+        ``group_size`` inputs. torch's kernels take ``scales_and_zeros`` [K/g, N, 2] in bf16 and
         dequantise in fp32 (``lut[q] * s + z``), accumulate in fp32 and round the output to bf16.
         Only bf16 is vectorised on CPU (fp32/fp16 run a scalar loop ~30x slower), so int4 always
-        computes in bf16 and casts the result back to the activation dtype.
+        computes in bf16 and casts the result back to the activation dtype. Our kernel (bottom of
+        this file) keeps s and z - 8 s in fp16 instead, which holds GGUF's fp16 block scales exactly.
 Both modules pad K internally (int4: to a group multiple; int8: to a multiple of 32, as the bf16
-CPU kernel crashes otherwise) and int4 pads N to the CPU kernel's 16-column tiles.
+CPU kernel crashes otherwise) and int4 pads N to its kernel's column tiles (16 or 32).
+
+Kernel choice (measured with benchmarks/bench_quant.py, SmolLM2-135M, 2 threads): ours is faster
+than torch's int4 CPU kernel at every M from 1 to 48 (at M = 1 by ~5-15%, at M = 5 by ~1.5x),
+because torch's re-dequantises every weight tile per block of 4 rows; so there is no per-M switch.
 """
 
 from __future__ import annotations
