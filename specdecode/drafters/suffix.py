@@ -12,7 +12,10 @@ before with a continuation, grow a proposal tree below it by estimated path prob
 one-hot). Trees come out as a `TreeBatch`, or as plain chains when every row's tree is one.
 
 Costs per row and round: a few dozen dict look-ups to match, at most three expansions
-of <= γ nodes per tree, and ``max_tree_depth`` look-ups per committed token.
+of <= γ nodes per tree, and ``max_tree_depth`` look-ups per committed token (about
+0.3-0.6 ms per row and round on CPU, ~1% of a default-model step). Memory: the tries
+are uncompressed Python objects, about 0.6 MB per cached 128-token output at depth 24,
+so the default cap of 10000 cached requests can reach several GB of novel text.
 """
 
 from __future__ import annotations
