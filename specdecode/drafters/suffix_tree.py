@@ -152,7 +152,7 @@ def speculate(node: Node, budget: int, min_prob: float) -> Speculation:
         for prob, index, parent in frontier:
             out = parent.out
             for token, child in parent.children.items():
-                p = prob * child.count / out
+                p = prob * (child.count / out)  # <= prob exactly: children never outrank parents
                 if p >= min_prob:
                     heapq.heappush(heap, (-p, tie, index, token, child))
                     tie += 1
