@@ -101,7 +101,7 @@ class SuffixTree:
 
     def match_nodes(self, context: Sequence[int]) -> list[Node]:
         """Nodes of the longest context suffixes that occurred *with a continuation*:
-        ``out[k - 1]`` is the node of ``context[-k:]``, for k = 1..L (L may be 0).
+        ``result[k - 1]`` is the node of ``context[-k:]``, for k = 1..L (L may be 0).
 
         Having a continuation is monotone in k (a suffix followed by x implies every
         shorter suffix followed by x), so L is found by binary search, never a full scan.
