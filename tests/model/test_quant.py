@@ -83,6 +83,17 @@ def test_int4_matches_dequantized_reference(kernel, n, k, g, m):
     assert close(lin(x.bfloat16()), ref, 1e-2)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_int4_rows_do_not_depend_on_how_many_are_verified(kernel):
+    """A row's output is bit-identical whether it runs alone or among M rows (decode vs verify)."""
+    gen = torch.Generator().manual_seed(7)
+    lin = Int4Linear.from_weight(torch.randn(96, 160, generator=gen), 32, kernel=kernel)
+    x = torch.randn(20, 160, generator=gen).bfloat16()
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(20)])
+    for m in (2, 5, 9, 16, 20):
+        assert torch.equal(lin(x[:m]), alone[:m])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k", [(3, 96), (40, 200), (17, 160)])
 def test_int8_matches_dequantized_reference(dtype, n, k):
