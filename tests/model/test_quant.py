@@ -11,12 +11,12 @@ import torch
 from torch import nn
 
 from specdecode.config import SpecDecodeError
+from specdecode.model.cpu_int4 import avx512_bf16_lib
 from specdecode.model.gguf_convert import decode_int4_groups
 from specdecode.model.loader import load_model
 from specdecode.model.quant import (
     Int4Linear,
     Int8Linear,
-    _avx512_bf16_lib,
     dequantize_int4,
     dequantize_int8,
     describe_kernels,
@@ -52,7 +52,7 @@ def close(y: torch.Tensor, ref: torch.Tensor, rel: float) -> bool:
 SHAPES_INT4 = [(3, 96, 32), (40, 200, 64), (24, 160, 32), (17, 1152, 128)]
 
 
-KERNELS = ["stock"] + (["avx512_bf16"] if _avx512_bf16_lib() is not None else [])
+KERNELS = ["stock"] + (["avx512_bf16"] if avx512_bf16_lib() is not None else [])
 
 
 def kernel_weights(q, s, z, g, kernel: str) -> torch.Tensor:

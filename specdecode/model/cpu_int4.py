@@ -1,0 +1,120 @@
+"""Our CPU int4 kernel (AVX512-BF16), compiled with the system C compiler on first use.
+
+Owns: compiling kernels/int4_avx512_bf16.c into the specdecode cache, deciding whether this
+machine can run it, packing int4 weights into its layout, and calling it through ctypes.
+Does not own: the quantized Linear modules (quant.py), which fall back to torch's stock
+kernel wherever this one is unavailable (no compiler, no AVX512-BF16, or CUDA).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from importlib.resources import files
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from specdecode.config import SpecDecodeError
+
+# The stock CPU kernel dequantises a weight tile for every block of 4 rows and multiplies in
+# fp32, so 5 positions cost ~2-3x one. Ours decodes each 16-column x 2-k slice of nibbles once
+# into bf16 (a 16-entry lookup: q in 0..15 is exact in bf16), multiplies it into up to 8 rows
+# with vdpbf16ps (fp32 accumulation), and applies the group's scale and zero once per group:
+#     y[m, n] = sum_g s[n, g] * (x[m, g] . q[n, g]) + z[n, g] * sum(x[m, g])
+# with w = s q + z (z = the stock kernel's zero - 8 s). Scales and zeros are fp16, so GGUF's
+# Q4_0 / Q4_1 / Q8_0 blocks (fp16 d and m) are kept bit-exact. Groups of 64 / 128 run as groups
+# of 32 with repeated scales. Layout: weight [N/32, G, 16, 32] bytes (q[k] | q[k+1] << 4 for
+# 32 columns), scales_and_zeros [N/32, G, 2, 32] fp16. Threads: OpenMP, which resolves to the
+# libgomp that torch has already loaded, so both share one thread pool.
+
+INT4_CPU_KERNELS = ("auto", "avx512_bf16", "stock")
+_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c", "fma")
+
+
+def _source() -> str:
+    return files("specdecode.model").joinpath("kernels/int4_avx512_bf16.c").read_text()
+
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+@functools.cache
+def avx512_bf16_lib() -> ctypes.CDLL | None:
+    """Our kernel, compiled once into the specdecode cache; None when this CPU or host can't run it."""
+    from specdecode.model.gguf_convert import cache_root
+
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None or not set(_CPU_FLAGS) <= _cpu_flags():
+        return None
+    flags = ["-O3", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
+    flags += ["-mf16c"]
+    source = _source()
+    digest = hashlib.sha256((source + " ".join(flags)).encode()).hexdigest()[:12]
+    target = cache_root() / "kernels" / f"int4_avx512_bf16-{digest}.so"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            src, out = Path(tmp) / "int4.c", Path(tmp) / "int4.so"
+            src.write_text(source)
+            done = subprocess.run([compiler, *flags, "-o", str(out), str(src)], check=False, capture_output=True)
+            if done.returncode != 0:
+                return None
+            os.replace(out, target)
+    lib = ctypes.CDLL(str(target))
+    lib.int4_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    lib.int4_gemm.argtypes += [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    lib.int4_gemm.restype = None
+    return lib
+
+
+def pick_cpu_kernel(kernel: str) -> str:
+    if kernel not in INT4_CPU_KERNELS:
+        raise SpecDecodeError(f"unknown int4 kernel {kernel!r}; supported: {', '.join(INT4_CPU_KERNELS)}")
+    if kernel == "stock":
+        return "stock"
+    if avx512_bf16_lib() is None:
+        if kernel == "avx512_bf16":
+            raise SpecDecodeError("the avx512_bf16 int4 kernel needs an AVX512-BF16 CPU and a C compiler")
+        return "stock"
+    return "avx512_bf16"
+
+
+def pack_avx512_bf16(q: Tensor, scales: Tensor, zeros: Tensor, group_size: int, n_pad: int) -> tuple[Tensor, Tensor]:
+    """(q [N, Kp], scales / stock-convention zeros [N, Kp/g]) -> our layout (see above)."""
+    N, Kp = q.shape
+    rep = group_size // 32
+    s = scales.double().repeat_interleave(rep, dim=1)
+    z = zeros.double().repeat_interleave(rep, dim=1) - 8 * s  # w = s q + z
+    q = F.pad(q.to(torch.uint8), (0, 0, 0, n_pad))
+    s, z = F.pad(s, (0, 0, 0, n_pad)), F.pad(z, (0, 0, 0, n_pad))
+    NT, G = (N + n_pad) // 32, Kp // 32
+    q = q.view(NT, 32, G, 16, 2)
+    packed = (q[..., 0] | q[..., 1] << 4).permute(0, 2, 3, 1).contiguous()  # [NT, G, 16, 32]
+    sz = torch.stack((s.view(NT, 32, G), z.view(NT, 32, G)), dim=2).permute(0, 3, 2, 1)  # [NT, G, 2, 32]
+    return packed, sz.to(torch.float16).contiguous()
+
+
+def avx512_bf16_mm(x: Tensor, packed: Tensor, sz: Tensor) -> Tensor:
+    M, K = x.shape
+    N = packed.shape[0] * 32
+    y = torch.empty(M, N, dtype=torch.bfloat16)
+    xs = torch.empty(M * K // 32, dtype=torch.float32)
+    avx512_bf16_lib().int4_gemm(
+        x.data_ptr(), M, K, packed.data_ptr(), sz.data_ptr(), N, y.data_ptr(), xs.data_ptr(), torch.get_num_threads()
+    )
+    return y

@@ -1,0 +1,88 @@
+/* Group-wise int4 x bf16 GEMM for AVX512-BF16 CPUs; see specdecode/model/cpu_int4.py for the layout. */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline __attribute__((always_inline)) void tile(
+    const int MB, const uint16_t* x, int K, const float* xs, const uint8_t* wp,
+    const uint16_t* sz, int G, uint16_t* y, int ldy) {
+  const __m512i mask = _mm512_set1_epi32(0x000F000F);
+  const __m512i lut = _mm512_set_epi16(
+      0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+      0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
+      0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);  /* bf16(15) ... bf16(0) */
+  __m512 o[8][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < MB; r++) o[r][0] = o[r][1] = _mm512_setzero_ps();
+  for (int g = 0; g < G; g++) {
+    __m512 acc[8][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < MB; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const uint8_t* gp = wp + (size_t)g * 512;
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) _mm_prefetch((const char*)(gp + 2048 + 64 * i), _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int p = 0; p < 16; p++) {
+      __m256i b = _mm256_loadu_si256((const __m256i*)(gp + p * 32));
+      __m512i v0 = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(b));
+      __m512i v1 = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(b, 1));
+      /* (v | v << 12) & 0x000F000F: lo nibble in the low word, hi nibble in the high word */
+      v0 = _mm512_ternarylogic_epi32(v0, _mm512_slli_epi32(v0, 12), mask, 0xA8);
+      v1 = _mm512_ternarylogic_epi32(v1, _mm512_slli_epi32(v1, 12), mask, 0xA8);
+      __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(v0, lut);
+      __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(v1, lut);
+#pragma GCC unroll 8
+      for (int r = 0; r < MB; r++) {
+        uint32_t pair;
+        memcpy(&pair, x + (size_t)r * K + g * 32 + 2 * p, 4);
+        __m512bh a = (__m512bh)_mm512_set1_epi32((int)pair);
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, w0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
+      }
+    }
+    const uint16_t* sp = sz + (size_t)g * 64;
+    __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)sp));
+    __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + 16)));
+    __m512 z0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + 32)));
+    __m512 z1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + 48)));
+#pragma GCC unroll 8
+    for (int r = 0; r < MB; r++) {
+      __m512 xv = _mm512_set1_ps(xs[r * G + g]);
+      o[r][0] = _mm512_fmadd_ps(s0, acc[r][0], _mm512_fmadd_ps(z0, xv, o[r][0]));
+      o[r][1] = _mm512_fmadd_ps(s1, acc[r][1], _mm512_fmadd_ps(z1, xv, o[r][1]));
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MB; r++) {
+    _mm256_storeu_si256((__m256i*)(y + (size_t)r * ldy), (__m256i)_mm512_cvtneps_pbh(o[r][0]));
+    _mm256_storeu_si256((__m256i*)(y + (size_t)r * ldy + 16), (__m256i)_mm512_cvtneps_pbh(o[r][1]));
+  }
+}
+
+#define TILE(MB) static void tile##MB(const uint16_t* x, int K, const float* xs, const uint8_t* wp, \
+    const uint16_t* sz, int G, uint16_t* y, int ldy) { tile(MB, x, K, xs, wp, sz, G, y, ldy); }
+TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7) TILE(8)
+typedef void (*tile_fn)(const uint16_t*, int, const float*, const uint8_t*, const uint16_t*, int, uint16_t*, int);
+static const tile_fn TILES[9] = {0, tile1, tile2, tile3, tile4, tile5, tile6, tile7, tile8};
+
+/* y [M, N] bf16 = x [M, K] bf16 @ W.T; K % 32 == 0, N % 32 == 0; xs: M * K / 32 floats of scratch */
+void int4_gemm(const uint16_t* x, int M, int K, const uint8_t* wp, const uint16_t* sz, int N, uint16_t* y,
+               float* xs, int threads) {
+  const int G = K / 32, NT = N / 32, MBN = (M + 7) / 8;
+  for (int i = 0; i < M * G; i++) {
+    float s = 0;
+    for (int j = 0; j < 32; j++) {
+      uint32_t u = (uint32_t)x[(size_t)i * 32 + j] << 16;
+      float f;
+      memcpy(&f, &u, 4);
+      s += f;
+    }
+    xs[i] = s;
+  }
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int job = 0; job < NT * MBN; job++) {
+    int t = job % NT, r0 = job / NT * 8, mbs = M - r0 < 8 ? M - r0 : 8;
+    TILES[mbs](x + (size_t)r0 * K, K, xs + r0 * G, wp + (size_t)t * G * 512, sz + (size_t)t * G * 64, G,
+               y + (size_t)r0 * N + t * 32, N);
+  }
+}
