@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from timing import Timer
+
 from specdecode import LLM, SamplingParams
 from specdecode.theory import expected_speedup
 
@@ -50,21 +52,6 @@ def time_hf(model, ids: list[int], max_new: int, lookup: int | None) -> tuple[li
     return y[0, len(ids) :].tolist(), time.perf_counter() - t0
 
 
-class DraftTimer:
-    """Wraps a drafter's propose to measure the draft cost per round (for c)."""
-
-    def __init__(self, drafter) -> None:
-        self.inner, self.seconds, self.calls = drafter.propose, 0.0, 0
-        drafter.propose = self
-
-    def __call__(self, *a):
-        t0 = time.perf_counter()
-        out = self.inner(*a)
-        self.seconds += time.perf_counter() - t0
-        self.calls += 1
-        return out
-
-
 def prefix_match(a: list[int], b: list[int]) -> float:
     n = 0
     for x, y in zip(a, b):
@@ -90,7 +77,7 @@ def main() -> None:
     llm = LLM(model=args.model, speculative_config=spec, dtype=args.dtype, device="cpu")
     dtype = next(llm.target.model.parameters()).dtype
     hf = load_hf(llm, dtype)
-    timer = DraftTimer(llm.engine.drafter)
+    timer = Timer(llm.engine.drafter, "propose")  # draft cost per round, for c
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
 
     # Warm-up (allocator, kernels) for every path, untimed.

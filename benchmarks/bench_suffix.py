@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
+
+from timing import Timer
 
 from specdecode import LLM, SamplingParams
 
@@ -50,21 +51,6 @@ PROMPTS = [
     "What are the benefits of regular exercise?",
     "Describe the water cycle.",
 ]
-
-
-class Timer:
-    """Wraps one drafter method and adds up its wall time."""
-
-    def __init__(self, drafter, name: str) -> None:
-        self.inner, self.seconds, self.calls = getattr(drafter, name), 0.0, 0
-        setattr(drafter, name, self)
-
-    def __call__(self, *a):
-        t0 = time.perf_counter()
-        out = self.inner(*a)
-        self.seconds += time.perf_counter() - t0
-        self.calls += 1
-        return out
 
 
 def main() -> None:

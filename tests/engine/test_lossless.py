@@ -9,14 +9,11 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 
 import pytest
-import torch
-from scipy.stats import chisquare
-
 from specdecode import LLM, SamplingParams
+from tests.engine.joint import exact_joint, joint_chisquare
 from tests.tiny import make_tiny_checkpoint
 
 PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4, 4, 6], [11], [2, 3, 2, 3, 2, 3, 2, 3, 2]]
@@ -98,25 +95,6 @@ def test_greedy_stops_at_eos_like_plain(ckpts, plain, tmp_path, name):
     assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
 
 
-def exact_joint(llm: LLM, prompt: list[int], n: int, temperature: float, top_k: int) -> dict[tuple, float]:
-    """Enumerate the target's probability of every n-token continuation (tiny vocab)."""
-    from specdecode.sampling import logits_to_probs
-
-    model = llm.target.model
-    V = llm.target.config.vocab_size
-    probs: dict[tuple, float] = {(): 1.0}
-    for _ in range(n):
-        prefixes = list(probs)
-        tokens = torch.tensor([prompt + list(pre) for pre in prefixes])
-        cache = model.new_cache(len(prefixes), tokens.shape[1] + 1)
-        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-        logits = model(tokens, positions, cache)[:, -1:]
-        B = len(prefixes)
-        p = logits_to_probs(logits, torch.full((B,), temperature), torch.full((B,), top_k), torch.ones(B))[:, 0]
-        probs = {pre + (t,): probs[pre] * float(p[i, t]) for i, pre in enumerate(prefixes) for t in range(V)}
-    return probs
-
-
 @pytest.mark.parametrize(
     "method,temperature,top_k",
     [("draft_model", 1.0, 0), ("draft_model", 0.8, 3), ("ngram_tree", 1.0, 0), ("ngram_tree", 0.7, 4),
@@ -139,25 +117,13 @@ def test_sampled_joint_distribution_matches_target(tmp_path, method, temperature
 
     params = [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=n, seed=s, ignore_eos=True) for s in range(samples)]
     outs = llm.generate([prompt] * samples, params)
-    counts: dict[tuple, int] = {}
-    for o in outs:
-        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
     assert sum(o.metrics.num_drafts for o in outs) > 0
-
-    keys = [k for k in itertools.product(range(V), repeat=n) if want[k] > 0]
-    assert set(counts) <= set(keys), "sampled a continuation the target gives probability 0"
-    # Pool rare cells so the chi-square approximation holds (expected count >= 5 per cell).
-    common = [k for k in keys if want[k] * samples >= 5]
-    obs = [counts.get(k, 0) for k in common] + [samples - sum(counts.get(k, 0) for k in common)]
-    exp = [want[k] * samples for k in common] + [samples * (1 - sum(want[k] for k in common))]
-    assert chisquare(obs, exp).pvalue > 1e-3
+    test = joint_chisquare([o.token_ids for o in outs], want, V, n)
+    assert test.pvalue > 1e-3
     # Power check: had the samples come from the draft's own distribution (drafts returned
     # unverified), the same test would reject them.
     draft_llm = LLM(model=str(draft), dtype="float32", device="cpu")
-    draft_joint = exact_joint(draft_llm, prompt, n, temperature, top_k)
-    alt = [draft_joint.get(k, 0) * samples for k in common]
-    alt.append(samples - sum(alt))
-    assert chisquare(alt, exp).pvalue < 1e-3
+    assert test.pvalue_if(exact_joint(draft_llm, prompt, n, temperature, top_k)) < 1e-3
 
 
 def test_plain_sampling_is_reproducible_and_batch_independent(ckpts, plain):

@@ -9,13 +9,11 @@
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
-from scipy.stats import chisquare
 
 from specdecode import LLM, SamplingParams
-from tests.engine.test_lossless import exact_joint
+from tests.engine.joint import exact_joint, joint_chisquare
 from tests.tiny import make_tiny_checkpoint
 
 PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4, 4, 6], [11], [2, 3, 2, 3, 2, 3, 2, 3, 2]]
@@ -97,22 +95,12 @@ def test_sampled_joint_distribution_matches_target(tmp_path, temperature, top_k)
     assert any(branching)
     assert drafter.stats.global_ > global_before  # proposals came from earlier outputs too
     assert sum(o.metrics.num_drafts for o in outs) > 0
-    counts: dict[tuple, int] = {}
-    for o in outs:
-        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
-
-    keys = [k for k in itertools.product(range(V), repeat=n) if want[k] > 0]
-    assert set(counts) <= set(keys), "sampled a continuation the target gives probability 0"
-    # Pool rare cells so the chi-square approximation holds (expected count >= 5 per cell).
-    common = [k for k in keys if want[k] * samples >= 5]
-    obs = [counts.get(k, 0) for k in common] + [samples - sum(counts.get(k, 0) for k in common)]
-    exp = [want[k] * samples for k in common] + [samples * (1 - sum(want[k] for k in common))]
-    assert chisquare(obs, exp).pvalue > 1e-3
+    test = joint_chisquare([o.token_ids for o in outs], want, V, n)
+    assert test.pvalue > 1e-3
     # Power check: a sampler that is slightly off (the target at 0.8x the temperature, or
     # one that puts 10% of its mass uniformly over the continuations the target allows)
     # is rejected by the same test at the same size.
     colder = exact_joint(llm, prompt, n, 0.8 * temperature, top_k)
-    for wrong in (colder, {k: 0.9 * want[k] + 0.1 / len(keys) for k in keys}):
-        alt = [wrong.get(k, 0) * samples for k in common]
-        alt.append(samples - sum(alt))
-        assert chisquare(alt, exp).pvalue < 1e-3
+    allowed = [k for k, v in want.items() if v > 0]
+    for wrong in (colder, {k: 0.9 * want[k] + 0.1 / len(allowed) for k in allowed}):
+        assert test.pvalue_if(wrong) < 1e-3

@@ -13,18 +13,6 @@ from specdecode.model.loader import default_model_path, load_model, resolve_devi
 from tests.tiny import _llama_cpp_permute, make_tiny_checkpoint, make_tiny_gguf, transformers_from_gguf
 
 
-@pytest.fixture(autouse=True)
-def _cache(request, tmp_path, monkeypatch):
-    """Conversions go to a temp cache, except for real models (see ``real_cache``)."""
-    if "real_cache" not in request.fixturenames:
-        monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
-
-
-@pytest.fixture
-def real_cache():
-    """Real models convert once into the user's cache (``$SPECDECODE_CACHE`` or ~/.cache/specdecode)."""
-
-
 def logits(model, tokens: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(tokens[None], torch.arange(len(tokens))[None], model.new_cache(1, len(tokens)))[0]

@@ -30,18 +30,6 @@ from specdecode.model.quant import (
 from tests.tiny import make_tiny_checkpoint, make_tiny_gguf
 
 
-@pytest.fixture(autouse=True)
-def _cache(request, tmp_path, monkeypatch):
-    """Conversions and compiled kernels go to a temp cache, except for real models (``real_cache``)."""
-    if "real_cache" not in request.fixturenames:
-        monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
-
-
-@pytest.fixture
-def real_cache():
-    """Real models are assembled once into the user's cache."""
-
-
 def close(y: torch.Tensor, ref: torch.Tensor, rel: float) -> bool:
     return (y.float() - ref).abs().max().item() <= rel * ref.abs().max().item()
 

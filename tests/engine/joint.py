@@ -1,0 +1,60 @@
+"""Shared statistics for end-to-end distribution tests: the target's exact joint
+distribution of the first n tokens (by enumeration on a tiny vocabulary), and a pooled
+chi-square test of sampled continuations against it, with its power against alternatives."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+from scipy.stats import chisquare
+
+from specdecode import LLM
+from specdecode.sampling import logits_to_probs
+
+
+def exact_joint(llm: LLM, prompt: list[int], n: int, temperature: float, top_k: int) -> dict[tuple, float]:
+    """The target's probability of every n-token continuation of ``prompt`` (tiny vocab)."""
+    model = llm.target.model
+    V = llm.target.config.vocab_size
+    probs: dict[tuple, float] = {(): 1.0}
+    for _ in range(n):
+        prefixes = list(probs)
+        tokens = torch.tensor([prompt + list(pre) for pre in prefixes])
+        cache = model.new_cache(len(prefixes), tokens.shape[1] + 1)
+        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+        logits = model(tokens, positions, cache)[:, -1:]
+        B = len(prefixes)
+        p = logits_to_probs(logits, torch.full((B,), temperature), torch.full((B,), top_k), torch.ones(B))[:, 0]
+        probs = {pre + (t,): probs[pre] * float(p[i, t]) for i, pre in enumerate(prefixes) for t in range(V)}
+    return probs
+
+
+@dataclass
+class JointChiSquare:
+    """Observed continuations against ``want``, rare cells pooled (expected count >= 5 per cell)."""
+
+    common: list[tuple]
+    expected: list[float]
+    samples: int
+    pvalue: float
+
+    def pvalue_if(self, dist: dict[tuple, float]) -> float:
+        """The p-value the same test would give had the samples followed ``dist`` exactly (power)."""
+        alt = [dist.get(k, 0) * self.samples for k in self.common]
+        alt.append(self.samples - sum(alt))
+        return float(chisquare(alt, self.expected).pvalue)
+
+
+def joint_chisquare(continuations: list[list[int]], want: dict[tuple, float], vocab: int, n: int) -> JointChiSquare:
+    samples = len(continuations)
+    counts: dict[tuple, int] = {}
+    for c in continuations:
+        counts[tuple(c)] = counts.get(tuple(c), 0) + 1
+    keys = [k for k in itertools.product(range(vocab), repeat=n) if want[k] > 0]
+    assert set(counts) <= set(keys), "sampled a continuation the target gives probability 0"
+    common = [k for k in keys if want[k] * samples >= 5]
+    obs = [counts.get(k, 0) for k in common] + [samples - sum(counts.get(k, 0) for k in common)]
+    exp = [want[k] * samples for k in common] + [samples * (1 - sum(want[k] for k in common))]
+    return JointChiSquare(common, exp, samples, float(chisquare(obs, exp).pvalue))
