@@ -124,7 +124,10 @@ class Engine:
         if draft is None:
             draft = Draft(tokens=torch.empty(B, 0, dtype=torch.long, device=self.device))
         if draft.tree is not None:
-            return self._verify_tree(batch, cache, draft)
+            if max(draft.tree.fanout, default=0) > 1:
+                return self._verify_tree(batch, cache, draft)
+            # Every row's tree is a chain (nodes 0, 1, 2, ... in order): the chain round is cheaper.
+            draft = Draft(tokens=draft.tree.tokens[:, 1:], q=draft.q[:, 1:] if draft.q is not None else None)
         num_draft = draft.num_tokens
         width = int(num_draft.max()) if B else 0  # rows that found nothing do not make others pay
         draft_tokens = draft.tokens[:, :width]
