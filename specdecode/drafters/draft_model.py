@@ -26,8 +26,9 @@ from specdecode.drafters.base import Draft, DrafterContext
 from specdecode.engine.batch import Batch, pad_right
 from specdecode.kv_cache import KVCache
 from specdecode.model.loader import load_model
-from specdecode.drafters.draft_tree import grow_tree
+from specdecode.drafters.draft_tree import fill_static_tree, grow_tree
 from specdecode.sampling import logits_to_probs, sample
+from specdecode.tree import TreeShape, parse_token_tree
 
 
 MAX_TREE_NODES = 256
@@ -38,6 +39,7 @@ class DraftModelOptions:
     model: str | None = None  # path or alias of the draft checkpoint
     topk: int = 1  # children per expanded node (SGLang's speculative_eagle_topk); 1 = a chain
     num_draft_tokens: int | None = None  # tree node budget (SGLang's name); None = γ · topk
+    speculative_token_tree: str | list | None = None  # a static tree, as vLLM writes it: [(0,), (0, 0), (1,)]
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -47,6 +49,11 @@ class DraftModelOptions:
         budget = self.num_draft_tokens
         if budget is not None and (not isinstance(budget, int) or not 1 <= budget <= MAX_TREE_NODES):
             raise SpecDecodeError(f"num_draft_tokens (the tree node budget) must be in [1, {MAX_TREE_NODES}], got {budget!r}")
+        if self.speculative_token_tree is not None:
+            if self.topk != 1 or budget is not None:
+                raise SpecDecodeError("speculative_token_tree (a static tree) excludes topk and num_draft_tokens")
+            if parse_token_tree(self.speculative_token_tree).num_nodes - 1 > MAX_TREE_NODES:
+                raise SpecDecodeError(f"speculative_token_tree has more than {MAX_TREE_NODES} nodes")
 
 
 def check_same_vocab(target, draft, draft_path: str) -> None:
@@ -74,9 +81,13 @@ class DraftModelDrafter:
         self.gamma = spec.num_speculative_tokens
         self.topk: int = spec.options.topk
         self.budget: int = spec.options.num_draft_tokens or self.gamma * self.topk
+        tree = spec.options.speculative_token_tree
+        self.static_tree: TreeShape | None = parse_token_tree(tree) if tree is not None else None
         self.cache: KVCache | None = None
 
     def max_draft_tokens(self, num_tokens: int) -> int:
+        if self.static_tree is not None:
+            return self.static_tree.num_nodes - 1
         return num_tokens if self.topk == 1 else self.budget
 
     def _feed(self, rows: list[list[int]]) -> torch.Tensor:
@@ -90,7 +101,8 @@ class DraftModelDrafter:
 
     def prefill(self, batch: Batch) -> None:
         # Everything but the newest token, which the first propose feeds.
-        room = self.gamma + 2 if self.topk == 1 else self.topk * self.gamma + 2  # tree levels re-run ≤ k paths
+        # chains feed γ tokens; tree levels re-run at most k paths, or the static tree's nodes
+        room = max(self.gamma, self.topk * self.gamma, self.max_draft_tokens(self.gamma)) + 2
         self.cache = self.model.new_cache(len(batch), batch.capacity + room)
         self._feed([s.token_ids[:-1] for s in batch.seqs])
 
@@ -98,8 +110,10 @@ class DraftModelDrafter:
         assert self.cache is not None
         seen = self.cache.lengths.tolist()
         logits = self._feed([s.token_ids[n:] for s, n in zip(batch.seqs, seen)])
+        roots = [s.token_ids[-1] for s in batch.seqs]
+        if self.static_tree is not None:
+            return fill_static_tree(self._score_block, logits, roots, self.static_tree)
         if self.topk > 1:
-            roots = [s.token_ids[-1] for s in batch.seqs]
             return grow_tree(self._score_block, logits, roots, num_tokens, self.topk, self.budget)
         drafts, qs = [], []
         for k in range(num_tokens):

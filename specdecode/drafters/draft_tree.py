@@ -1,8 +1,10 @@
-"""EAGLE-2 dynamic tree growth, for any drafter that can score a masked block of nodes.
+"""Tree growth for any drafter that can score a masked block of nodes.
 
-Owns: expanding a tree level by level from the ``topk`` frontier nodes with the highest
-cumulative draft log-probability, then keeping the ``budget`` best nodes overall
-(reranking), and handing the result to the verifier as a `TreeBatch`.
+Owns: EAGLE-2 dynamic trees (`grow_tree`: expand level by level the ``topk`` frontier
+nodes with the highest cumulative draft log-probability, then keep the ``budget`` best
+nodes overall) and static trees (`fill_static_tree`: a ``speculative_token_tree`` shape
+whose rank-r child is its parent's r-th likeliest token), handed to the verifier as a
+`TreeBatch`.
 Does not own: running the draft network (the caller's ``score`` function does).
 
 Children are a node's ``topk`` likeliest tokens, distinct by construction, so the draft
@@ -19,7 +21,7 @@ from typing import Callable
 import torch
 
 from specdecode.drafters.base import Draft
-from specdecode.tree import TreeBatch
+from specdecode.tree import TreeBatch, TreeShape
 
 # score(tokens [B, T], depth [B, T], mask [B, T, T], at [B, K]) -> logits [B, K, V]:
 # the draft's next-token logits at block positions ``at``, for a block of tree nodes
@@ -100,3 +102,33 @@ def _rerank(pools: list[_Pool], root_tokens: list[int], budget: int, device: tor
         tokens[b, : len(toks) + 1] = torch.tensor([root, *toks])
         parents[b, 1 : len(pars) + 1] = torch.tensor(pars, dtype=torch.long)
     return Draft.from_tree(TreeBatch.from_parents(tokens.to(device), parents.to(device)))
+
+
+def fill_static_tree(score: ScoreFn, root_logits: torch.Tensor, root_tokens: list[int], shape: TreeShape) -> Draft:
+    """Fill a static tree (Medusa / vLLM ``speculative_token_tree``): node i is the
+    ``shape.rank[i]``-th likeliest token after its parent, level by level."""
+    B, device, N = root_logits.shape[0], root_logits.device, shape.num_nodes
+    parents = torch.tensor(shape.parents, dtype=torch.long)
+    depth = torch.tensor(shape.depth, dtype=torch.long)
+    mask = torch.eye(N, dtype=torch.bool)
+    for i in range(1, N):  # ancestors-or-self, the EAGLE way (parents come first)
+        mask[i] |= mask[shape.parents[i]]
+    tokens = torch.full((B, N), -1, dtype=torch.long, device=device)
+    tokens[:, 0] = torch.tensor(root_tokens, device=device)
+    width = max(shape.rank) + 1
+    for d in range(1, max(shape.depth) + 1):
+        level = [i for i in range(N) if shape.depth[i] == d]
+        above = sorted({shape.parents[i] for i in level})
+        if d == 1:
+            logits = root_logits[:, None]  # [B, 1, V]: the root is the only parent
+        else:
+            block = [i for i in range(1, N) if shape.depth[i] < d]
+            where = {n: k for k, n in enumerate(block)}
+            at = torch.tensor([where[n] for n in above]).expand(B, -1)
+            logits = score(tokens[:, block], depth[block].expand(B, -1).to(device),
+                           mask[block][:, block].expand(B, -1, -1).to(device), at.to(device))  # fmt: skip
+        ranked = logits.topk(width, dim=-1).indices  # [B, len(above), width]
+        slot = {n: k for k, n in enumerate(above)}
+        for i in level:
+            tokens[:, i] = ranked[:, slot[shape.parents[i]], shape.rank[i]]
+    return Draft.from_tree(TreeBatch.from_parents(tokens, parents.to(device).expand(B, -1).contiguous()))

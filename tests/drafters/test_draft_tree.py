@@ -1,5 +1,6 @@
 """EAGLE-2 tree growth with a scripted scorer: shape, budget, distinct siblings, reranking."""
 
+import pytest
 import torch
 
 from specdecode.drafters.draft_tree import grow_tree
@@ -49,3 +50,27 @@ def test_rerank_keeps_the_best_nodes_overall():
     # child 2 (-1.41) beats 1>2>3>4 (-1.64). Numbered by depth: [root, 1, 2 | 2 | 3].
     assert tree.tokens[0].tolist() == [0, 1, 2, 2, 3]
     assert tree.parents[0].tolist() == [-1, 0, 0, 1, 3]
+
+
+def test_static_tree_fills_ranks_level_by_level():
+    from specdecode.drafters.draft_tree import fill_static_tree
+    from specdecode.tree import parse_token_tree
+
+    shape = parse_token_tree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+    tree = fill_static_tree(scripted_score, root_logits(2), [7, 6], shape).tree
+    # root ranks: 1, 2; after t the ranks are t+1, t+2
+    by_choice = dict(zip(shape.choices, tree.tokens[0].tolist()))
+    assert by_choice == {(): 7, (0,): 1, (1,): 2, (0, 0): 2, (0, 1): 3, (1, 0): 3, (0, 0, 0): 3}
+    assert tree.parents[1].tolist() == list(shape.parents)
+
+
+@pytest.mark.parametrize(
+    "tree,match",
+    [([], "at least one"), ([(0, 0)], "prefix"), ([(0,), (0,)], "twice"), ("[(0,", "speculative_token_tree")],
+)
+def test_malformed_static_tree_is_one_line(tree, match):
+    from specdecode.config import SpecConfig, SpecDecodeError
+
+    with pytest.raises(SpecDecodeError, match=match) as e:
+        SpecConfig.parse({"method": "draft_model", "model": "x", "speculative_token_tree": tree})
+    assert "\n" not in str(e.value)

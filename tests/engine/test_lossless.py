@@ -37,6 +37,8 @@ def spec_configs(ckpts):
                        "max_matches": 4, "num_draft_tokens": 10},
         "draft_model_tree": {"method": "draft_model", "model": ckpts["draft"], "num_speculative_tokens": 4, "topk": 3,
                              "num_draft_tokens": 9},
+        "draft_model_static_tree": {"method": "draft_model", "model": ckpts["draft"],
+                                    "speculative_token_tree": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [2]]},
         "draft_model_self_tree": {"method": "draft_model", "model": ckpts["target"], "num_speculative_tokens": 3,
                                   "topk": 2},
     }
@@ -51,7 +53,9 @@ def plain(ckpts):
     return LLM(model=ckpts["target"], dtype="float32", device="cpu")
 
 
-@pytest.mark.parametrize("name", ["ngram", "draft_model", "draft_model_self", "ngram_tree", "draft_model_tree"])
+@pytest.mark.parametrize(
+    "name", ["ngram", "draft_model", "draft_model_self", "ngram_tree", "draft_model_tree", "draft_model_static_tree"]
+)
 def test_greedy_equals_plain(ckpts, plain, name):
     llm = LLM(model=ckpts["target"], speculative_config=spec_configs(ckpts)[name], dtype="float32", device="cpu")
     for max_tokens in (1, 2, 17, 40):
@@ -98,7 +102,7 @@ def test_greedy_stops_at_eos_like_plain(ckpts, plain, tmp_path, name):
 @pytest.mark.parametrize(
     "method,temperature,top_k",
     [("draft_model", 1.0, 0), ("draft_model", 0.8, 3), ("ngram_tree", 1.0, 0), ("ngram_tree", 0.7, 4),
-     ("draft_model_tree", 1.0, 0)],
+     ("draft_model_tree", 1.0, 0), ("draft_model_static_tree", 0.9, 0)],
 )
 def test_sampled_joint_distribution_matches_target(tmp_path, method, temperature, top_k):
     V, n, samples = 6, 3, 3000
@@ -110,6 +114,8 @@ def test_sampled_joint_distribution_matches_target(tmp_path, method, temperature
         "ngram_tree": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
                        "prompt_lookup_max": 2, "max_matches": 3},
         "draft_model_tree": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2, "topk": 2},
+        "draft_model_static_tree": {"method": "draft_model", "model": str(draft),
+                                    "speculative_token_tree": [[0], [1], [0, 0], [0, 1], [2]]},
     }[method]
     llm = LLM(model=str(target), speculative_config=spec, dtype="float32", device="cpu")
     prompt = [1, 2, 3, 4, 1, 5, 1, 2, 0, 1]  # many earlier matches of the last token
