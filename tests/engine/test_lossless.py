@@ -13,7 +13,7 @@ import json
 
 import pytest
 from specdecode import LLM, SamplingParams
-from tests.engine.joint import exact_joint, joint_chisquare
+from tests.engine.checks import assert_greedy_matches_plain, exact_joint, joint_chisquare
 from tests.tiny import make_tiny_checkpoint
 
 PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4, 4, 6], [11], [2, 3, 2, 3, 2, 3, 2, 3, 2]]
@@ -59,13 +59,7 @@ def plain(ckpts):
 def test_greedy_equals_plain(ckpts, plain, name):
     llm = LLM(model=ckpts["target"], speculative_config=spec_configs(ckpts)[name], dtype="float32", device="cpu")
     for max_tokens in (1, 2, 17, 40):
-        ref = plain.generate(PROMPTS, greedy(max_tokens))
-        single = [llm.generate([p], greedy(max_tokens))[0] for p in PROMPTS]
-        batch = llm.generate(PROMPTS, greedy(max_tokens))
-        for r, s, b in zip(ref, single, batch):
-            assert len(r.token_ids) == max_tokens
-            assert s.token_ids == r.token_ids, (name, max_tokens)
-            assert b.token_ids == r.token_ids, (name, max_tokens)
+        batch = assert_greedy_matches_plain(llm, plain, PROMPTS, max_tokens, name)
     assert batch[0].metrics.num_drafts > 0
 
 

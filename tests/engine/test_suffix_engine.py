@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from specdecode import LLM, SamplingParams
-from tests.engine.joint import exact_joint, joint_chisquare
+from tests.engine.checks import assert_greedy_matches_plain, exact_joint, joint_chisquare
 from tests.tiny import make_tiny_checkpoint
 
 PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4, 4, 6], [11], [2, 3, 2, 3, 2, 3, 2, 3, 2]]
@@ -39,14 +39,8 @@ def test_greedy_equals_plain_across_calls(target, plain, options):
     llm = LLM(model=target, speculative_config={"method": "suffix", **options}, dtype="float32", device="cpu")
     drafter = llm.engine.drafter
     for call, max_tokens in enumerate((40, 40, 17, 1, 33)):
-        ref = plain.generate(PROMPTS, greedy(max_tokens))
         before = drafter.stats.global_
-        single = [llm.generate([p], greedy(max_tokens))[0] for p in PROMPTS]
-        batch = llm.generate(PROMPTS, greedy(max_tokens))
-        for r, s, b in zip(ref, single, batch):
-            assert len(r.token_ids) == max_tokens
-            assert s.token_ids == r.token_ids, (options, call)
-            assert b.token_ids == r.token_ids, (options, call)
+        batch = assert_greedy_matches_plain(llm, plain, PROMPTS, max_tokens, (options, call))
         if call == 1:  # the prompts repeat: earlier outputs are drafted from and accepted
             assert drafter.stats.global_ > before
             assert all(o.metrics.num_drafts > 0 for o in batch)

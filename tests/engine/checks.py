@@ -1,6 +1,6 @@
-"""Shared statistics for end-to-end distribution tests: the target's exact joint
-distribution of the first n tokens (by enumeration on a tiny vocabulary), and a pooled
-chi-square test of sampled continuations against it, with its power against alternatives."""
+"""Shared end-to-end checks: greedy speculative output against plain greedy, the target's
+exact joint distribution of the first n tokens (by enumeration on a tiny vocabulary), and
+a pooled chi-square test of sampled continuations against it, with its power."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from scipy.stats import chisquare
 
-from specdecode import LLM
+from specdecode import LLM, SamplingParams
 from specdecode.sampling import logits_to_probs
 
 
@@ -58,3 +58,16 @@ def joint_chisquare(continuations: list[list[int]], want: dict[tuple, float], vo
     obs = [counts.get(k, 0) for k in common] + [samples - sum(counts.get(k, 0) for k in common)]
     exp = [want[k] * samples for k in common] + [samples * (1 - sum(want[k] for k in common))]
     return JointChiSquare(common, exp, samples, float(chisquare(obs, exp).pvalue))
+
+
+def assert_greedy_matches_plain(llm: LLM, plain: LLM, prompts: list[list[int]], max_tokens: int, label: object) -> list:
+    """Each prompt alone and all together give exactly plain greedy's tokens; returns the batch outputs."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ref = plain.generate(prompts, params)
+    single = [llm.generate([p], params)[0] for p in prompts]
+    batch = llm.generate(prompts, params)
+    for r, s, b in zip(ref, single, batch):
+        assert len(r.token_ids) == max_tokens
+        assert s.token_ids == r.token_ids, (label, max_tokens)
+        assert b.token_ids == r.token_ids, (label, max_tokens)
+    return batch
