@@ -55,13 +55,18 @@ class Engine:
         max_model_len: int,
         drafter: Drafter | None = None,
         quantization: str | None = None,
+        batch_invariant: bool = False,
     ) -> None:
-        """``drafter`` overrides the registry: bring your own `Drafter` (``spec`` still gives γ)."""
+        """``drafter`` overrides the registry: bring your own `Drafter` (``spec`` still gives γ).
+        ``batch_invariant`` makes every decode / verify pass compute each position's attention
+        alone (see Transformer.forward), so speculative greedy equals plain greedy bit for bit
+        wherever the linears are row-invariant too."""
         if drafter is not None and spec is None:
             raise ValueError("a custom drafter needs a SpecConfig for its num_speculative_tokens")
         self.target = target
         self.model = target.model
         self.spec = spec
+        self.batch_invariant = batch_invariant
         self.max_model_len = max_model_len
         param = self.model.embed.weight  # the activation dtype (linears may hold quantized weights)
         self.device = param.device
@@ -134,7 +139,7 @@ class Engine:
         q = draft.q[:, :width] if draft.q is not None else None
         tokens = torch.cat([batch.last_tokens(), draft_tokens.clamp(min=0)], dim=1)  # [B, 1 + w]
         positions = cache.lengths[:, None] + torch.arange(1 + width, device=self.device)
-        logits = self.model(tokens, positions, cache)  # [B, 1 + w, V]
+        logits = self.model(tokens, positions, cache, batch_invariant=self.batch_invariant)  # [B, 1 + w, V]
         if batch.all_greedy:
             out, num_accepted = greedy_verify(logits.argmax(dim=-1), draft_tokens)
         else:
@@ -148,7 +153,10 @@ class Engine:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One target pass over every row's tree; the accepted path's K/V are compacted in the cache."""
         tree = draft.tree
-        logits = self.model(tree.tokens.clamp(min=0), tree.positions(cache.lengths), cache, block_mask=tree.mask)
+        positions = tree.positions(cache.lengths)
+        logits = self.model(
+            tree.tokens.clamp(min=0), positions, cache, block_mask=tree.mask, batch_invariant=self.batch_invariant
+        )
         if batch.all_greedy:
             out, num_accepted, nodes = tree_greedy_verify(logits.argmax(dim=-1), tree)  # [B, N, V] -> paths
         else:

@@ -31,6 +31,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--dtype", default="auto", help="auto (bfloat16), float32, bfloat16, float16")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda")
     g.add_argument("--quantization", default=None, help="weights of the linears: none, int8, int4[-g32|-g64|-g128], gguf")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="attention one position at a time: exact greedy equality with int4/gguf weights")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--compare", action="store_true", help="also run plain decoding and report the speedup")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -163,7 +165,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     from specdecode import LLM
 
-    llm = LLM(model=args.model, speculative_config=spec, dtype=args.dtype, device=args.device, quantization=args.quantization)
+    llm = LLM(model=args.model, speculative_config=spec, dtype=args.dtype, device=args.device,
+              quantization=args.quantization, batch_invariant=args.batch_invariant)  # fmt: skip
     prompt_ids = llm.encode_chat(args.prompt) if args.chat else llm.tokenize(args.prompt)
     streamer = None if args.json else _TextStreamer(llm)
     out = llm.generate([prompt_ids], params, on_tokens=streamer)[0]

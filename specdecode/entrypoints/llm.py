@@ -79,6 +79,9 @@ class LLM:
     ``None`` decodes plainly through the same engine. ``dtype`` is the activation dtype;
     ``quantization`` ("int8", "int4", "int4-g64", "gguf", ...) picks the weight format of
     the linears, for the target and a draft model alike; ``llm.kernels`` says which run.
+    ``batch_invariant=True`` computes each position's attention alone in decode and verify
+    passes: with row-invariant linears (int4 / gguf on our CPU kernel) speculative greedy
+    output then equals plain greedy bit for bit; it costs one attention call per position.
     """
 
     def __init__(
@@ -89,6 +92,7 @@ class LLM:
         device: str = "auto",
         max_model_len: int | None = None,
         quantization: str | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         from specdecode.model.loader import load_model
         from specdecode.model.quant import describe_kernels, parse_quantization
@@ -103,8 +107,10 @@ class LLM:
         self.max_model_len = max_model_len or context
         self.tokenizer = self.target.tokenizer
         self.spec = spec
-        self.engine = Engine(self.target, spec, self.max_model_len, quantization=quantization)
-        self._plain = Engine(self.target, None, self.max_model_len) if spec is not None else self.engine
+        self.engine = Engine(self.target, spec, self.max_model_len, quantization=quantization, batch_invariant=batch_invariant)
+        self._plain = (
+            Engine(self.target, None, self.max_model_len, batch_invariant=batch_invariant) if spec is not None else self.engine
+        )
 
     def generate(
         self,

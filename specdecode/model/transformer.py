@@ -173,7 +173,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.layer, self.qk_norm = layer, cfg.qk_norm
+        self.layer, self.qk_norm, self.kind = layer, cfg.qk_norm, cfg.layer_types[layer]
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.group = cfg.num_heads // cfg.num_kv_heads
         self.qkv = nn.Linear(cfg.hidden_size, (self.heads + 2 * self.kv_heads) * self.head_dim, bias=cfg.attention_bias)
@@ -195,7 +195,9 @@ class Attention(nn.Module):
         else:  # one RoPE over q and k together
             q, k = apply_rope(qkv[:, :, : H + Hkv], *rope).split((H, Hkv), dim=2)
         k, v = step.cache.append(self.layer, k.transpose(1, 2), v.transpose(1, 2), step.slots, step.kv_len)
-        if mask is None and T > 1:  # causal prefill of one row with an empty cache
+        if step.visible is not None:
+            out = self._attend_rowwise(q, k, v, step.visible[self.kind])
+        elif mask is None and T > 1:  # causal prefill of one row with an empty cache
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k, v, is_causal=True, scale=self.scale, enable_gqa=G > 1
             ).transpose(1, 2)
@@ -204,6 +206,20 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
             out = out.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4)
         return self.o(out.reshape(B, T, H * D))
+
+    def _attend_rowwise(self, q: Tensor, k: Tensor, v: Tensor, visible: list[list[Tensor | slice]]) -> Tensor:
+        """One mask-free SDPA per query over exactly the keys it sees: the same computation
+        whether the query is decoded alone or verified among others (batch invariance)."""
+        B, T, _, D = q.shape
+        Hkv, G = self.kv_heads, self.group
+        out = torch.empty(B, T, Hkv, G, D, dtype=q.dtype, device=q.device)
+        for b in range(B):
+            for t in range(T):
+                keys = visible[b][t]  # [S_bt] slots
+                qt = q[b : b + 1, t].reshape(1, Hkv, G, D)
+                o = F.scaled_dot_product_attention(qt, k[b : b + 1, :, keys], v[b : b + 1, :, keys], scale=self.scale)
+                out[b, t] = o[0]
+        return out
 
 
 class MLP(nn.Module):
@@ -241,6 +257,9 @@ class _Step:
     cache: KVCache
     slots: Tensor  # [B, T] cache slots written by this pass
     kv_len: int
+    # batch-invariant mode: per layer kind, the key slots each query (b, t) sees, in order
+    # (a slice when they are contiguous, as for every chain: no gather)
+    visible: dict[str, list[list[Tensor | slice]]] | None = None
 
 
 class Transformer(nn.Module):
@@ -272,6 +291,7 @@ class Transformer(nn.Module):
         block_mask: Tensor | None = None,
         logits_at: Tensor | None = None,
         hidden_layers: tuple[int, ...] = (),
+        batch_invariant: bool = False,
     ) -> Tensor | tuple[Tensor, list[Tensor]]:
         """Logits [B, T or K, V] (fp32) for ``tokens`` [B, T] at RoPE ``positions`` [B, T].
 
@@ -281,6 +301,9 @@ class Transformer(nn.Module):
         must satisfy ``positions[b, t] <= cache.lengths[b] + t`` (true for chains and
         depth-positioned trees). With ``hidden_layers``, also returns the residual
         stream after those layers ([B, T, H] each; -1 = the final normed hidden).
+        ``batch_invariant`` runs attention one query at a time over exactly its visible
+        keys, so a position's logits do not depend on what else is in the pass, as long
+        as the linears are row-invariant too (our int4 CPU kernel is; bf16 GEMMs are not).
         """
         cfg = self.config
         B, T = tokens.shape
@@ -292,6 +315,8 @@ class Transformer(nn.Module):
             x = x * x.new_tensor(cfg.embed_scale)
         ropes = {kind: self._rope(kind, positions, x.dtype) for kind in set(cfg.layer_types)}
         masks = self._masks(positions, cache.lengths, block_mask, kv_len)
+        if batch_invariant:
+            step.visible = {kind: self._visible(mask, cache.lengths, T) for kind, mask in masks.items()}
         want = set(hidden_layers)
         bad = [i for i in want if not (i == -1 or 0 <= i < cfg.num_layers)]
         if bad:
@@ -311,6 +336,21 @@ class Transformer(nn.Module):
         if not hidden_layers:
             return logits
         return logits, [hiddens[i] for i in hidden_layers]
+
+    @staticmethod
+    def _visible(mask: Tensor | None, lengths: Tensor, T: int) -> list[list[Tensor | slice]]:
+        """Key slots per query (b, t), ascending: from the folded mask (row t is group 0's), or causal.
+        A contiguous run is returned as a slice, so chains read the cache without a gather."""
+        if mask is None:
+            ends = (lengths[:, None] + torch.arange(T, device=lengths.device) + 1).tolist()
+            return [[slice(0, e) for e in row] for row in ends]
+
+        def keys(row: Tensor) -> Tensor | slice:
+            idx = row.nonzero()[:, 0]
+            first, last = int(idx[0]), int(idx[-1])
+            return slice(first, last + 1) if last - first + 1 == idx.numel() else idx
+
+        return [[keys(mask[b, 0, t]) for t in range(T)] for b in range(mask.shape[0])]
 
     def _rope(self, kind: str, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos and signed sin [B, T, 1, D] for one layer type, in the activations' dtype."""

@@ -133,3 +133,16 @@ def test_plain_sampling_is_reproducible_and_batch_independent(ckpts, plain):
     batched = plain.generate(PROMPTS, [others[0], params, others[1], others[2]])[1].token_ids
     assert alone == batched
     assert json.dumps(alone)  # plain ints
+
+
+@pytest.mark.parametrize("name", ["ngram", "ngram_tree", "draft_model"])
+def test_batch_invariant_int4_greedy_is_exact(ckpts, name):
+    from specdecode.model.cpu_int4 import avx512_bf16_lib
+
+    if avx512_bf16_lib() is None:
+        pytest.skip("needs our int4 kernel (AVX512-BF16 + a C compiler)")
+    kw = dict(dtype="bfloat16", device="cpu", quantization="int4", batch_invariant=True)
+    plain = LLM(model=ckpts["target"], **kw)
+    llm = LLM(model=ckpts["target"], speculative_config=spec_configs(ckpts)[name], **kw)
+    for max_tokens in (17, 40):
+        assert_greedy_matches_plain(llm, plain, PROMPTS, max_tokens, name)
