@@ -38,6 +38,17 @@ if TYPE_CHECKING:
     from specdecode.kv_cache import KVCache
 
 Choice = tuple[int, ...]
+MAX_TREE_NODES = 256  # the most draft nodes a drafter may propose in one round
+
+
+def check_node_budget(budget: object) -> None:
+    """A drafter's ``num_draft_tokens`` option: None (its default) or an int in [1, MAX_TREE_NODES]."""
+    if budget is None:
+        return
+    if not isinstance(budget, int) or isinstance(budget, bool) or not 1 <= budget <= MAX_TREE_NODES:
+        raise SpecDecodeError(
+            f"num_draft_tokens (the tree node budget) must be in [1, {MAX_TREE_NODES}], got {budget!r}"
+        )
 
 
 @dataclass(frozen=True)

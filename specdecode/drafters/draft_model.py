@@ -28,10 +28,7 @@ from specdecode.kv_cache import KVCache
 from specdecode.model.loader import load_model
 from specdecode.drafters.draft_tree import fill_static_tree, grow_tree
 from specdecode.sampling import logits_to_probs, sample
-from specdecode.tree import TreeShape, parse_token_tree
-
-
-MAX_TREE_NODES = 256
+from specdecode.tree import MAX_TREE_NODES, TreeShape, check_node_budget, parse_token_tree
 
 
 @dataclass(frozen=True)
@@ -47,8 +44,7 @@ class DraftModelOptions:
         if not isinstance(self.topk, int) or not 1 <= self.topk <= 16:
             raise SpecDecodeError(f"topk must be an integer in [1, 16], got {self.topk!r}")
         budget = self.num_draft_tokens
-        if budget is not None and (not isinstance(budget, int) or not 1 <= budget <= MAX_TREE_NODES):
-            raise SpecDecodeError(f"num_draft_tokens (the tree node budget) must be in [1, {MAX_TREE_NODES}], got {budget!r}")
+        check_node_budget(budget)
         if self.speculative_token_tree is not None:
             if self.topk != 1 or budget is not None:
                 raise SpecDecodeError("speculative_token_tree (a static tree) excludes topk and num_draft_tokens")

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from specdecode.drafters.base import Draft
-from specdecode.tree import TreeBatch, TreeShape
+from specdecode.tree import DraftTree, TreeBatch, TreeShape
 
 # score(tokens [B, T], depth [B, T], mask [B, T, T], at [B, K]) -> logits [B, K, V]:
 # the draft's next-token logits at block positions ``at``, for a block of tree nodes
@@ -110,9 +110,7 @@ def fill_static_tree(score: ScoreFn, root_logits: torch.Tensor, root_tokens: lis
     B, device, N = root_logits.shape[0], root_logits.device, shape.num_nodes
     parents = torch.tensor(shape.parents, dtype=torch.long)
     depth = torch.tensor(shape.depth, dtype=torch.long)
-    mask = torch.eye(N, dtype=torch.bool)
-    for i in range(1, N):  # ancestors-or-self, the EAGLE way (parents come first)
-        mask[i] |= mask[shape.parents[i]]
+    mask = DraftTree.from_parents([0] * N, shape.parents).mask  # [N, N] ancestors-or-self
     tokens = torch.full((B, N), -1, dtype=torch.long, device=device)
     tokens[:, 0] = torch.tensor(root_tokens, device=device)
     width = max(shape.rank) + 1

@@ -19,10 +19,7 @@ import torch
 from specdecode.config import SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Draft, DrafterContext
 from specdecode.engine.batch import Batch
-from specdecode.tree import TreeBatch
-
-
-MAX_TREE_NODES = 256
+from specdecode.tree import TreeBatch, check_node_budget
 
 
 @dataclass(frozen=True)
@@ -41,8 +38,7 @@ class NgramOptions:
         if not isinstance(self.max_matches, int) or not 1 <= self.max_matches <= 16:
             raise SpecDecodeError(f"max_matches must be an integer in [1, 16], got {self.max_matches!r}")
         budget = self.num_draft_tokens
-        if budget is not None and (not isinstance(budget, int) or not 1 <= budget <= MAX_TREE_NODES):
-            raise SpecDecodeError(f"num_draft_tokens (the tree node budget) must be in [1, {MAX_TREE_NODES}], got {budget!r}")
+        check_node_budget(budget)
 
 
 def lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:

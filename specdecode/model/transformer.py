@@ -316,7 +316,9 @@ class Transformer(nn.Module):
         ropes = {kind: self._rope(kind, positions, x.dtype) for kind in set(cfg.layer_types)}
         masks = self._masks(positions, cache.lengths, block_mask, kv_len)
         if batch_invariant:
-            step.visible = {kind: self._visible(mask, cache.lengths, T) for kind, mask in masks.items()}
+            step.visible = {FULL: self._visible(masks[FULL], cache.lengths, T)}
+            same = masks[SLIDING] is masks[FULL]  # no window in play: sliding layers see what full ones do
+            step.visible[SLIDING] = step.visible[FULL] if same else self._visible(masks[SLIDING], cache.lengths, T)
         want = set(hidden_layers)
         bad = [i for i in want if not (i == -1 or 0 <= i < cfg.num_layers)]
         if bad:
