@@ -37,10 +37,11 @@ class Draft:
     tokens: torch.Tensor
     q: torch.Tensor | None = None
     tree: "TreeBatch | None" = None
+    aux: "AuxBranch | None" = None  # extra nodes that ride along in the verify pass (needs a tree)
 
     @staticmethod
-    def from_tree(tree: "TreeBatch", q: torch.Tensor | None = None) -> "Draft":
-        return Draft(tokens=tree.tokens[:, 1:], q=q, tree=tree)
+    def from_tree(tree: "TreeBatch", q: torch.Tensor | None = None, aux: "AuxBranch | None" = None) -> "Draft":
+        return Draft(tokens=tree.tokens[:, 1:], q=q, tree=tree, aux=aux)
 
     @property
     def num_tokens(self) -> torch.Tensor:
@@ -48,6 +49,23 @@ class Draft:
         if self.tree is not None:
             return (self.tree.depth * self.tree.valid).amax(dim=1)
         return (self.tokens >= 0).cumprod(dim=1).sum(dim=1)
+
+
+@dataclass(frozen=True)
+class AuxBranch:
+    """Nodes a drafter adds to the target's verify pass only to read their logits back
+    (lookahead decoding's Jacobi window). Nothing is accepted from them and their K/V are
+    dropped with the rejected nodes, so they cannot change the output, only its speed.
+
+    tokens [B, A] int64; offsets [B, A] their positions relative to the root's (root = 0);
+    mask [B, A, N + A] bool: which of the tree's N nodes and of the A aux nodes each aux
+    node sees (besides the cached prefix; it always sees itself). Tree nodes never see aux
+    nodes. The logits come back [B, A, V] as ``on_verified``'s ``aux_logits``.
+    """
+
+    tokens: torch.Tensor
+    offsets: torch.Tensor
+    mask: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -83,6 +101,9 @@ class Drafter(Protocol):
 
     def propose(self, batch: "Batch", num_tokens: int) -> Draft: ...
 
-    def on_verified(self, batch: "Batch", num_accepted: torch.Tensor) -> None: ...
+    def on_verified(self, batch: "Batch", num_accepted: torch.Tensor, aux_logits: torch.Tensor | None = None) -> None:
+        """After the round's tokens are appended. ``aux_logits`` [B, A, V]: the target's logits
+        at the proposal's `AuxBranch` nodes, or None if it had none."""
+        ...
 
     def select_rows(self, rows: list[int]) -> None: ...

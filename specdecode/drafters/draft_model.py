@@ -138,7 +138,7 @@ class DraftModelDrafter:
         self.cache.commit(torch.ones_like(self.cache.lengths))
         return logits[:, 0]
 
-    def on_verified(self, batch: Batch, num_accepted: torch.Tensor) -> None:
+    def on_verified(self, batch: Batch, num_accepted: torch.Tensor, aux_logits: torch.Tensor | None = None) -> None:
         assert self.cache is not None
         committed = torch.tensor([len(s.token_ids) - 1 for s in batch.seqs], device=self.cache.lengths.device)
         self.cache.truncate(committed)

@@ -137,7 +137,7 @@ class NgramDrafter:
         )
         return Draft.from_tree(tree)
 
-    def on_verified(self, batch: Batch, num_accepted: torch.Tensor) -> None:
+    def on_verified(self, batch: Batch, num_accepted: torch.Tensor, aux_logits: torch.Tensor | None = None) -> None:
         pass
 
     def select_rows(self, rows: list[int]) -> None:

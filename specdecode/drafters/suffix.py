@@ -136,7 +136,7 @@ class SuffixDrafter:
             self.stats.none += 1
         return local
 
-    def on_verified(self, batch: Batch, num_accepted: torch.Tensor) -> None:
+    def on_verified(self, batch: Batch, num_accepted: torch.Tensor, aux_logits: torch.Tensor | None = None) -> None:
         for b, seq in enumerate(batch.seqs):
             row = self._rows[b]
             if len(seq.token_ids) < row.seen:  # committed tokens only grow today; rebuild if not

@@ -100,10 +100,10 @@ class Engine:
 
         while len(batch):
             draft = self.drafter.propose(batch, self.gamma) if self.drafter is not None else None
-            out, num_accepted, num_draft = self._verify_round(batch, cache, draft)  # commits the cache
+            out, num_accepted, num_draft, aux_logits = self._verify_round(batch, cache, draft)  # commits the cache
             events = self._append_tokens(batch, out, num_accepted, num_draft)
             if self.drafter is not None:
-                self.drafter.on_verified(batch, num_accepted)
+                self.drafter.on_verified(batch, num_accepted, aux_logits)
             yield events
             self._drop_finished(batch, cache, self.drafter)
 
@@ -119,17 +119,17 @@ class Engine:
 
     def _verify_round(
         self, batch: Batch, cache: KVCache, draft: Draft | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """One target pass over [last, drafts]; commits the accepted K/V.
 
         Returns out [B, w+1] (accepted drafts, then the recovered / bonus token, -1
-        padded), num_accepted [B] and num_draft [B].
+        padded), num_accepted [B], num_draft [B] and the aux branch's logits (or None).
         """
         B = len(batch)
         if draft is None:
             draft = Draft(tokens=torch.empty(B, 0, dtype=torch.long, device=self.device))
         if draft.tree is not None:
-            if max(draft.tree.fanout, default=0) > 1:
+            if max(draft.tree.fanout, default=0) > 1 or draft.aux is not None:
                 return self._verify_tree(batch, cache, draft)
             # Every row's tree is a chain (nodes 0, 1, 2, ... in order): the chain round is cheaper.
             draft = Draft(tokens=draft.tree.tokens[:, 1:], q=draft.q[:, 1:] if draft.q is not None else None)
@@ -146,24 +146,31 @@ class Engine:
             p = logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p)
             out, num_accepted = rejection_sample(p, q, draft_tokens, batch.generators)
         cache.commit(num_accepted + 1)
-        return out, num_accepted, num_draft
+        return out, num_accepted, num_draft, None
 
     def _verify_tree(
         self, batch: Batch, cache: KVCache, draft: Draft
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One target pass over every row's tree; the accepted path's K/V are compacted in the cache."""
-        tree = draft.tree
-        positions = tree.positions(cache.lengths)
-        logits = self.model(
-            tree.tokens.clamp(min=0), positions, cache, block_mask=tree.mask, batch_invariant=self.batch_invariant
-        )
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One target pass over every row's tree (and aux branch); the accepted path's K/V are
+        compacted in the cache, and the aux nodes' K/V dropped with the rejected nodes'."""
+        tree, aux = draft.tree, draft.aux
+        tokens, positions, mask = tree.tokens.clamp(min=0), tree.positions(cache.lengths), tree.mask
+        if aux is not None:
+            B, N, A = tree.batch_size, tree.num_nodes, aux.tokens.shape[1]
+            tokens = torch.cat([tokens, aux.tokens], dim=1)  # [B, N + A]
+            positions = torch.cat([positions, cache.lengths[:, None] + aux.offsets], dim=1)
+            mask = torch.cat([torch.cat([tree.mask, tree.mask.new_zeros(B, N, A)], dim=2), aux.mask], dim=1)
+        logits = self.model(tokens, positions, cache, block_mask=mask, batch_invariant=self.batch_invariant)
+        aux_logits = None
+        if aux is not None:
+            logits, aux_logits = logits[:, : tree.num_nodes], logits[:, tree.num_nodes :]  # [B, N, V], [B, A, V]
         if batch.all_greedy:
             out, num_accepted, nodes = tree_greedy_verify(logits.argmax(dim=-1), tree)  # [B, N, V] -> paths
         else:
             p = logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p)
             out, num_accepted, nodes = tree_rejection_sample(p, draft.q, tree, batch.generators)
         commit_paths(cache, nodes, num_accepted)
-        return out, num_accepted, draft.num_tokens
+        return out, num_accepted, draft.num_tokens, aux_logits
 
     def _append_tokens(
         self, batch: Batch, out: torch.Tensor, num_accepted: torch.Tensor, num_draft: torch.Tensor

@@ -36,7 +36,7 @@ class OracleTreeDrafter:
     def select_rows(self, rows) -> None:
         self.prompts = [self.prompts[r] for r in rows]
 
-    def on_verified(self, batch, num_accepted) -> None:
+    def on_verified(self, batch, num_accepted, aux_logits=None) -> None:
         pass
 
     def _randint(self, high: int) -> int:
