@@ -116,6 +116,15 @@ class ContiguousKVCache(KVCache):
             r = buf[:, row]  # [L, Hkv, S, D] view
             r[:, :, dst] = r[:, :, src_slots]  # the gather copies first, so overlap is safe
 
+    def concat_rows(self, other: "ContiguousKVCache") -> "ContiguousKVCache":
+        """This cache's rows followed by ``other``'s (same layers, heads and capacity): rows that joined."""
+        if other.k.shape[0] != self.k.shape[0] or other.k.shape[2:] != self.k.shape[2:]:
+            raise ValueError(f"cannot join caches of shapes {list(self.k.shape)} and {list(other.k.shape)}")
+        self.k = torch.cat([self.k, other.k], dim=1)
+        self.v = torch.cat([self.v, other.v], dim=1)
+        self.lengths = torch.cat([self.lengths, other.lengths])
+        return self
+
     def select_rows(self, rows: torch.Tensor) -> None:
         rows = rows.to(self.lengths.device)
         self.k = self.k[:, rows].contiguous()

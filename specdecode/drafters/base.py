@@ -81,9 +81,10 @@ class DrafterContext:
 class Drafter(Protocol):
     """A drafting method. Rows of ``batch`` hold every committed token (prompt + output).
 
-    Lifecycle per batch: ``prefill`` once, then each round ``propose`` → (target
-    verifies) → ``on_verified`` after the accepted tokens are appended to the rows.
-    ``select_rows`` drops finished rows. A drafter with a KV cache rolls it back in
+    Lifecycle: ``prefill`` for rows as they join (all of them at once in a static batch;
+    one by one under continuous batching, always appended at the end), then each round
+    ``propose`` → (target verifies) → ``on_verified`` after the accepted tokens are
+    appended to the rows. ``select_rows`` drops finished, cancelled or preempted rows. A drafter with a KV cache rolls it back in
     ``on_verified``; the engine never looks inside.
     """
 
@@ -97,7 +98,9 @@ class Drafter(Protocol):
         propose when asked for ``num_tokens``: caches keep that much room past each row."""
         ...
 
-    def prefill(self, batch: "Batch") -> None: ...
+    def prefill(self, batch: "Batch", rows: list[int]) -> None:
+        """Set up state for ``rows``, the rows of ``batch`` that just joined (the last ones)."""
+        ...
 
     def propose(self, batch: "Batch", num_tokens: int) -> Draft: ...
 

@@ -95,12 +95,16 @@ class DraftModelDrafter:
         self.cache.commit(lengths)
         return logits[:, 0]
 
-    def prefill(self, batch: Batch) -> None:
+    def prefill(self, batch: Batch, rows: list[int]) -> None:
         # Everything but the newest token, which the first propose feeds.
         # chains feed γ tokens; tree levels re-run at most k paths, or the static tree's nodes
         room = max(self.gamma, self.topk * self.gamma, self.max_draft_tokens(self.gamma)) + 2
-        self.cache = self.model.new_cache(len(batch), batch.capacity + room)
-        self._feed([s.token_ids[:-1] for s in batch.seqs])
+        joined = self.model.new_cache(len(rows), batch.capacity + room)
+        tokens, lengths = pad_right([batch.seqs[r].token_ids[:-1] or [0] for r in rows], self.ctx.device)
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        self.model(tokens, positions, joined, logits_at=(lengths - 1)[:, None])
+        joined.commit(torch.tensor([len(batch.seqs[r].token_ids) - 1 for r in rows], device=joined.lengths.device))
+        self.cache = joined if self.cache is None or self.cache.batch_size == 0 else self.cache.concat_rows(joined)
 
     def propose(self, batch: Batch, num_tokens: int) -> Draft:
         assert self.cache is not None

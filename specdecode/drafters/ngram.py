@@ -107,7 +107,7 @@ class NgramDrafter:
         o = self.options
         return num_tokens if o.max_matches == 1 else o.num_draft_tokens or num_tokens * o.max_matches
 
-    def prefill(self, batch: Batch) -> None:
+    def prefill(self, batch: Batch, rows: list[int]) -> None:
         pass  # stateless: every proposal is computed from the rows' tokens
 
     def propose(self, batch: Batch, num_tokens: int) -> Draft:

@@ -99,8 +99,8 @@ class SuffixDrafter:
     def max_draft_tokens(self, num_tokens: int) -> int:
         return num_tokens  # the node budget never exceeds γ
 
-    def prefill(self, batch: Batch) -> None:
-        self._rows = [_Row(seq.token_ids, self.max_depth) for seq in batch.seqs]
+    def prefill(self, batch: Batch, rows: list[int]) -> None:
+        self._rows += [_Row(batch.seqs[r].token_ids, self.max_depth) for r in rows]
 
     def propose(self, batch: Batch, num_tokens: int) -> Draft:
         specs = [self._speculate(row, seq.token_ids, num_tokens) for row, seq in zip(self._rows, batch.seqs)]

@@ -96,7 +96,7 @@ class Engine:
         yield self._append_tokens(batch, first[:, None], torch.zeros_like(first), torch.zeros_like(first))
         self._drop_finished(batch, cache, drafter=None)  # the drafter has no state yet
         if self.drafter is not None and len(batch):
-            self.drafter.prefill(batch)
+            self.drafter.prefill(batch, list(range(len(batch))))
 
         while len(batch):
             draft = self.drafter.propose(batch, self.gamma) if self.drafter is not None else None
@@ -224,6 +224,6 @@ class Engine:
             return
         if keep:
             cache.select_rows(torch.tensor(keep, dtype=torch.long))
-            if drafter is not None:
-                drafter.select_rows(keep)
+        if drafter is not None:
+            drafter.select_rows(keep)  # even to no rows: the next batch starts from none
         batch.select_rows(keep)

@@ -174,7 +174,7 @@ def test_proposals_touch_the_entry_they_came_from():
     ia = drafter.cache.add(a)
     drafter.cache.add(b)
     batch = make_batch([[10, 11, 12]])
-    drafter.prefill(batch)
+    drafter.prefill(batch, list(range(len(batch))))
     draft = drafter.propose(batch, 8)
     assert draft.tokens[0].tolist()[:2] == [13, 14] and drafter.stats.global_ == 1
     assert next(reversed(drafter.cache.entries)) == ia  # a is now the most recently used
@@ -198,7 +198,7 @@ def test_drafter_proposes_trees_roots_only_rows_and_feeds_the_global_cache():
     drafter = make_drafter(suffix_decoding_min_token_prob=0.0)
     # row 0: after (1, 2) came 3 and later 4: two distinct children; row 1: nothing repeats.
     batch = make_batch([[1, 2, 3, 9, 5, 1, 2, 4, 9, 6, 1, 2], [5, 6, 7]])
-    drafter.prefill(batch)
+    drafter.prefill(batch, list(range(len(batch))))
     draft = drafter.propose(batch, 8)
     tree = draft.tree
     assert tree is not None and draft.q is None
@@ -215,9 +215,9 @@ def test_drafter_proposes_trees_roots_only_rows_and_feeds_the_global_cache():
     assert list(drafter.cache.entries.values()) == [(8, 9, 10)]
     drafter.on_verified(batch, torch.zeros(2, dtype=torch.long))
     assert len(drafter.cache) == 1  # a finished row is cached once
-    drafter.select_rows([0])
+    drafter.select_rows([])  # the batch is done: a new one joins
     batch2 = make_batch([[0, 8]])
-    drafter.prefill(batch2)
+    drafter.prefill(batch2, list(range(len(batch2))))
     assert drafter.propose(batch2, 8).tokens[0].tolist()[:1] == [9]
     assert drafter.stats.global_ == 1
 
@@ -225,7 +225,7 @@ def test_drafter_proposes_trees_roots_only_rows_and_feeds_the_global_cache():
 def test_chains_come_out_as_chains():
     drafter = make_drafter()
     batch = make_batch([[1, 2, 3, 4, 1, 2], [7, 7]])
-    drafter.prefill(batch)
+    drafter.prefill(batch, list(range(len(batch))))
     draft = drafter.propose(batch, 8)
     assert draft.tree is None
     assert draft.tokens[0].tolist()[:2] == [3, 4] and draft.num_tokens.tolist()[1] == 1

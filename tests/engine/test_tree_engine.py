@@ -26,12 +26,13 @@ class OracleTreeDrafter:
     def __init__(self, reference: dict[tuple, list[int]], seed: int, nodes: int) -> None:
         self.reference, self.rng, self.nodes = reference, torch.Generator().manual_seed(seed), nodes
         self.moved_paths = 0
+        self.prompts: list[tuple] = []
 
     def max_draft_tokens(self, num_tokens: int) -> int:
         return self.nodes - 1
 
-    def prefill(self, batch) -> None:
-        self.prompts = [tuple(s.token_ids[: s.num_prompt]) for s in batch.seqs]
+    def prefill(self, batch, rows) -> None:
+        self.prompts += [tuple(batch.seqs[r].token_ids[: batch.seqs[r].num_prompt]) for r in rows]
 
     def select_rows(self, rows) -> None:
         self.prompts = [self.prompts[r] for r in rows]
