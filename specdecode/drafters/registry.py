@@ -14,6 +14,7 @@ from specdecode.drafters.base import Drafter, DrafterContext
 
 _METHODS: dict[str, str] = {
     "draft_model": "specdecode.drafters.draft_model:DraftModelDrafter",
+    "lookahead": "specdecode.drafters.lookahead:LookaheadDrafter",
     "ngram": "specdecode.drafters.ngram:NgramDrafter",
     "suffix": "specdecode.drafters.suffix:SuffixDrafter",
 }
