@@ -65,6 +65,28 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class BudgetOptions:
+    """``speculative_config`` keys: ``verify_budget`` "fixed" (γ per request, the default) or
+    "adaptive"; ``max_verify_tokens`` bounds the positions one step verifies (B rows + drafts)."""
+
+    verify_budget: str = "fixed"
+    max_verify_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.verify_budget not in ("fixed", "adaptive"):
+            raise SpecDecodeError(f"verify_budget must be \"fixed\" or \"adaptive\", got {self.verify_budget!r}")
+        m = self.max_verify_tokens
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+            raise SpecDecodeError(f"max_verify_tokens must be a positive integer, got {m!r}")
+
+    @staticmethod
+    def pop_from(raw: dict[str, Any]) -> "BudgetOptions":
+        """Take the budget keys out of a raw speculative_config dict."""
+        keys = ("verify_budget", "max_verify_tokens")
+        return BudgetOptions(**{k: raw.pop(k) for k in keys if k in raw})
+
+
+@dataclass(frozen=True)
 class SpecConfig:
     """What vLLM calls ``speculative_config``: a method, γ, and the method's own options.
 
@@ -75,6 +97,7 @@ class SpecConfig:
     method: str
     num_speculative_tokens: int
     options: Any = field(default=None)
+    budget: BudgetOptions = field(default_factory=BudgetOptions)  # serving: per-step verification budgets
 
     @staticmethod
     def parse(value: "str | Mapping[str, Any] | SpecConfig | None") -> "SpecConfig | None":
@@ -102,13 +125,15 @@ class SpecConfig:
             raise SpecDecodeError(
                 f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {gamma!r}"
             )
+        budget = BudgetOptions.pop_from(raw)
         options = parse_options(cls.Options, raw, f"method {method!r}")
-        return SpecConfig(method=method, num_speculative_tokens=gamma, options=options)
+        return SpecConfig(method=method, num_speculative_tokens=gamma, options=options, budget=budget)
 
     def to_dict(self) -> dict[str, Any]:
         out = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
         if self.options is not None:
             out.update(dataclasses.asdict(self.options))
+        out.update(dataclasses.asdict(self.budget))
         return out
 
 
@@ -117,7 +142,8 @@ def parse_options(options_cls: type, raw: Mapping[str, Any], owner: str) -> Any:
     names = [f.name for f in dataclasses.fields(options_cls)]
     unknown = sorted(set(raw) - set(names))
     if unknown:
-        valid = ", ".join(["method", "num_speculative_tokens", *names])
+        budget_keys = [f.name for f in dataclasses.fields(BudgetOptions)]
+        valid = ", ".join(["method", "num_speculative_tokens", *names, *budget_keys])
         raise SpecDecodeError(f"unknown key(s) {', '.join(unknown)} for {owner}; valid keys: {valid}")
     try:
         return options_cls(**raw)

@@ -40,7 +40,7 @@ class SpecStats:
 class Sequence:
     """One request: prompt + committed output tokens and how to extend them."""
 
-    request_id: int
+    request_id: int | str
     token_ids: list[int]
     num_prompt: int
     params: SamplingParams
@@ -78,6 +78,13 @@ class Batch:
     def select_rows(self, rows: list[int]) -> None:
         self.seqs = [self.seqs[r] for r in rows]
         self._refresh()
+
+    def extend(self, seqs: list[Sequence]) -> list[int]:
+        """Append joining sequences; returns their row indices."""
+        first = len(self.seqs)
+        self.seqs = self.seqs + list(seqs)
+        self._refresh()
+        return list(range(first, len(self.seqs)))
 
     def last_tokens(self) -> torch.Tensor:
         """[B, 1] the newest committed token of each row: it is not in the target cache yet."""

@@ -1,0 +1,180 @@
+"""Verification budgets: how many draft tokens each running request may verify this step.
+
+Owns: the budget options of ``speculative_config``, the fixed policy (every request its
+γ, as vLLM), the adaptive policy, the measured verify-cost curve it plans with, and
+cutting a proposal down to per-row budgets. Does not own: proposing (drafters/) or who
+runs at all (engine/serving.py).
+
+The adaptive policy follows the seed's last section (DSpark's design). Each request keeps
+an estimate c_k of the chance that its k-th draft token survives given that the ones
+before it did; a block of k tokens survives with probability s_k = c_1 · … · c_k, and
+a step that verifies P positions costs t(P), measured on this machine. Starting from no
+drafts at all, the scheduler adds draft positions in order of s (the most likely to
+survive first) while the expected tokens per unit of time, (B + Σ s) / t(P), still
+rises. Below the compute/bandwidth threshold t(P) is flat and every useful position is
+kept; past it each extra position must pay for itself, so budgets shrink smoothly, per
+request, down to 0; speculation is never switched off wholesale.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from specdecode.drafters.base import Draft
+from specdecode.tree import TreeBatch
+
+if TYPE_CHECKING:
+    from specdecode.engine.serving import ServingEngine
+
+PRIOR_STRENGTH = 4.0  # pseudo-rounds of the shared estimate behind a request's own counts
+
+
+class BudgetPolicy(Protocol):
+    def budgets(self, reqs: list[Any], limits: torch.Tensor, engine: "ServingEngine") -> torch.Tensor:
+        """[B] draft tokens per running row this step, each in [0, limits[b]]."""
+        ...
+
+    def observe(self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor) -> None:
+        """What the step's verification accepted, per row."""
+        ...
+
+
+class FixedBudget:
+    """Every request verifies its own γ each step, whatever the load."""
+
+    def __init__(self, max_verify_tokens: int | None = None) -> None:
+        self.max_verify_tokens = max_verify_tokens
+
+    def budgets(self, reqs: list[Any], limits: torch.Tensor, engine: "ServingEngine") -> torch.Tensor:
+        if self.max_verify_tokens is None:
+            return limits
+        # an even cut, as a static per-step cap would do: each row gets the same share
+        share = max(0, (self.max_verify_tokens - len(reqs)) // max(1, len(reqs)))
+        return limits.clamp(max=share)
+
+    def observe(self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor) -> None:
+        pass
+
+
+class VerifyCost:
+    """t(P): the measured time of one target pass over P positions, interpolated."""
+
+    def __init__(self, points: list[tuple[int, float]]) -> None:
+        if not points:
+            raise ValueError("a verify-cost curve needs at least one point")
+        self.points = sorted(points)
+
+    def __call__(self, positions: int) -> float:
+        pts = self.points
+        if positions <= pts[0][0]:
+            return pts[0][1]
+        for (p0, t0), (p1, t1) in zip(pts, pts[1:]):
+            if positions <= p1:
+                return t0 + (t1 - t0) * (positions - p0) / (p1 - p0)
+        (p0, t0), (p1, t1) = pts[-2:] if len(pts) > 1 else (pts[0], (pts[0][0] + 1, pts[0][1]))
+        return t1 + (t1 - t0) / max(1, p1 - p0) * (positions - p1)  # extrapolate the last slope
+
+    @staticmethod
+    def measure(engine: "ServingEngine", max_positions: int, repeats: int = 3) -> "VerifyCost":
+        """Time passes of 1, 2, 4, … positions (one row, the longest under ``max_positions``)
+        through the engine's own model and cache; the slowest of the repeats is dropped."""
+        sizes, p = [], 1
+        while p < max_positions:
+            sizes.append(p)
+            p *= 2
+        sizes.append(max_positions)
+        cache, model, device = engine.cache, engine.model, engine.device
+        sid = ("__verify_cost__",)
+        cache.add_sequence(sid)
+        points = []
+        try:
+            cache.set_batch([sid])
+            cache.reserve([max_positions])
+            with torch.inference_mode():
+                for size in sizes:
+                    tokens = torch.zeros(1, size, dtype=torch.long, device=device)
+                    positions = torch.arange(size, device=device)[None, :]
+                    times = []
+                    for _ in range(repeats + 1):
+                        start = time.perf_counter()
+                        model(tokens, positions, cache, batch_invariant=engine.batch_invariant)
+                        if device.type == "cuda":
+                            torch.cuda.synchronize()
+                        times.append(time.perf_counter() - start)
+                    points.append((size, sorted(times)[len(times) // 2]))
+        finally:
+            cache.free_sequence(sid)
+        return VerifyCost(points)
+
+
+class AdaptiveBudget:
+    """Per-request budgets that maximise expected accepted tokens per unit of step time."""
+
+    def __init__(self, cost: VerifyCost, max_gamma: int, max_verify_tokens: int | None = None) -> None:
+        self.cost = cost
+        self.max_verify_tokens = max_verify_tokens
+        # shared counts by position: rounds that reached position k, and accepted it (Laplace prior)
+        self.reached = torch.ones(max_gamma)
+        self.accepted = torch.full((max_gamma,), 0.5)
+        self.per_request: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def confidence(self, request_id: str) -> torch.Tensor:
+        """[γ] c_k: the chance draft token k survives given tokens 1..k-1 did."""
+        shared = self.accepted / self.reached
+        reached, accepted = self.per_request.get(request_id, (None, None))
+        if reached is None:
+            return shared
+        return (accepted + PRIOR_STRENGTH * shared) / (reached + PRIOR_STRENGTH)
+
+    def budgets(self, reqs: list[Any], limits: torch.Tensor, engine: "ServingEngine") -> torch.Tensor:
+        B = len(reqs)
+        cap = limits.tolist()
+        survival = [torch.cumprod(self.confidence(r.request_id), 0).tolist() for r in reqs]
+        out = [0] * B
+        positions, expected = B, float(B)  # every row verifies its root and gains one token
+        heap = [(-survival[b][0], b) for b in range(B) if cap[b] > 0]
+        heapq.heapify(heap)
+        limit = self.max_verify_tokens
+        while heap and (limit is None or positions < limit):
+            neg_s, b = heapq.heappop(heap)
+            gain = -neg_s
+            if (expected + gain) / self.cost(positions + 1) < expected / self.cost(positions):
+                break  # the most likely remaining position no longer pays for its time
+            out[b] += 1
+            positions += 1
+            expected += gain
+            if out[b] < cap[b]:
+                heapq.heappush(heap, (-survival[b][out[b]], b))
+        return torch.tensor(out, dtype=torch.long, device=limits.device)
+
+    def observe(self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor) -> None:
+        gamma = self.reached.numel()
+        live = {r.request_id for r in reqs if r.seq.finish_reason is None}
+        self.per_request = {k: v for k, v in self.per_request.items() if k in live}  # finished or cancelled
+        for req, a, d in zip(reqs, num_accepted.tolist(), num_draft.tolist()):
+            if d == 0:
+                continue
+            reached_k = min(a + 1, d)  # positions 1..a were accepted; a+1 was tried and rejected
+            if req.seq.finish_reason is None:
+                mine = self.per_request.setdefault(req.request_id, (torch.zeros(gamma), torch.zeros(gamma)))
+                mine[0][:reached_k] += 1
+                mine[1][:a] += 1
+            self.reached[:reached_k] += 1
+            self.accepted[:a] += 1
+
+
+def apply_budgets(draft: Draft, budgets: torch.Tensor) -> Draft:
+    """Cut each row's proposal to at most ``budgets[b]`` draft tokens along any path: a chain
+    is truncated; a tree loses its nodes deeper than the budget. q and aux nodes are kept."""
+    if draft.tree is None:
+        keep = torch.arange(draft.tokens.shape[1], device=draft.tokens.device)[None, :] < budgets[:, None]
+        return Draft(tokens=torch.where(keep, draft.tokens, -1), q=draft.q)
+    tree = draft.tree
+    if bool((tree.depth <= budgets[:, None]).all()):
+        return draft
+    parents = torch.where(tree.depth <= budgets[:, None], tree.parents, -1)
+    return Draft.from_tree(TreeBatch.from_parents(tree.tokens.clamp(min=0), parents), q=draft.q, aux=draft.aux)

@@ -1,0 +1,335 @@
+"""Continuous batching: requests join and leave between steps, over a paged KV cache.
+
+Owns: the request queue, admission, chunked prefill, preemption by recompute, each
+request's verification budget, and the step. Reuses the round itself (verify, commit,
+stop rules) from engine/step.py, so a request decodes exactly as it would alone.
+Does not own: who gets how many draft tokens under load (engine/budget.py), or HTTP.
+
+One step::
+
+    admit waiting requests while rows and blocks allow (FIFO)
+    prefill one chunk (≤ max_num_batched_tokens prompt tokens, oldest prefilling request first);
+        a request whose prompt is done samples its first token and joins the decode batch
+    one speculative round over the decode batch: propose → per-row budgets → one target
+        pass → verify → commit (rejected slots' blocks go back to the pool)
+
+When the pool runs dry the newest running request is preempted: its blocks are freed
+and it waits at the head of the queue to be recomputed from its tokens (vLLM's policy).
+Nothing is failed for lack of blocks; a request that could never fit is refused at
+`add_request`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError
+from specdecode.drafters.base import Draft, Drafter
+from specdecode.engine.batch import Batch, Sequence, SpecStats, pad_right
+from specdecode.engine.budget import AdaptiveBudget, BudgetPolicy, FixedBudget, VerifyCost, apply_budgets
+from specdecode.engine.step import Engine
+from specdecode.model.loader import LoadedModel
+from specdecode.paged_cache import OutOfBlocks, PagedKVCache, new_paged_cache
+from specdecode.sampling import logits_to_probs, sample
+
+DEFAULT_KV_BYTES = 1 << 30  # KV pool size when num_blocks is not given
+
+
+@dataclass
+class RequestEvent:
+    """What one step added to one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None  # None while running; "stop" | "length"
+    stats: SpecStats
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int  # queued or preempted, not yet prefilling
+    num_prefilling: int
+    num_preempted_total: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+
+
+@dataclass
+class _Request:
+    request_id: str
+    seq: Sequence
+    gamma: int  # the most draft tokens per round this request may verify
+    arrival: int
+    cached: int = 0  # tokens whose K/V are in the target cache (prefill progress)
+    events: list[int] = field(default_factory=list)
+
+    @property
+    def resumed(self) -> bool:
+        """Preempted after its first token: recompute all but the newest token, sample nothing."""
+        return len(self.seq.token_ids) > self.seq.num_prompt
+
+    @property
+    def prefill_target(self) -> int:
+        return len(self.seq.token_ids) - (1 if self.resumed else 0)
+
+
+class ServingEngine(Engine):
+    """Requests join with `add_request`, leave when finished or on `abort`; `step` advances all."""
+
+    def __init__(
+        self,
+        target: LoadedModel,
+        spec: SpecConfig | None,
+        *,
+        max_model_len: int,
+        max_num_seqs: int = 8,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        max_num_batched_tokens: int = 256,
+        quantization: str | None = None,
+        batch_invariant: bool = False,
+        drafter: Drafter | None = None,
+        budget: BudgetPolicy | None = None,
+    ) -> None:
+        super().__init__(target, spec, max_model_len, drafter, quantization, batch_invariant)
+        if max_num_seqs < 1 or block_size < 1 or max_num_batched_tokens < 1:
+            raise SpecDecodeError("max_num_seqs, block_size and max_num_batched_tokens must be >= 1")
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        per_seq = -(-(max_model_len + self.round_room) // block_size)  # blocks one full sequence needs
+        if num_blocks is None:
+            cfg = target.config
+            itemsize = self.model.embed.weight.element_size()
+            block_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * block_size * itemsize
+            num_blocks = max(per_seq, min(max_num_seqs * per_seq, DEFAULT_KV_BYTES // block_bytes))
+        if num_blocks < per_seq:
+            raise SpecDecodeError(
+                f"{num_blocks} KV blocks of {block_size} cannot hold one sequence of max_model_len "
+                f"{max_model_len} (+{self.round_room} for drafts): need {per_seq}"
+            )
+        self.cache: PagedKVCache = new_paged_cache(self.model, num_blocks, block_size)
+        self.budget = budget or self._default_budget()
+        self.batch = Batch([], capacity=max_model_len, device=self.device)  # the decoding rows
+        self.waiting: deque[_Request] = deque()
+        self.prefilling: list[_Request] = []
+        self.running: dict[str, _Request] = {}  # in batch row order
+        self.num_preempted = 0
+        self._arrivals = itertools.count()
+
+    def _default_budget(self) -> BudgetPolicy:
+        opts = self.spec.budget if self.spec is not None else None
+        if opts is None or opts.verify_budget == "fixed":
+            return FixedBudget(opts.max_verify_tokens if opts is not None else None)
+        most = min(opts.max_verify_tokens or self.max_num_seqs * self.round_room, 512)
+        most = min(most, self.cache.pool.num_free * self.cache.block_size)
+        cost = VerifyCost.measure(self, max_positions=most)
+        return AdaptiveBudget(cost, max(1, self.gamma), opts.max_verify_tokens)
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, spec_override: dict | None = None
+    ) -> None:
+        """Queue a request. Bad input raises `SpecDecodeError` (one line) and changes nothing."""
+        if self._find(request_id) is not None:
+            raise SpecDecodeError(f"request id {request_id!r} is already in use")
+        vocab = self.target.config.vocab_size
+        if not prompt_ids:
+            raise SpecDecodeError("prompt is empty")
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+            raise SpecDecodeError(f"prompt token ids must be integers in [0, {vocab})")
+        room = self.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise SpecDecodeError(
+                f"prompt has {len(prompt_ids)} tokens but the context is {self.max_model_len}; shorten the prompt"
+            )
+        if params.max_tokens > room:
+            raise SpecDecodeError(
+                f"max_tokens={params.max_tokens} is beyond the context: the prompt has {len(prompt_ids)} of "
+                f"{self.max_model_len} tokens, so at most {room} can be generated"
+            )
+        gamma = self._parse_override(spec_override)
+        seq = Batch.new_sequence(request_id, prompt_ids, params, self.device)
+        self.waiting.append(_Request(request_id, seq, gamma, next(self._arrivals)))
+
+    def _parse_override(self, override: dict | None) -> int:
+        if override is None:
+            return self.gamma
+        if not isinstance(override, dict) or set(override) - {"num_speculative_tokens"}:
+            raise SpecDecodeError(
+                f"a per-request speculative override takes only num_speculative_tokens, got {override!r}"
+            )
+        k = override.get("num_speculative_tokens", self.gamma)
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= self.gamma:
+            raise SpecDecodeError(f"num_speculative_tokens override must be an integer in [0, {self.gamma}], got {k!r}")
+        return k
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request wherever it is; its blocks go back at once. Unknown ids are ignored."""
+        req = self._find(request_id)
+        if req is None:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+        elif req in self.prefilling:
+            self.prefilling.remove(req)
+            self.cache.free_sequence(request_id)
+        else:
+            self._remove_running([request_id])
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    def stats(self) -> EngineStats:
+        pool = self.cache.pool
+        return EngineStats(
+            len(self.running), len(self.waiting), len(self.prefilling), self.num_preempted, pool.num_used, pool.num_blocks
+        )
+
+    def _find(self, request_id: str) -> _Request | None:
+        if request_id in self.running:
+            return self.running[request_id]
+        return next((r for r in itertools.chain(self.prefilling, self.waiting) if r.request_id == request_id), None)
+
+    # ---- the step ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestEvent]:
+        """Admit, prefill one chunk, run one round over the decode batch. Returns what changed."""
+        self._admit()
+        events = self._prefill_chunk()
+        if self.running:
+            events += self._decode_round()
+        return events
+
+    def _admit(self) -> None:
+        pool = self.cache.pool
+        owed = sum(self.cache.blocks_needed(r.request_id, r.prefill_target + self.round_room) for r in self.prefilling)
+        while self.waiting and len(self.running) + len(self.prefilling) < self.max_num_seqs:
+            req = self.waiting[0]
+            need = -(-(req.prefill_target + self.round_room) // pool.block_size)
+            if need + owed > pool.num_free:
+                break  # FIFO: later requests wait behind it rather than starve it
+            self.waiting.popleft()
+            self.cache.add_sequence(req.request_id)
+            req.cached = 0
+            self.prefilling.append(req)
+            owed += need
+
+    def _prefill_chunk(self) -> list[RequestEvent]:
+        """Up to ``max_num_batched_tokens`` prompt tokens, oldest request first, one pass per
+        request: no padding, so no request needs blocks beyond its own chunk (prefill is
+        compute-bound, so batching it would gain little)."""
+        budget, done, last_logits = self.max_num_batched_tokens, [], []
+        for req in list(self.prefilling):
+            n = min(req.prefill_target - req.cached, budget)
+            if n <= 0:
+                break
+            budget -= n
+            self.cache.set_batch([req.request_id])
+            self._reserve([n], prefill=True)
+            tokens = torch.tensor([req.seq.token_ids[req.cached : req.cached + n]], device=self.device)
+            positions = torch.arange(req.cached, req.cached + n, device=self.device)[None, :]
+            logits = self.model(tokens, positions, self.cache, logits_at=torch.tensor([[n - 1]], device=self.device))
+            self.cache.commit(torch.tensor([n], device=self.device))
+            req.cached += n
+            if req.cached == req.prefill_target:
+                done.append(req)
+                last_logits.append(logits[0, 0])
+        return self._join(done, torch.stack(last_logits)) if done else []
+
+    def _join(self, reqs: list[_Request], logits: torch.Tensor) -> list[RequestEvent]:
+        """Prefill done: fresh requests sample their first token; all join the decode batch."""
+        fresh = [i for i, r in enumerate(reqs) if not r.resumed]
+        events = []
+        if fresh:
+            first = self._sample_first([reqs[i].seq for i in fresh], logits[fresh])
+            for i, token in zip(fresh, first):
+                seq = reqs[i].seq
+                new = self._append_until_stop(seq, [token])
+                events.append(self._event(reqs[i], new))
+        for req in reqs:
+            self.prefilling.remove(req)
+            if req.seq.finish_reason is not None:
+                self.cache.free_sequence(req.request_id)
+                continue
+            self.running[req.request_id] = req
+            rows = self.batch.extend([req.seq])
+            if self.drafter is not None:
+                self.drafter.prefill(self.batch, rows)
+        return events
+
+    def _sample_first(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        rows = Batch(seqs, capacity=self.max_model_len, device=self.device)
+        if rows.all_greedy:
+            return logits.argmax(dim=-1).tolist()
+        p = logits_to_probs(logits[:, None], rows.temperature, rows.top_k, rows.top_p)[:, 0]  # [B, V]
+        return sample(p, rows.generators).tolist()
+
+    def _decode_round(self) -> list[RequestEvent]:
+        ids = list(self.running)
+        self.cache.set_batch(ids)
+        self._reserve([self.round_room] * len(ids))  # may preempt rows of the batch
+        if not self.running:
+            return []
+        reqs = list(self.running.values())
+        draft: Draft | None = None
+        if self.drafter is not None:
+            limits = torch.tensor([r.gamma for r in reqs], device=self.device)
+            budgets = self.budget.budgets(reqs, limits, self)  # [B] per-row draft length, >= 0
+            if int(budgets.max()) > 0 or self.gamma == 0:
+                draft = apply_budgets(self.drafter.propose(self.batch, self.gamma), budgets)
+        out, num_accepted, num_draft, aux_logits = self._verify_round(self.batch, self.cache, draft)
+        step_events = self._append_tokens(self.batch, out, num_accepted, num_draft)
+        if self.drafter is not None:
+            self.drafter.on_verified(self.batch, num_accepted, aux_logits)
+        self.budget.observe(reqs, num_accepted, num_draft)
+        events = [self._event(self.running[e.request_id], e.new_token_ids) for e in step_events]
+        self._remove_running([r.request_id for r in reqs if r.seq.finish_reason is not None])
+        return events
+
+    def _reserve(self, room: list[int], prefill: bool = False) -> None:
+        """Reserve ``room`` past each current row's length, preempting the newest running
+        requests until it fits (``prefill``: the current row is a prefilling request)."""
+        while True:
+            try:
+                self.cache.reserve(room)
+                return
+            except OutOfBlocks:
+                if not self.running:
+                    raise  # admission keeps one full sequence's blocks free for the prefill
+                self._preempt(max(self.running.values(), key=lambda r: r.arrival))
+                if not prefill:  # the victim was a row of this batch
+                    room = room[: len(self.running)]
+
+    def _preempt(self, req: _Request) -> None:
+        self._remove_running([req.request_id])
+        req.cached = 0
+        self.waiting.appendleft(req)
+        self.num_preempted += 1
+
+    def _remove_running(self, request_ids: list[str]) -> None:
+        """Finished, cancelled or preempted rows leave the batch, the drafter and the cache."""
+        if not request_ids:
+            return
+        gone = set(request_ids)
+        keep = [i for i, rid in enumerate(self.running) if rid not in gone]
+        for rid in request_ids:
+            self.cache.free_sequence(rid)
+            del self.running[rid]
+        if self.drafter is not None:
+            self.drafter.select_rows(keep)
+        self.batch.select_rows(keep)
+
+    def _event(self, req: _Request, new: list[int]) -> RequestEvent:
+        seq = req.seq
+        return RequestEvent(
+            req.request_id, new, seq.finish_reason, seq.stats, seq.num_prompt, len(seq.token_ids) - seq.num_prompt
+        )

@@ -1,0 +1,188 @@
+"""Continuous batching over the paged cache: requests that join, leave, get preempted or
+cancelled decode exactly as they would alone, and no KV block leaks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode import LLM, SamplingParams
+from specdecode.config import SpecConfig, SpecDecodeError
+from specdecode.engine.serving import ServingEngine
+from tests.tiny import make_tiny_checkpoint
+
+PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4, 4, 6], [11], [2, 3, 2, 3, 2, 3, 2, 3, 2], [4, 4, 4, 4], [9, 8, 7, 6, 5, 4, 3]]
+MAX_TOKENS = [20, 7, 33, 25, 12, 18]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serving")
+    return {
+        "target": str(make_tiny_checkpoint(root / "target", "llama", seed=0)),
+        "draft": str(make_tiny_checkpoint(root / "draft", "llama", seed=1)),
+    }
+
+
+@pytest.fixture(scope="module")
+def plain(ckpts):
+    return LLM(model=ckpts["target"], dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def reference(plain):
+    """Each prompt's plain greedy output, decoded alone."""
+    return [
+        plain.generate([p], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[0].token_ids
+        for p, n in zip(PROMPTS, MAX_TOKENS)
+    ]
+
+
+SPECS = {
+    "plain": None,
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+    "ngram_tree": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+                   "max_matches": 3, "num_draft_tokens": 8},
+    "draft_model": {"method": "draft_model", "model": "{draft}", "num_speculative_tokens": 3},
+    "draft_model_tree": {"method": "draft_model", "model": "{draft}", "num_speculative_tokens": 3, "topk": 2},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 8},
+    "ngram_adaptive": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+                       "verify_budget": "adaptive"},
+}
+
+
+def make_engine(plain: LLM, ckpts, name: str, **kw) -> ServingEngine:
+    spec = SPECS[name]
+    if spec is not None:
+        spec = {k: (v.format(**ckpts) if isinstance(v, str) else v) for k, v in spec.items()}
+    return ServingEngine(plain.target, SpecConfig.parse(spec), max_model_len=64, **kw)
+
+
+def run_staggered(engine: ServingEngine, params: list[SamplingParams], join_every: int = 2) -> dict[str, list[int]]:
+    """Requests join one at a time every ``join_every`` steps while others decode."""
+    out: dict[str, list[int]] = {}
+    pending = list(enumerate(PROMPTS))
+    steps = 0
+    while pending or engine.has_unfinished():
+        if pending and steps % join_every == 0:
+            i, prompt = pending.pop(0)
+            engine.add_request(f"r{i}", prompt, params[i])
+            out[f"r{i}"] = []
+        if engine.has_unfinished():
+            for e in engine.step():
+                out[e.request_id] += e.new_token_ids
+        steps += 1
+        assert steps < 500
+    return out
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_joining_and_leaving_requests_decode_as_alone(plain, ckpts, reference, name):
+    engine = make_engine(plain, ckpts, name, max_num_seqs=4, block_size=4)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    out = run_staggered(engine, params)
+    assert [out[f"r{i}"] for i in range(len(PROMPTS))] == reference
+    assert engine.stats().kv_blocks_used == 0
+    assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("name", ["plain", "ngram", "draft_model_tree"])
+def test_preemption_recomputes_and_stays_exact(plain, ckpts, reference, name):
+    # the smallest pool that holds one full sequence: several requests must take turns
+    engine = make_engine(plain, ckpts, name, max_num_seqs=6, block_size=4, num_blocks=20)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    out = run_staggered(engine, params, join_every=1)
+    assert [out[f"r{i}"] for i in range(len(PROMPTS))] == reference
+    assert engine.stats().num_preempted_total > 0
+    assert engine.stats().kv_blocks_used == 0
+
+
+def test_abort_frees_blocks_and_spares_the_others(plain, ckpts, reference):
+    engine = make_engine(plain, ckpts, "ngram", max_num_seqs=4, block_size=4)
+    greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    for i in (0, 1, 2):
+        engine.add_request(f"r{i}", PROMPTS[i], greedy[i])
+    out = {f"r{i}": [] for i in (0, 1, 2)}
+    for _ in range(3):
+        for e in engine.step():
+            out[e.request_id] += e.new_token_ids
+    used = engine.stats().kv_blocks_used
+    engine.abort("r1")
+    engine.abort("r1")  # a second cancel is harmless
+    engine.abort("nobody")
+    assert engine.stats().kv_blocks_used < used
+    while engine.has_unfinished():
+        for e in engine.step():
+            out[e.request_id] += e.new_token_ids
+    assert out["r0"] == reference[0] and out["r2"] == reference[2]
+    assert engine.stats().kv_blocks_used == 0
+    engine.add_request("q", PROMPTS[3], greedy[3])  # cancelling a waiting request, too
+    engine.abort("q")
+    assert not engine.has_unfinished() and engine.stats().kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft_model"])
+def test_seeded_sampling_is_reproducible_whatever_else_runs(plain, ckpts, name):
+    sampled = SamplingParams(temperature=1.0, max_tokens=15, seed=7, ignore_eos=True)
+    alone = make_engine(plain, ckpts, name)
+    alone.add_request("x", PROMPTS[3], sampled)
+    want = [t for _ in range(100) if alone.has_unfinished() for e in alone.step() for t in e.new_token_ids]
+    crowded = make_engine(plain, ckpts, name, max_num_seqs=3)
+    others = [SamplingParams(temperature=0.9, max_tokens=9, seed=s, ignore_eos=True) for s in range(4)]
+    for i, sp in enumerate(others):
+        crowded.add_request(f"o{i}", PROMPTS[i], sp)
+    crowded.step()
+    crowded.add_request("x", PROMPTS[3], sampled)
+    got = [t for _ in range(200) if crowded.has_unfinished() for e in crowded.step() if e.request_id == "x"
+           for t in e.new_token_ids]
+    assert got == want and len(want) == 15
+
+
+def test_bad_requests_are_refused_and_change_nothing(plain, ckpts):
+    engine = make_engine(plain, ckpts, "ngram")
+    ok = SamplingParams(max_tokens=4)
+    engine.add_request("a", [1, 2], ok)
+    cases = [
+        (("a", [1, 2], ok), "already in use"),
+        (("b", [], ok), "prompt is empty"),
+        (("b", [1] * 64, ok), "context is 64"),
+        (("b", [1] * 60, SamplingParams(max_tokens=10)), "beyond the context"),
+        (("b", [10**6], ok), "token ids"),
+    ]
+    for args, match in cases:
+        with pytest.raises(SpecDecodeError, match=match):
+            engine.add_request(*args)
+    for override in ({"num_speculative_tokens": -1}, {"num_speculative_tokens": 9}, {"method": "suffix"}):
+        with pytest.raises(SpecDecodeError, match="override"):
+            engine.add_request("b", [1, 2], ok, spec_override=override)
+    assert engine.stats().num_waiting == 1
+
+
+def test_override_to_zero_drafts_nothing_for_that_request(plain, ckpts, reference):
+    engine = make_engine(plain, ckpts, "ngram")
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS[3], ignore_eos=True)
+    engine.add_request("off", PROMPTS[3], params, spec_override={"num_speculative_tokens": 0})
+    engine.add_request("on", PROMPTS[3], params)
+    last = {}
+    out = {"off": [], "on": []}
+    while engine.has_unfinished():
+        for e in engine.step():
+            out[e.request_id] += e.new_token_ids
+            last[e.request_id] = e.stats
+    assert out["off"] == out["on"] == reference[3]
+    assert last["off"].num_draft_tokens == 0 and last["on"].num_accepted_tokens > 0
+
+
+def test_pool_too_small_for_one_sequence_is_refused(plain, ckpts):
+    with pytest.raises(SpecDecodeError, match="cannot hold one sequence"):
+        make_engine(plain, ckpts, "plain", block_size=4, num_blocks=3)
+
+
+def test_chunked_prefill_matches_one_pass(plain, ckpts):
+    long_prompt = [int(t) for t in torch.randint(1, 30, (40,), generator=torch.Generator().manual_seed(0))]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    want = plain.generate([long_prompt], params)[0].token_ids
+    engine = make_engine(plain, ckpts, "ngram", max_num_batched_tokens=7, block_size=4)
+    engine.add_request("long", long_prompt, params)
+    got = [t for _ in range(100) if engine.has_unfinished() for e in engine.step() for t in e.new_token_ids]
+    assert got == want
