@@ -1,4 +1,4 @@
-"""The `specdecode` command: `generate` and `theory` (and later `serve`, `bench`, `train`).
+"""The `specdecode` command: `generate`, `theory` and `serve` (and later `bench`, `train`).
 
 Owns: argument parsing, streaming text to the terminal, printing statistics, and the
 error contract: bad input prints one line `error: ...` on stderr and exits with 2.
@@ -50,11 +50,27 @@ def _add_theory(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--json", action="store_true")
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)")
+    s.add_argument("--model", default=None, help="HF folder, .gguf file or alias (default: SmolLM2-135M-Instruct)")
+    s.add_argument("--speculative-config", default=None, help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--max-num-seqs", type=int, default=8, help="requests decoded together; more wait in the queue")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/*")
+    s.add_argument("--dtype", default="auto", help="auto (bfloat16), float32, bfloat16, float16")
+    s.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    s.add_argument("--quantization", default=None, help="weights of the linears: none, int8, int4[-g32|-g64|-g128], gguf")
+    s.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_theory(sub)
+    _add_serve(sub)
     return parser
 
 
@@ -213,11 +229,38 @@ def _print_stats(r: dict[str, Any], speculative: bool) -> None:
     print("\n".join(lines), file=sys.stderr)  # stdout carries only the text, so it can be piped
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import socket
+
+    from specdecode.config import SpecConfig
+
+    SpecConfig.parse(args.speculative_config)  # bad JSON fails before the model loads
+    if not 0 <= args.port <= 65535:
+        raise SpecDecodeError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_num_seqs < 1:
+        raise SpecDecodeError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise SpecDecodeError("--api-key must not be empty")
+    try:  # a taken port fails here, in one line, rather than after loading the model
+        with socket.create_server((args.host, args.port), family=socket.AF_INET6 if ":" in args.host else socket.AF_INET):
+            pass
+    except OSError as e:
+        raise SpecDecodeError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    from specdecode.entrypoints.server import run_server
+
+    run_server(model=args.model, speculative_config=args.speculative_config, host=args.host, port=args.port,
+               max_num_seqs=args.max_num_seqs, api_key=args.api_key, dtype=args.dtype, device=args.device,
+               quantization=args.quantization, max_model_len=args.max_model_len, log_level=args.log_level)  # fmt: skip
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "theory":
             return cmd_theory(args)
+        if args.command == "serve":
+            return cmd_serve(args)
         return cmd_generate(args)
     except SpecDecodeError as e:
         print(f"error: {e}", file=sys.stderr)

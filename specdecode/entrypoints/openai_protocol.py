@@ -1,0 +1,196 @@
+"""The OpenAI wire format: request models, their mapping to `SamplingParams`, errors, usage.
+
+Owns: what a `/v1/completions` or `/v1/chat/completions` body may hold and how each bad
+field becomes an OpenAI-style 400 (`{"error": {"message", "type", "param", "code"}}`),
+and the `usage` object with per-request speculation statistics.
+Does not own: the bounds themselves (config.SamplingParams and the engine check them;
+their one-line messages are passed through), HTTP routing (server.py).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from specdecode.config import SamplingParams, SpecDecodeError
+from specdecode.engine.batch import SpecStats
+from specdecode.entrypoints.llm import RequestMetrics
+
+# OpenAI fields we do not implement: a request that sets one gets a 400 rather than silence.
+UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "logit_bias", "presence_penalty",
+               "frequency_penalty", "tools", "functions", "repetition_penalty")  # fmt: skip
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "n")
+
+
+class APIError(Exception):
+    """An error answered as OpenAI does: an HTTP status and a JSON `error` object."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | int | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type, param
+        self.code = code if code is not None else status
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def from_spec_error(e: SpecDecodeError, override: bool = False) -> APIError:
+    """A 400 for a one-line `SpecDecodeError`; ``param`` is the field its message names first."""
+    msg = str(e)
+    first = msg.split(" ", 1)[0]
+    param = first if first in SAMPLING_FIELDS else None
+    if param is None and (override or "speculat" in msg):
+        param = "speculative_config"
+    if param is None and "prompt" in msg:
+        param = "prompt" if "context" in msg or "empty" in msg else None
+    return bad_request(msg, param)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    """Fields shared by both endpoints; ``top_k``, ``ignore_eos`` and ``speculative_config`` are extensions."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    n: int | None = None
+    best_of: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    speculative_config: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        for name in UNSUPPORTED:
+            if (self.model_extra or {}).get(name):
+                raise bad_request(f"{name} is not supported by this server", name)
+        if (self.n or 1) != 1:
+            raise bad_request(f"only n = 1 is supported, got {self.n}", "n")
+        if (self.best_of or 1) != 1:
+            raise bad_request(f"only best_of = 1 is supported, got {self.best_of}", "best_of")
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        top_k = self.top_k or 0
+        try:
+            return SamplingParams(
+                temperature=1.0 if self.temperature is None else self.temperature,  # OpenAI's default
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=max(top_k, 0),  # -1 (vLLM) or 0: no top-k filter
+                max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
+                seed=self.seed,
+                stop=stop,
+                ignore_eos=self.ignore_eos,
+            )
+        except SpecDecodeError as e:
+            raise from_spec_error(e) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise bad_request(f"one prompt per request, got {len(p)}", "prompt")
+            p = p[0]
+        return p
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self, index: int) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"messages[{index}]: only text content parts are supported", "messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+
+    def plain_messages(self) -> list[dict[str, str]]:
+        if not self.messages:
+            raise bad_request("messages must not be empty", "messages")
+        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+
+
+def parse_body(raw: bytes, model_cls: type[_Request]) -> Any:
+    """Bytes -> a validated request; non-UTF-8, malformed JSON and bad fields -> 400."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad_request(f"request body is not valid UTF-8 (byte {e.start})") from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise bad_request(f"request body is not valid JSON: {e.msg} at char {e.pos}") from None
+    if not isinstance(obj, dict):
+        raise bad_request("request body must be a JSON object")
+    try:
+        req = model_cls.model_validate(obj)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+    if isinstance(req, ChatCompletionRequest) and req.max_tokens is None:
+        req.max_tokens = req.max_completion_tokens
+    req.check_supported()
+    return req
+
+
+_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def validation_error(errors: Any) -> APIError:
+    """pydantic's / FastAPI's error list -> one 400 naming the first bad field."""
+    err = next(iter(errors)) if errors else {"loc": (), "msg": "invalid request"}
+    # drop "body" and pydantic's union-member tags such as "str" or "list[int]"
+    loc = [str(x) for x in err.get("loc", ()) if x != "body" and not (isinstance(x, str) and (x in _TAGS or "[" in x))]
+    param = loc[0] if loc else None
+    where = ".".join(loc)
+    return bad_request(f"{where}: {err.get('msg')}" if where else str(err.get("msg")), param)
+
+
+def usage(stats: SpecStats, num_prompt_tokens: int, num_output_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage plus speculation: α (accepted / drafted) and τ (1 + accepted / rounds)."""
+    m = RequestMetrics(stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
+                       list(stats.accepted_per_position))  # fmt: skip
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_output_tokens,
+        "total_tokens": num_prompt_tokens + num_output_tokens,
+        "acceptance_rate": m.acceptance_rate,
+        "mean_accepted_length": m.mean_accepted_length,
+        "num_drafts": m.num_drafts,
+        "num_draft_tokens": m.num_draft_tokens,
+        "num_accepted_tokens": m.num_accepted_tokens,
+        "accepted_per_position": m.accepted_per_position,
+    }

@@ -1,0 +1,369 @@
+"""`specdecode serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the serving engine.
+
+Owns: the routes (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics),
+bearer auth on /v1/*, text (detokenization, stop strings, chat template), SSE streaming,
+cancelling a request whose client went away, draining on SIGTERM, and the uvicorn runner.
+Does not own: the wire format's validation (openai_protocol.py), the engine thread
+(engine_thread.py), scheduling and decoding (engine/), metric definitions (metrics.py).
+
+Shutdown: the first SIGTERM / SIGINT drains (new requests and /health get 503, admitted
+requests run to the end, then uvicorn stops and the process exits 0); a second one
+exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specdecode.config import SpecDecodeError
+from specdecode.entrypoints.engine_thread import ADMITTED, EngineThread, ShuttingDown
+from specdecode.entrypoints.openai_protocol import (
+    APIError, ChatCompletionRequest, CompletionRequest, bad_request, from_spec_error, parse_body, usage,
+    validation_error,
+)  # fmt: skip
+from specdecode.metrics import CONTENT_TYPE, ServerMetrics
+
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+
+
+class _Output:
+    """One request's events as text: stop strings cut, partial characters and stop prefixes held back."""
+
+    def __init__(self, app: _Server, request_id: str, events: asyncio.Queue, stop: Sequence[str], arrival: float) -> None:
+        self.app, self.request_id, self.events, self.stop, self.arrival = app, request_id, events, stop, arrival
+        self.ids: list[int] = []
+        self.shown = 0  # characters of the text already returned
+        self.finish: str | None = None
+        self.last: Any = None  # the latest RequestEvent
+        self.first_token_at: float | None = None
+
+    async def next_delta(self) -> str:
+        """Wait for the next event; return the text it makes safe to show."""
+        item = await self.events.get()
+        if isinstance(item, Exception):
+            self.finish = "error"
+            raise item
+        now = time.monotonic()
+        self.last = item
+        if item.new_token_ids and self.first_token_at is None:
+            self.first_token_at = now
+            self.app.metrics.ttft.observe(now - self.arrival)
+        self.ids += item.new_token_ids
+        if item.finish_reason is not None:
+            self.finish = item.finish_reason
+            self.app.metrics.observe_finished(item.finish_reason, now - self.arrival)
+        return self._delta()
+
+    def _delta(self) -> str:
+        text = self.app.decode(self.ids)
+        cuts = [text.index(s) for s in self.stop if s in text]
+        if cuts:  # the stop string is not part of the text (as in vLLM)
+            text = text[: min(cuts)]
+        safe = len(text)
+        if self.finish is None:
+            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+                safe -= 1
+            held = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+            safe = min(safe, len(text) - held)
+        delta = text[self.shown : safe] if safe > self.shown else ""
+        self.shown = max(self.shown, safe)
+        return delta
+
+    def usage(self) -> dict[str, Any]:
+        e = self.last
+        return usage(e.stats, e.num_prompt_tokens, e.num_output_tokens)
+
+    def cancel(self) -> None:
+        """The client is gone: abort in the engine (frees its blocks)."""
+        if self.finish is None:
+            self.finish = "abort"
+            self.app.engine_thread.abort(self.request_id)
+            self.app.metrics.observe_finished("abort", time.monotonic() - self.arrival)
+
+
+class _Server:
+    """What the routes share: the engine thread, the tokenizer, the model's names and limits."""
+
+    def __init__(self, engine: Any, tokenizer: Any, model_name: str, max_model_len: int, vocab_size: int,
+                 api_key: str | None, aliases: Sequence[str], metrics: ServerMetrics) -> None:  # fmt: skip
+        self.tokenizer, self.model_name, self.max_model_len, self.vocab_size = tokenizer, model_name, max_model_len, vocab_size
+        self.api_key, self.names, self.metrics = api_key, {model_name, *aliases}, metrics
+        self.engine_thread = EngineThread(engine, metrics)
+        self.created = int(time.time())
+
+    # -- text ------------------------------------------------------------------------------
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise bad_request("this model has no tokenizer; send the prompt as token ids", "prompt")
+            return list(self.tokenizer(prompt)["input_ids"])
+        if any(not 0 <= t < self.vocab_size for t in prompt):
+            raise bad_request(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+        return list(prompt)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise bad_request("this model has no chat template; use /v1/completions", "messages")
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # the template's own checks (roles, order) raise jinja errors
+            raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
+        return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.names:
+            raise APIError(400, f"model {name!r} is not served here; available: {self.model_name}",
+                           param="model", code="model_not_found")  # fmt: skip
+
+    # -- generation ------------------------------------------------------------------------
+
+    async def generate(self, request: Request, req: Any, prompt_ids: list[int], chat: bool) -> Response:
+        arrival = time.monotonic()
+        default_max = max(1, self.max_model_len - len(prompt_ids)) if chat else COMPLETION_MAX_TOKENS
+        params = req.sampling_params(default_max)
+        if self.engine_thread.draining:
+            raise APIError(503, "the server is shutting down", "service_unavailable")
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        events = self.engine_thread.submit(request_id, prompt_ids, params, req.speculative_config)
+        admitted = await events.get()
+        if admitted is not ADMITTED:
+            raise _engine_error(admitted)
+        self.metrics.observe_admitted(len(prompt_ids))
+        out = _Output(self, request_id, events, params.stop, arrival)
+        if req.stream:
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return StreamingResponse(self._sse(out, req, chat), media_type="text/event-stream", headers=headers)
+        return await self._complete(request, out, chat)
+
+    async def _complete(self, request: Request, out: _Output, chat: bool) -> Response:
+        async def collect() -> str:
+            parts = []
+            while out.finish is None:
+                parts.append(await out.next_delta())
+            return "".join(parts)
+
+        work, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                out.cancel()
+        if not work.done() or work.cancelled():
+            return Response(status_code=499)  # nobody is listening
+        try:
+            text = work.result()
+        except Exception as e:
+            raise _engine_error(e) from None
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": out.finish}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        body = self._envelope(out.request_id, "chat.completion" if chat else "text_completion")
+        return JSONResponse({**body, "choices": [choice], "usage": out.usage()})
+
+    async def _sse(self, out: _Output, req: Any, chat: bool) -> AsyncIterator[str]:
+        base = self._envelope(out.request_id, "chat.completion.chunk" if chat else "text_completion")
+        if req.include_usage:
+            base["usage"] = None  # OpenAI: null on every chunk but the last
+
+        def chunk(text: str | None, finish: str | None = None, role: bool = False) -> str:
+            choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+            if chat:
+                choice["delta"] = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            else:
+                choice["text"] = text or ""
+            return _sse_line({**base, "choices": [choice]})
+
+        try:
+            if chat:
+                yield chunk(None, role=True)
+            while out.finish is None:
+                try:
+                    delta = await out.next_delta()
+                except Exception as e:
+                    yield _sse_line(_engine_error(e).body())
+                    break
+                if delta:
+                    yield chunk(delta)
+            if out.finish not in (None, "error"):
+                yield chunk(None, out.finish)
+                if req.include_usage:
+                    yield _sse_line({**base, "choices": [], "usage": out.usage()})
+            yield "data: [DONE]\n\n"
+        finally:  # also on cancellation, when the client disconnects mid-stream
+            out.cancel()
+
+    def _envelope(self, request_id: str, obj: str) -> dict[str, Any]:
+        return {"id": request_id, "object": obj, "created": int(time.time()), "model": self.model_name}
+
+
+def _sse_line(obj: Mapping[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read, so receive() waits for that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _engine_error(e: BaseException) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, SpecDecodeError):
+        return from_spec_error(e)
+    if isinstance(e, ShuttingDown):
+        return APIError(503, str(e), "service_unavailable")
+    return APIError(500, f"internal error: {e}", "internal_server_error")
+
+
+def create_app(
+    engine: Any,
+    tokenizer: Any,
+    model_name: str,
+    *,
+    max_model_len: int,
+    vocab_size: int,
+    api_key: str | None = None,
+    aliases: Sequence[str] = (),
+    metrics: ServerMetrics | None = None,
+) -> FastAPI:
+    """The app over an already-built engine (a `ServingEngine` or anything with its interface).
+
+    The engine thread starts with the app's lifespan and drains when it ends.
+    ``app.state.server.engine_thread.call(fn)`` runs ``fn(engine)`` between steps.
+    """
+    server = _Server(engine, tokenizer, model_name, max_model_len, vocab_size, api_key, aliases,
+                     metrics or ServerMetrics(model_name))  # fmt: skip
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        server.engine_thread.start()
+        yield
+        await asyncio.to_thread(server.engine_thread.stop)
+
+    app = FastAPI(title="specdecode", lifespan=lifespan)
+    app.state.server = server
+
+    async def check_key(request: Request) -> None:
+        if server.api_key is None:
+            return
+        given = request.headers.get("authorization", "").encode()
+        if not secrets.compare_digest(given, f"Bearer {server.api_key}".encode()):
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+
+    @v1.get("/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": model_name, "object": "model", "created": server.created, "owned_by": "specdecode",
+                "max_model_len": max_model_len}  # fmt: skip
+        return {"object": "list", "data": [card]}
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        req = parse_body(await request.body(), CompletionRequest)
+        server.check_model(req.model)
+        return await server.generate(request, req, server.tokenize(req.single_prompt()), chat=False)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = parse_body(await request.body(), ChatCompletionRequest)
+        server.check_model(req.model)
+        return await server.generate(request, req, server.encode_chat(req.plain_messages()), chat=True)
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if server.engine_thread.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics_text() -> Response:  # open, like /health: scrapers rarely send a key
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> Response:
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError) -> Response:
+        err = validation_error(e.errors())  # FastAPI's 422 becomes OpenAI's 400
+        return JSONResponse(err.body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> Response:
+        kind = "invalid_request_error" if e.status_code < 500 else "internal_server_error"
+        return JSONResponse(APIError(e.status_code, str(e.detail), kind).body(), status_code=e.status_code)
+
+    return app
+
+
+def run_server(
+    model: str | None = None,
+    speculative_config: Any = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    max_num_seqs: int = 8,
+    api_key: str | None = None,
+    dtype: str = "auto",
+    device: str = "auto",
+    quantization: str | None = None,
+    max_model_len: int | None = None,
+    log_level: str = "info",
+) -> None:
+    """Load the model, build the engine and serve until SIGTERM / SIGINT (then drain)."""
+    from specdecode.config import SpecConfig
+    from specdecode.engine.serving import ServingEngine
+    from specdecode.model.loader import load_model
+    from specdecode.model.quant import parse_quantization
+
+    spec = SpecConfig.parse(speculative_config)  # bad input fails before the model loads
+    parse_quantization(quantization)
+    target = load_model(model, dtype=dtype, device=device, quantization=quantization)
+    context = target.config.max_position_embeddings
+    if max_model_len is not None and not 1 < max_model_len <= context:
+        raise SpecDecodeError(f"max_model_len must be in [2, {context}], got {max_model_len}")
+    max_model_len = max_model_len or context
+    engine = ServingEngine(target, spec, max_model_len=max_model_len, max_num_seqs=max_num_seqs, quantization=quantization)
+    app = create_app(engine, target.tokenizer, target.name, max_model_len=max_model_len,
+                     vocab_size=target.config.vocab_size, api_key=api_key, aliases=[model] if model else [])  # fmt: skip
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level)
+    DrainingServer(config, app.state.server.engine_thread).run()
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, but the first SIGTERM / SIGINT drains the engine before uvicorn's shutdown."""
+
+    def __init__(self, config: uvicorn.Config, engine_thread: EngineThread) -> None:
+        super().__init__(config)
+        self.engine_thread = engine_thread
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.engine_thread.draining:  # a second signal: uvicorn's own (forced) exit
+            return super().handle_exit(sig, frame)
+        # not recorded in _captured_signals, so the process exits 0 once drained
+        self.engine_thread.drain(on_drained=lambda: setattr(self, "should_exit", True))
