@@ -61,14 +61,21 @@ def sse_events(lines: Any) -> list[Any]:
 
 
 class SlowEngine:
-    """Wraps an engine so that each step takes at least ``delay`` seconds (requests stay in flight)."""
+    """Wraps an engine: each step takes at least ``delay`` seconds (requests stay in flight),
+    and ``peak_waiting`` / ``peak_running`` record the most requests queued / running at a step."""
 
-    def __init__(self, engine: Any, delay: float) -> None:
+    def __init__(self, engine: Any, delay: float = 0.0) -> None:
         self.engine, self.delay = engine, delay
+        self.peak_waiting = self.peak_running = 0
 
     def step(self) -> Any:
-        time.sleep(self.delay)
-        return self.engine.step()
+        if self.delay:
+            time.sleep(self.delay)
+        events = self.engine.step()
+        stats = self.engine.stats()
+        self.peak_waiting = max(self.peak_waiting, stats.num_waiting)
+        self.peak_running = max(self.peak_running, stats.num_running)
+        return events
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
