@@ -1,0 +1,498 @@
+"""The paged KV cache: the same logits as the contiguous cache, and no block lost or shared.
+
+Parity runs the same passes through `PagedKVCache` (blocks of 4, so every sequence spans
+many) and `ContiguousKVCache`: prefill, decode, a ragged batch, a γ+1 verify pass with
+partial commits, and a tree pass compacted by `commit_paths`. A hypothesis state machine
+then runs random joins, decode / verify / tree rounds with random accept counts, rollbacks,
+preemptions (recomputed later), cancels and finishes, checks the block accounting after
+every step and, at the end, every live sequence's K/V against a fresh prefill.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from specdecode.model.loader import load_model
+from specdecode.model.transformer import Transformer
+from specdecode.paged_cache import BlockPool, OutOfBlocks, PagedKVCache, new_paged_cache
+from specdecode.tree import DraftTree, batch_trees, commit_paths
+from tests.tiny import make_tiny_checkpoint
+
+VOCAB = 128
+BS = 4  # block size: small, so that sequences span many blocks
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def model(request, tmp_path_factory):
+    """A tiny fp32 model: llama, and gemma3 (sliding window 6, so passes run past it)."""
+    folder = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=3)
+    return load_model(str(folder), dtype=torch.float32, device="cpu", progress=False).model
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    folder = make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama", seed=4)
+    return load_model(str(folder), dtype=torch.float32, device="cpu", progress=False).model
+
+
+def toks(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randint(4, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+class Twin:
+    """The same passes through a contiguous cache and a paged one; every pass checks the logits."""
+
+    def __init__(self, model, ids: list, num_blocks: int = 64, capacity: int = 64) -> None:
+        self.model, self.ids = model, list(ids)
+        self.ref = model.new_cache(len(ids), capacity)
+        self.paged = new_paged_cache(model, num_blocks, BS)
+        for sid in ids:
+            self.paged.add_sequence(sid)
+        self.paged.set_batch(self.ids)
+
+    @torch.no_grad()
+    def run(self, tokens, positions=None, block_mask=None, batch_invariant=False) -> torch.Tensor:
+        B, T = tokens.shape
+        if positions is None:
+            positions = self.ref.lengths[:, None] + torch.arange(T)
+        self.paged.reserve([T] * B)
+        want = self.model(tokens, positions, self.ref, block_mask=block_mask, batch_invariant=batch_invariant)
+        got = self.model(tokens, positions, self.paged, block_mask=block_mask, batch_invariant=batch_invariant)
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+        return got
+
+    def commit(self, counts) -> None:
+        self.ref.commit(torch.as_tensor(counts))
+        self.paged.commit(torch.as_tensor(counts))
+        assert self.paged.lengths.tolist() == self.ref.lengths.tolist()
+        check_tight(self.paged)
+        check_same_kv(self.paged, self.ref, self.ids)
+
+
+def seq_kv(cache: PagedKVCache, sid) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sequence's committed K/V [L, length, Hkv, D], read through its block table."""
+    n, table = cache.seq_length(sid), cache.block_table(sid)
+    L, _, _, H, D = cache.k.shape
+    k = cache.k[:, table].reshape(L, len(table) * BS, H, D)[:, :n]
+    v = cache.v[:, table].reshape(L, len(table) * BS, H, D)[:, :n]
+    return k, v
+
+
+def check_same_kv(paged: PagedKVCache, ref, ids: list) -> None:
+    for row, sid in enumerate(ids):
+        n = int(ref.lengths[row])
+        k, v = seq_kv(paged, sid)
+        torch.testing.assert_close(k, ref.k[:, row, :, :n].transpose(1, 2), atol=ATOL, rtol=0)
+        torch.testing.assert_close(v, ref.v[:, row, :, :n].transpose(1, 2), atol=ATOL, rtol=0)
+
+
+def check_tight(cache: PagedKVCache) -> None:
+    """After a commit or truncate: each sequence holds exactly ceil(length / block_size) blocks."""
+    for sid in cache.seq_ids:
+        assert len(cache.block_table(sid)) == -(-cache.seq_length(sid) // BS), sid
+
+
+# ---- parity with the contiguous cache --------------------------------------------------
+
+
+def test_prefill(model):
+    twin = Twin(model, ["a"])
+    twin.run(toks(1, 23, seed=0))
+    twin.commit([23])
+    assert twin.paged.block_table("a") == [0, 1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_incremental_decode(model, interleaved):
+    """Prefill 10, decode 9 one at a time, then chunks of 3. Interleaved: a second sequence takes
+    every other block, so the tables are not contiguous and the gather path runs."""
+    twin = Twin(model, ["a"])
+    other = 0
+    seq = toks(1, 31, seed=1)
+    steps = [(0, 10)] + [(i, i + 1) for i in range(10, 19)] + [(i, i + 3) for i in range(19, 31, 3)]
+    for lo, hi in steps:
+        twin.run(seq[:, lo:hi])
+        twin.commit([hi - lo])
+        if interleaved:  # grab the next free block for a bystander
+            twin.paged.add_sequence(other := other + 1)
+            twin.paged.set_batch([other])
+            twin.paged.reserve([1])
+            twin.paged.set_batch(["a"])
+    table = twin.paged.block_table("a")
+    contiguous = table == list(range(table[0], table[0] + len(table)))
+    assert contiguous != interleaved
+
+
+def test_ragged_batch(model):
+    """Three sequences of different lengths in one right-padded prefill, then a 4-token chunk."""
+    twin = Twin(model, ["a", "b", "c"])
+    twin.run(toks(3, 13, seed=2))
+    twin.commit([5, 9, 13])
+    twin.run(toks(3, 4, seed=3))
+    twin.commit([4, 2, 3])
+    twin.run(toks(3, 1, seed=4))
+    twin.commit([1, 1, 1])
+    assert twin.paged.lengths.tolist() == [10, 12, 17]
+
+
+def test_verify_pass_with_partial_commit(model):
+    """γ = 4: a 5-token verify pass, rows keep 1, 5 and 3; the rejected room goes back to the pool."""
+    twin = Twin(model, ["a", "b", "c"])
+    twin.run(toks(3, 7, seed=5))
+    twin.commit([7, 7, 7])
+    used = twin.paged.pool.num_used
+    twin.run(toks(3, 5, seed=6))
+    assert twin.paged.pool.num_used > used  # room for the drafts
+    twin.commit([1, 5, 3])  # 8, 12, 10 slots: 2 + 3 + 3 blocks
+    assert twin.paged.pool.num_used == 8
+    twin.run(toks(3, 5, seed=7))
+    twin.commit([2, 0, 4])
+
+
+def test_tree_pass_with_compaction(model):
+    """A tree pass per row, an accepted path off the first branch moved into place by keep_slots."""
+    twin = Twin(model, ["a", "b"])
+    twin.run(toks(2, 6, seed=8))
+    twin.commit([6, 3])
+    t = toks(2, 7, seed=9)
+    trees = batch_trees(
+        [
+            DraftTree.from_parents(t[0], [-1, 0, 0, 1, 2, 4, 4]),  # path 0-2-4-6
+            DraftTree.from_parents(t[1, :5], [-1, 0, 1, 0, 3]),  # path 0-3-4
+        ]
+    )
+    with torch.no_grad():
+        positions = trees.positions(twin.ref.lengths)
+        twin.run(trees.tokens.clamp(min=0), positions, block_mask=trees.mask)
+    nodes = torch.tensor([[0, 2, 4, 6], [0, 3, 4, -1]])
+    num_accepted = torch.tensor([3, 2])
+    commit_paths(twin.ref, nodes, num_accepted)
+    commit_paths(twin.paged, nodes, num_accepted)
+    assert twin.paged.lengths.tolist() == [10, 6]
+    check_tight(twin.paged)
+    check_same_kv(twin.paged, twin.ref, twin.ids)
+    twin.run(toks(2, 3, seed=10))  # the compacted history is what the next pass sees
+    twin.commit([3, 3])
+
+
+def test_batch_invariant_pass(llama):
+    twin = Twin(llama, ["a", "b"])
+    twin.run(toks(2, 9, seed=11), batch_invariant=True)
+    twin.commit([9, 4])
+    twin.run(toks(2, 3, seed=12), batch_invariant=True)
+    twin.commit([3, 1])
+
+
+def test_select_rows_and_truncate(llama):
+    """select_rows keeps rows in the order given and frees the others; truncate frees the tail."""
+    twin = Twin(llama, ["a", "b", "c"])
+    twin.run(toks(3, 9, seed=13))
+    twin.commit([9, 5, 7])  # 3 + 2 + 2 blocks
+    paged = twin.paged
+    assert paged.pool.num_used == 7
+    rows = torch.tensor([2, 0])
+    twin.ref.select_rows(rows)
+    paged.select_rows(rows)
+    twin.ids = ["c", "a"]
+    assert paged.seq_ids == ["c", "a"] and "b" not in paged and paged.pool.num_used == 5
+    twin.run(toks(2, 2, seed=14))
+    twin.commit([2, 1])
+    paged.truncate(torch.tensor([3, 100]))
+    twin.ref.truncate(torch.tensor([3, 100]))
+    assert paged.lengths.tolist() == [3, 10] and paged.pool.num_used == 1 + 3
+    check_tight(paged)
+    twin.run(toks(2, 2, seed=15))  # the rolled-back slots are written afresh
+    twin.commit([2, 2])
+
+
+# ---- the pool and the bookkeeping ------------------------------------------------------
+
+
+def test_block_pool():
+    pool = BlockPool(6, 4)
+    a = pool.allocate(2)
+    b = pool.allocate(3)
+    assert (a, b) == ([0, 1], [2, 3, 4]) and pool.num_free == 1 and pool.num_used == 5
+    with pytest.raises(OutOfBlocks) as err:
+        pool.allocate(2)
+    assert (err.value.needed, err.value.free) == (2, 1) and pool.num_free == 1
+    pool.free(b)
+    assert pool.allocate(3) == b  # freed blocks come back first, in order
+    pool.free(a)
+    with pytest.raises(ValueError, match="double free"):
+        pool.free(a)
+    with pytest.raises(ValueError, match="double free"):
+        pool.free([2, 2])
+    with pytest.raises(ValueError, match="double free"):
+        pool.free([3, 0])  # 0 is free: nothing is freed, 3 included
+    assert pool.num_used == 3
+    with pytest.raises(ValueError, match="not a block id"):
+        pool.free([6])
+    assert pool.allocate(0) == []
+
+
+def test_reserve_is_atomic(llama):
+    cache = new_paged_cache(llama, 5, BS)
+    for sid in "abc":
+        cache.add_sequence(sid)
+    cache.set_batch(["a"])
+    cache.reserve([7])  # 2 blocks
+    cache.set_batch(["a", "b", "c"])
+    tables = [cache.block_table(s) for s in "abc"]
+    with pytest.raises(OutOfBlocks) as err:
+        cache.reserve([1, 5, 5])  # 0 + 2 + 2 more blocks, 3 free: nothing is allocated
+    assert (err.value.needed, err.value.free) == (4, 3)
+    assert [cache.block_table(s) for s in "abc"] == tables and cache.pool.num_used == 2
+    cache.reserve([1, 4, 8])  # 0 + 1 + 2: exactly what is free
+    assert cache.pool.num_free == 0
+
+
+def test_write_past_reservation_raises(llama):
+    cache = new_paged_cache(llama, 8, BS)
+    cache.add_sequence("a")
+    cache.set_batch(["a"])
+    cache.reserve([3])
+    cache.reserve([2])  # holds enough already: no-op
+    assert cache.pool.num_used == 1
+    with pytest.raises(ValueError, match="reserve"), torch.no_grad():
+        llama(toks(1, 5, seed=0), torch.arange(5)[None], cache)
+    with pytest.raises(ValueError, match="cannot commit"):
+        cache.commit([5])
+
+
+def test_sequences(llama):
+    cache = new_paged_cache(llama, 8, BS)
+    assert (cache.k.shape, cache.k.dtype) == ((3, 8, BS, 2, 16), torch.float32)
+    cache.add_sequence("a")
+    cache.add_sequence(7)
+    with pytest.raises(ValueError, match="already"):
+        cache.add_sequence("a")
+    with pytest.raises(KeyError):
+        cache.set_batch(["a", "zz"])
+    with pytest.raises(ValueError, match="twice"):
+        cache.set_batch(["a", "a"])
+    cache.set_batch([7, "a"])
+    cache.reserve(torch.tensor([9, 1]))
+    assert cache.blocks_needed(7, 9) == 0 and cache.blocks_needed(7, 13) == 1 and cache.blocks_needed("a", 0) == 0
+    cache.free_sequence(7)  # leaves the batch too
+    assert cache.seq_ids == ["a"] and cache.lengths.tolist() == [0] and cache.pool.num_used == 1
+    cache.free_sequence(7)  # unknown: no-op
+    cache.free_sequence("a")
+    assert cache.seq_ids == [] and cache.pool.num_used == 0
+
+
+def test_new_paged_cache_follows_the_model(llama):
+    model = Transformer(llama.config).to(torch.bfloat16)
+    cache = new_paged_cache(model, 4, 8)
+    assert isinstance(cache, PagedKVCache) and cache.pool.block_size == 8
+    assert cache.k.dtype == torch.bfloat16 and cache.k.shape == (3, 4, 8, 2, 16) == cache.v.shape
+
+
+# ---- random joins, rollbacks, preemptions, cancels ------------------------------------
+
+
+def test_random_lifecycles(llama):
+    run_state_machine_as_test(
+        lambda: Lifecycles(llama),
+        settings=settings(
+            max_examples=30, stateful_step_count=20, deadline=None, suppress_health_check=list(HealthCheck)
+        ),
+    )
+
+
+class Lifecycles(RuleBasedStateMachine):
+    """Sequences join (prefill), run decode / verify / tree rounds committing random counts,
+    roll back, are preempted (freed, later re-prefilled from their tokens), cancelled or
+    finished, in a pool small enough to run out."""
+
+    NUM_BLOCKS = 16  # 64 slots: a few sequences fill it
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model = model
+        self.cache = new_paged_cache(model, self.NUM_BLOCKS, BS)
+        self.live: dict[int, list[int]] = {}  # committed tokens per sequence in the cache
+        self.preempted: dict[int, list[int]] = {}
+        self.next_id = 0
+
+    # -- helpers
+
+    def _preempt(self, sid: int) -> None:
+        self.cache.free_sequence(sid)
+        self.preempted[sid] = self.live.pop(sid)
+
+    def _reserve(self, batch: list[int], room: int) -> list[int]:
+        """Reserve ``room`` for each row, preempting the last row until it fits (as a scheduler would)."""
+        while batch:
+            self.cache.set_batch(batch)
+            before = (self.cache.pool.num_used, [self.cache.block_table(s) for s in batch])
+            try:
+                self.cache.reserve([room] * len(batch))
+                return batch
+            except OutOfBlocks:
+                assert (self.cache.pool.num_used, [self.cache.block_table(s) for s in batch]) == before
+                self._preempt(batch.pop())
+        return batch
+
+    @torch.no_grad()
+    def _forward(self, batch: list[int], tokens: torch.Tensor, positions=None, block_mask=None) -> None:
+        T = tokens.shape[1]
+        if positions is None:
+            positions = self.cache.lengths[:, None] + torch.arange(T)
+        logits = self.model(tokens, positions, self.cache, block_mask=block_mask)
+        assert torch.isfinite(logits).all()
+
+    def _prefill(self, sid: int, tokens: list[int]) -> None:
+        self.cache.add_sequence(sid)
+        self.live[sid] = []
+        if not tokens:
+            return
+        if not self._reserve([sid], len(tokens)):
+            self.preempted[sid] = tokens  # no room even alone: waits with its tokens
+            return
+        self._forward([sid], torch.tensor([tokens]))
+        self.cache.commit([len(tokens)])
+        self.live[sid] = list(tokens)
+
+    def _pick(self, data, max_rows: int = 4) -> list[int]:
+        """A batch: 1 .. max_rows live sequences in a random order."""
+        ids = data.draw(st.permutations(sorted(self.live)), label="order")
+        return ids[: data.draw(st.integers(1, min(max_rows, len(ids))), label="rows")]
+
+    # -- rules
+
+    @initialize(lengths=st.lists(st.integers(1, 14), min_size=1, max_size=3), seed=st.integers(0, 999))
+    def start(self, lengths, seed):
+        for i, n in enumerate(lengths):
+            self.join(n, seed + i)
+
+    @rule(n=st.integers(1, 14), seed=st.integers(0, 999))
+    def join(self, n, seed):
+        self.next_id += 1
+        self._prefill(self.next_id, toks(n, seed=seed).tolist())
+
+    @precondition(lambda self: self.preempted)
+    @rule(data=st.data())
+    def resume(self, data):
+        sid = data.draw(st.sampled_from(sorted(self.preempted)), label="resume")
+        self._prefill(sid, self.preempted.pop(sid))  # recompute from its tokens
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), T=st.integers(1, 5), seed=st.integers(0, 999))
+    def chain_round(self, data, T, seed):
+        """A decode (T = 1), verify (γ + 1) or prefill-chunk pass; each row keeps a random count."""
+        batch = self._reserve(self._pick(data), T)
+        if not batch:
+            return
+        tokens = toks(len(batch), T, seed=seed)
+        self._forward(batch, tokens)
+        kept = data.draw(st.lists(st.integers(0, T), min_size=len(batch), max_size=len(batch)), label="kept")
+        self.cache.commit(torch.tensor(kept))
+        for sid, row, n in zip(batch, tokens.tolist(), kept):
+            self.live[sid] += row[:n]
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), seed=st.integers(0, 999))
+    def tree_round(self, data, seed):
+        """A random tree per row; a random root-to-node path is accepted and compacted."""
+        rows = self._pick(data, max_rows=3)
+        sizes = [data.draw(st.integers(1, 6), label="nodes") for _ in rows]
+        batch = self._reserve(rows, max(sizes))
+        if not batch:
+            return
+        trees, paths = [], []
+        gen = torch.Generator().manual_seed(seed)
+        for b in range(len(batch)):  # _reserve drops rows from the end only
+            n = sizes[b]
+            parents = [-1] + [int(torch.randint(0, i, (), generator=gen)) for i in range(1, n)]
+            tree = DraftTree.from_parents(toks(n, seed=seed + b), parents)
+            trees.append(tree)
+            path = [data.draw(st.integers(0, n - 1), label="accepted leaf")]
+            while path[-1] != 0:
+                path.append(parents[path[-1]])
+            paths.append(path[::-1])
+        tb = batch_trees(trees)
+        self._forward(batch, tb.tokens.clamp(min=0), tb.positions(self.cache.lengths), tb.mask)
+        width = max(len(p) for p in paths)
+        nodes = torch.tensor([p + [-1] * (width - len(p)) for p in paths])
+        commit_paths(self.cache, nodes, torch.tensor([len(p) - 1 for p in paths]))
+        for sid, tree, path in zip(batch, trees, paths):
+            self.live[sid] += [int(tree.tokens[i]) for i in path]
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def rollback(self, data):
+        sid = data.draw(st.sampled_from(sorted(self.live)), label="rollback")
+        n = data.draw(st.integers(0, len(self.live[sid])), label="to")
+        self.cache.set_batch([sid])
+        self.cache.truncate(torch.tensor([n]))
+        del self.live[sid][n:]
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def preempt(self, data):
+        self._preempt(data.draw(st.sampled_from(sorted(self.live)), label="preempt"))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), room=st.integers(1, 9))
+    def cancel(self, data, room):
+        """Cancelled between reserve and commit: the reserved room goes back with the rest."""
+        sid = data.draw(st.sampled_from(sorted(self.live)), label="cancel")
+        if self._reserve([sid], room):
+            self.cache.free_sequence(sid)
+            del self.live[sid]
+
+    @precondition(lambda self: len(self.live) >= 2)
+    @rule(data=st.data())
+    def finish(self, data):
+        """Some rows of a batch finish: select_rows keeps the others and frees the finished."""
+        batch = self._pick(data)
+        self.cache.set_batch(batch)
+        keep = data.draw(st.lists(st.sampled_from(range(len(batch))), unique=True), label="keep")
+        self.cache.select_rows(torch.tensor(keep, dtype=torch.long))
+        assert self.cache.seq_ids == [batch[r] for r in keep]
+        for r, sid in enumerate(batch):
+            if r not in keep:
+                del self.live[sid]
+
+    # -- checks
+
+    @invariant()
+    def blocks_are_accounted_for(self):
+        cache, pool = self.cache, self.cache.pool
+        assert set(self.live).isdisjoint(self.preempted)
+        tables = {sid: cache.block_table(sid) for sid in self.live}
+        held = [b for t in tables.values() for b in t]
+        assert len(held) == len(set(held)), "a block is owned twice"
+        assert pool.num_used == len(held), "a block leaked"
+        assert all(0 <= b < pool.num_blocks for b in held)
+        for sid, table in tables.items():  # every step ends with a commit, truncate or free
+            assert cache.seq_length(sid) == len(self.live[sid])
+            assert len(table) == -(-len(self.live[sid]) // BS)
+        for sid in self.preempted:
+            assert sid not in cache
+
+    def teardown(self):
+        """Every live sequence's cached K/V equals a fresh prefill of its tokens."""
+        for sid, tokens in self.live.items():
+            if not tokens:
+                continue
+            n = len(tokens)
+            ref = self.model.new_cache(1, n)
+            with torch.no_grad():
+                self.model(torch.tensor([tokens]), torch.arange(n)[None], ref)
+            k, v = seq_kv(self.cache, sid)
+            torch.testing.assert_close(k, ref.k[:, 0].transpose(1, 2), atol=ATOL, rtol=0)
+            torch.testing.assert_close(v, ref.v[:, 0].transpose(1, 2), atol=ATOL, rtol=0)
