@@ -1,0 +1,451 @@
+"""Serving under load: no speculation, fixed γ and the adaptive budget, side by side.
+
+An in-process closed-loop load generator drives one `ServingEngine` per configuration
+(all over one loaded model): C clients each submit their next request as soon as their
+previous one finishes, so requests arrive while the engine steps. The request mix is
+fixed: request i is prompt i of a deterministic interleaving of prompts.json's kinds
+(chat template applied), greedy, ``--max-tokens`` new tokens (EOS may end it earlier),
+max(``--min-requests``, ``--requests-per-client`` · C) requests per load. Configurations
+are interleaved within each load so they share the machine's noise.
+
+Per configuration and load it reports output throughput (output tokens / wall time of the
+load), per-user speed (mean over requests of output tokens / (finish − submit), and of
+decode tokens / (finish − first token)), τ, α, the policy's mean budget per row, what the
+drafter actually proposed per row, and the positions each verify pass computed (rows ×
+(1 + widest draft): rows are padded to the widest). Also: the B·(γ+1) threshold of this
+CPU (roofline from a local profile, and the knee of the measured verify-cost curve), and
+the expected calibration error of the adaptive policy's per-position estimates, from the
+shared prior alone (before) and with each request's own counts (after).
+
+    python benchmarks/bench_serving.py [--clients 1 4 16 32] [--max-tokens 64] [--gammas 2 4 8]
+        [--threads 2] [--json out.json] [--plot docs/serving_throughput.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specdecode.config import SamplingParams, SpecConfig
+from specdecode.engine.budget import AdaptiveBudget, BudgetPolicy, VerifyCost
+from specdecode.engine.serving import ServingEngine
+from specdecode.model.loader import LoadedModel, load_model
+from specdecode.roofline import Roofline, profile_local, shape_from_config
+
+HERE = Path(__file__).parent
+
+
+# ---- the request mix -------------------------------------------------------------------
+
+
+def request_mix(model: LoadedModel) -> list[tuple[str, list[int]]]:
+    """(kind, chat-templated prompt ids), the kinds interleaved: chat, reuse, chat, reuse, ..."""
+    prompts = json.loads((HERE / "prompts.json").read_text())
+    queues = {kind: list(texts) for kind, texts in prompts.items()}
+    mix = []
+    while any(queues.values()):
+        for kind, q in queues.items():
+            if q:
+                mix.append((kind, encode_chat(model, q.pop(0))))
+    return mix
+
+
+def encode_chat(model: LoadedModel, text: str) -> list[int]:
+    ids = model.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                              tokenize=True)  # fmt: skip
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+# ---- recording the budget policy ---------------------------------------------------------
+
+
+@dataclass
+class StepRecord:
+    rows: int
+    budget: int  # Σ of the policy's per-row budgets (before the drafter)
+    drafted: int  # Σ of the draft tokens actually verified
+    width: int  # widest row's draft: the pass computes rows · (1 + width) positions
+    accepted: int
+
+
+@dataclass
+class Calibration:
+    """(predicted, observed) pairs per drafted position, for the prior and the online estimate."""
+
+    cond_prior: list[tuple[float, int]] = field(default_factory=list)  # c_k vs accepted given 1..k-1 were
+    cond_online: list[tuple[float, int]] = field(default_factory=list)
+    surv_prior: list[tuple[float, int]] = field(default_factory=list)  # s_k = c_1···c_k vs position k accepted
+    surv_online: list[tuple[float, int]] = field(default_factory=list)
+    # s_1 of rows that were given a budget but drafted nothing count as (s_1, 0): what planning sees
+    plan_prior: list[tuple[float, int]] = field(default_factory=list)
+    plan_online: list[tuple[float, int]] = field(default_factory=list)
+
+
+class Recording:
+    """Wraps the engine's budget policy: records each step's budgets and outcome, and for
+    `AdaptiveBudget` the confidence it planned with (shared prior and per-request)."""
+
+    def __init__(self, inner: BudgetPolicy) -> None:
+        self.inner = inner
+        self.steps: list[StepRecord] = []
+        self.calib = Calibration()
+        self._budgets: list[int] = []
+        self._planned: dict[str, tuple[list[float], list[float]]] = {}
+
+    def budgets(self, reqs, limits, engine):
+        if isinstance(self.inner, AdaptiveBudget):
+            prior = (self.inner.accepted / self.inner.reached).tolist()
+            self._planned = {r.request_id: (prior, self.inner.confidence(r.request_id).tolist()) for r in reqs}
+        out = self.inner.budgets(reqs, limits, engine)
+        self._budgets = out.tolist()
+        return out
+
+    def observe(self, reqs, num_accepted, num_draft):
+        acc, drafted = num_accepted.tolist(), num_draft.tolist()
+        budget = sum(self._budgets) if len(self._budgets) == len(reqs) else 0
+        self.steps.append(StepRecord(len(reqs), budget, sum(drafted), max(drafted, default=0), sum(acc)))
+        budgets = self._budgets if len(self._budgets) == len(reqs) else [0] * len(reqs)
+        for req, a, d, given in zip(reqs, acc, drafted, budgets):
+            planned = self._planned.get(req.request_id)
+            if planned is None or (d == 0 and given == 0):
+                continue
+            for conf, pairs_c, pairs_s, pairs_plan in (
+                (planned[0], self.calib.cond_prior, self.calib.surv_prior, self.calib.plan_prior),
+                (planned[1], self.calib.cond_online, self.calib.surv_online, self.calib.plan_online),
+            ):
+                if d == 0:
+                    pairs_plan.append((conf[0], 0))
+                s = 1.0
+                for k in range(d):
+                    s *= conf[k]
+                    pairs_s.append((s, int(k < a)))
+                    pairs_plan.append((s, int(k < a)))
+                    if k <= a:  # position k+1 was reached: tokens 1..k were accepted
+                        pairs_c.append((conf[k], int(k < a)))
+        self._planned, self._budgets = {}, []
+        self.inner.observe(reqs, num_accepted, num_draft)
+
+
+def ece(pairs: list[tuple[float, int]], bins: int = 10) -> float:
+    """Expected calibration error: Σ_bins (n_bin / n) · |mean predicted − mean observed|."""
+    if not pairs:
+        return float("nan")
+    groups: dict[int, list[tuple[float, int]]] = {}
+    for p, y in pairs:
+        groups.setdefault(min(int(p * bins), bins - 1), []).append((p, y))
+    return sum(len(g) * abs(statistics.fmean(p for p, _ in g) - statistics.fmean(y for _, y in g))
+               for g in groups.values()) / len(pairs)  # fmt: skip
+
+
+# ---- a prototype of the proposed budget policy ----------------------------------------
+
+
+class ProposedBudget(AdaptiveBudget):
+    """`AdaptiveBudget` with three changes, proposed for engine/budget.py (config "adaptive*"):
+
+    1. Padding. The verify pass computes rows × (1 + widest draft) positions, so what a step
+       costs is set by its widest row. The step picks one width w maximising
+       (B + Σ_b Σ_{k ≤ min(w, γ_b)} s_b,k) / t(B · (1 + w)), and every row gets min(w, γ_b):
+       a narrower row would save nothing.
+    2. Cost. t(P) is the least-squares line a + m·P through the measured points, so one noisy
+       point of the curve cannot make a wider pass look cheaper than a narrower one.
+    3. No draft. A row given a budget whose drafter proposed nothing counts as rejected at
+       position 1, so c_1 includes the drafter's chance of having a draft at all.
+    """
+
+    def __init__(self, cost: VerifyCost, max_gamma: int, max_verify_tokens: int | None = None) -> None:
+        super().__init__(cost, max_gamma, max_verify_tokens)
+        self.line = fit_line(cost)
+        self._given: dict[str, int] = {}
+
+    def step_cost(self, positions: int) -> float:
+        a, m = self.line
+        return a + m * positions
+
+    def budgets(self, reqs, limits, engine):
+        B, cap = len(reqs), limits.tolist()
+        survival = [torch.cumprod(self.confidence(r.request_id), 0).tolist() for r in reqs]
+        expected = float(B)
+        best_w, best_rate = 0, expected / self.step_cost(B)
+        for w in range(1, max(cap, default=0) + 1):
+            if self.max_verify_tokens is not None and B * (1 + w) > self.max_verify_tokens:
+                break
+            expected += sum(s[w - 1] for s, c in zip(survival, cap) if w <= c)
+            rate = expected / self.step_cost(B * (1 + w))
+            if rate > best_rate:
+                best_w, best_rate = w, rate
+        out = [min(best_w, c) for c in cap]
+        self._given = {r.request_id: b for r, b in zip(reqs, out)}
+        return torch.tensor(out, dtype=torch.long, device=limits.device)
+
+    def observe(self, reqs, num_accepted, num_draft):
+        super().observe(reqs, num_accepted, num_draft)
+        gamma = self.reached.numel()
+        for req, d in zip(reqs, num_draft.tolist()):
+            if d == 0 and self._given.get(req.request_id, 0) > 0:
+                self.reached[0] += 1
+                if req.seq.finish_reason is None:
+                    mine = self.per_request.setdefault(req.request_id, (torch.zeros(gamma), torch.zeros(gamma)))
+                    mine[0][0] += 1
+        self._given = {}
+
+
+# ---- the load generator ----------------------------------------------------------------
+
+
+def run_load(engine: ServingEngine, mix, clients: int, num_requests: int, max_tokens: int) -> dict:
+    """Closed loop: ``clients`` requests in flight; each finished one is replaced at once."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    policy: Recording = engine.budget
+    first_step = len(policy.steps)
+    submit, first, finish, n_out, stats = {}, {}, {}, {}, {}
+    next_req, in_flight = 0, 0
+    t0 = time.perf_counter()
+    while next_req < num_requests or engine.has_unfinished():
+        while in_flight < clients and next_req < num_requests:
+            rid = f"r{next_req}"
+            engine.add_request(rid, mix[next_req % len(mix)][1], params)
+            submit[rid] = time.perf_counter()
+            next_req += 1
+            in_flight += 1
+        events = engine.step()
+        now = time.perf_counter()
+        for e in events:
+            if e.new_token_ids and e.request_id not in first:
+                first[e.request_id] = now
+            if e.finish_reason is not None:
+                finish[e.request_id], n_out[e.request_id], stats[e.request_id] = now, e.num_output_tokens, e.stats
+                in_flight -= 1
+    wall = time.perf_counter() - t0
+    steps = policy.steps[first_step:]
+    drafts = sum(s.num_drafts for s in stats.values())
+    draft_tokens = sum(s.num_draft_tokens for s in stats.values())
+    accepted = sum(s.num_accepted_tokens for s in stats.values())
+    rows = sum(s.rows for s in steps)
+    return {
+        "clients": clients,
+        "requests": num_requests,
+        "output_tokens": sum(n_out.values()),
+        "wall_s": wall,
+        "throughput": sum(n_out.values()) / wall,
+        "per_user_e2e": statistics.fmean(n_out[r] / (finish[r] - submit[r]) for r in finish),
+        "per_user_decode": statistics.fmean(
+            (n_out[r] - 1) / (finish[r] - first[r]) for r in finish if n_out[r] > 1 and finish[r] > first[r]
+        ),
+        "ttft_s": statistics.fmean(first[r] - submit[r] for r in first),
+        "tau": 1 + accepted / drafts if drafts else 1.0,
+        "alpha": accepted / draft_tokens if draft_tokens else 0.0,
+        "budget_per_row": sum(s.budget for s in steps) / max(rows, 1),
+        "drafted_per_row": sum(s.drafted for s in steps) / max(rows, 1),
+        "positions_per_step": statistics.fmean(s.rows * (1 + s.width) for s in steps) if steps else 0.0,
+        "rows_per_step": rows / max(len(steps), 1),
+        "decode_steps": len(steps),
+    }
+
+
+# ---- the verify cost on this CPU -----------------------------------------------------------
+
+
+def fit_line(curve: VerifyCost) -> tuple[float, float]:
+    """Least-squares t(P) = a + m·P through the curve's points, a and m kept ≥ 0."""
+    xs, ys = [p for p, _ in curve.points], [t for _, t in curve.points]
+    if len(xs) < 2:
+        return ys[0], 0.0
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    m = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs))
+    return max(0.0, my - m * mx), m
+
+
+def threshold_report(model: LoadedModel, curve: VerifyCost) -> dict:
+    """The roofline threshold from a local profile of this CPU, and the knee of the measured
+    verify-cost curve: with t(P) ≈ a + m·P fitted, the P at which the per-position cost m·P
+    equals the fixed cost a (the roofline's threshold has the same meaning)."""
+    hw = profile_local(torch.device("cpu"))
+    roof = Roofline(shape_from_config(model.name, model.config), hw)
+    a, m = fit_line(curve)
+    return {
+        "hardware": hw.name,
+        "flops": hw.flops,
+        "bandwidth": hw.bandwidth,
+        "flops_per_position": roof.flops_per_position,
+        "weight_read_ms": roof.weight_read_s * 1e3,
+        "roofline_threshold": roof.threshold_positions,
+        "curve_ms": [(p, t * 1e3) for p, t in curve.points],
+        "fit_ms": (a * 1e3, m * 1e3),
+        "curve_knee": a / m if m > 0 else float("inf"),
+    }
+
+
+# ---- output -----------------------------------------------------------------------------
+
+
+def print_results(
+    results: list[dict], configs: list[str], args, threshold: dict, calib: dict[str, Calibration]
+) -> None:
+    print(f"\n### Serving under load: default model, bf16, CPU, greedy, threads={torch.get_num_threads()}, "
+          f"{args.max_tokens} new tokens max, requests per load = max({args.min_requests}, "
+          f"{args.requests_per_client}·clients)\n")  # fmt: skip
+    print(
+        "| clients | config | throughput tok/s | per-user tok/s (e2e) | per-user decode tok/s | TTFT s | τ | α "
+        "| budget/row | drafted/row | positions/step | rows/step |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['clients']} | {r['config']} | {r['throughput']:.1f} | {r['per_user_e2e']:.2f} | "
+              f"{r['per_user_decode']:.2f} | {r['ttft_s']:.2f} | {r['tau']:.2f} | {r['alpha']:.2f} | "
+              f"{r['budget_per_row']:.2f} | {r['drafted_per_row']:.2f} | {r['positions_per_step']:.1f} | "
+              f"{r['rows_per_step']:.1f} |")  # fmt: skip
+    variants = [k for k in configs if k.startswith("adaptive")]
+    print("\n| clients | policy | / none (throughput) | best fixed | / best fixed (throughput) "
+          "| / best fixed (per-user) | / none (per-user) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    checks = []
+    loads = sorted({r["clients"] for r in results})
+    for c in loads:
+        at = {r["config"]: r for r in results if r["clients"] == c}
+        none = at["none"]
+        fixed = [at[k] for k in configs if k.startswith("γ=")]
+        best = max(fixed, key=lambda r: r["throughput"])
+        for v in variants:
+            ad = at[v]
+            print(f"| {c} | {v} | {ad['throughput'] / none['throughput']:.2f}x | {best['config']} | "
+                  f"{ad['throughput'] / best['throughput']:.2f}x | {ad['per_user_e2e'] / best['per_user_e2e']:.2f}x | "
+                  f"{ad['per_user_e2e'] / none['per_user_e2e']:.2f}x |")  # fmt: skip
+            checks.append((f"{v}, {c} clients: throughput ≥ none", ad["throughput"] >= none["throughput"]))
+            if c == loads[0]:
+                checks.append((f"{v}, {c} client(s): throughput within 5% of the best fixed γ ({best['config']})",
+                               ad["throughput"] >= 0.95 * best["throughput"]))  # fmt: skip
+            if c == loads[-1]:
+                beats = all(ad["per_user_e2e"] > f["per_user_e2e"] and ad["throughput"] >= f["throughput"]
+                            for f in fixed)  # fmt: skip
+                checks.append((f"{v}, {c} clients: per-user speed above every fixed γ's, at no less throughput",
+                               beats))  # fmt: skip
+    print()
+    for text, ok in checks:
+        print(f"- {'met' if ok else 'NOT met'}: {text}")
+    print(f"\nB·(γ+1) threshold on this CPU: roofline {threshold['roofline_threshold']:.1f} positions "
+          f"({threshold['hardware']}: {threshold['flops'] / 1e9:.0f} GFLOP/s bf16, "
+          f"{threshold['bandwidth'] / 1e9:.1f} GB/s; {threshold['flops_per_position'] / 1e6:.0f} MFLOP/position, "
+          f"{threshold['weight_read_ms']:.1f} ms weight read); knee of the measured verify-cost curve "
+          f"{threshold['curve_knee']:.1f} positions (fit t(P) = {threshold['fit_ms'][0]:.1f} ms + "
+          f"{threshold['fit_ms'][1]:.2f} ms·P)")  # fmt: skip
+    print("verify-cost curve (positions in one row: ms): "
+          + ", ".join(f"{p}: {t:.1f}" for p, t in threshold["curve_ms"]))  # fmt: skip
+    for name, cal in calib.items():
+        print(f"\n{name} calibration (ECE, 10 bins, {len(cal.surv_online)} drafted positions): survival s_k "
+              f"before (shared prior) {ece(cal.surv_prior):.3f}, after (per-request online) {ece(cal.surv_online):.3f}; "
+              f"conditional c_k before {ece(cal.cond_prior):.3f}, after {ece(cal.cond_online):.3f}; counting rows "
+              f"that drafted nothing as rejected at position 1 ({len(cal.plan_online)} pairs): before "
+              f"{ece(cal.plan_prior):.3f}, after {ece(cal.plan_online):.3f}")  # fmt: skip
+
+
+def plot(results: list[dict], configs: list[str], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for cfg in configs:
+        rows = sorted((r for r in results if r["config"] == cfg), key=lambda r: r["clients"])
+        x = [r["clients"] for r in rows]
+        style = {"adaptive": {"linewidth": 2.5, "color": "black"},
+                 "adaptive*": {"linewidth": 2, "color": "black", "linestyle": "--"}}.get(cfg, {})  # fmt: skip
+        axes[0].plot(x, [r["throughput"] for r in rows], marker="o", label=cfg, **style)
+        axes[1].plot(x, [r["per_user_e2e"] for r in rows], marker="o", label=cfg, **style)
+    for ax, title in zip(axes, ("output throughput (tok/s)", "per-user tok/s (output tokens / latency)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r["clients"] for r in results}))
+        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.set_xlabel("concurrent clients")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[1].set_yscale("log")
+    axes[1].yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    axes[1].yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    axes[0].legend()
+    fig.suptitle("SmolLM2-135M, bf16, CPU (2 threads), greedy, ngram drafts: serving under closed-loop load")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"\nplot written to {path}")
+
+
+# ---- main -------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 32])
+    ap.add_argument("--requests-per-client", type=int, default=2)
+    ap.add_argument("--min-requests", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--gammas", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--adaptive-gamma", type=int, default=8)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-proposed", dest="proposed", action="store_false",
+                    help="skip the prototype of the proposed budget policy (config adaptive*)")  # fmt: skip
+    ap.add_argument("--json", default=None, help="also write the raw results here")
+    ap.add_argument("--plot", default=None, help="write the throughput / per-user plot (PNG) here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    model = load_model(args.model, dtype="bfloat16", device="cpu")
+    mix = request_mix(model)
+    specs: dict[str, dict | None] = {"none": None}
+    specs.update({f"γ={g}": {"method": "ngram", "num_speculative_tokens": g} for g in args.gammas})
+    specs["adaptive"] = {"method": "ngram", "num_speculative_tokens": args.adaptive_gamma, "verify_budget": "adaptive"}
+    engines = {}
+    for name, spec in specs.items():
+        engine = ServingEngine(model, SpecConfig.parse(spec), max_model_len=args.max_model_len,
+                               max_num_seqs=max(args.clients))  # fmt: skip
+        engines[name] = engine
+    adaptive: AdaptiveBudget = engines["adaptive"].budget  # its verify-cost curve was measured just now
+    print("adaptive verify-cost curve (ms):", [(p, round(t * 1e3, 1)) for p, t in adaptive.cost.points], flush=True)
+    if args.proposed:  # the prototype plans with the same measured curve
+        engines["adaptive*"] = ServingEngine(model, SpecConfig.parse(specs["adaptive"]), max_model_len=args.max_model_len,
+                                             max_num_seqs=max(args.clients), budget=ProposedBudget(
+                                                 adaptive.cost, args.adaptive_gamma))  # fmt: skip
+    for engine in engines.values():
+        engine.budget = Recording(engine.budget)
+        run_load(engine, mix, clients=2, num_requests=2, max_tokens=8)  # warm-up, untimed
+        engine.budget.steps, engine.budget.calib = [], Calibration()  # calibration over the timed runs only
+    configs = list(engines)
+
+    results = []
+    for clients in args.clients:
+        n = max(args.min_requests, args.requests_per_client * clients)
+        for name in configs:
+            r = run_load(engines[name], mix, clients, n, args.max_tokens)
+            r["config"] = name
+            results.append(r)
+            print(f"[{clients} clients, {n} requests] {name}: {r['throughput']:.1f} tok/s, per-user "
+                  f"{r['per_user_e2e']:.2f} tok/s, τ={r['tau']:.2f}, α={r['alpha']:.2f}, budget/row "
+                  f"{r['budget_per_row']:.2f}, positions/step {r['positions_per_step']:.1f}, {r['wall_s']:.1f} s",
+                  flush=True)  # fmt: skip
+
+    threshold = threshold_report(model, adaptive.cost)
+    calib = {name: engines[name].budget.calib for name in configs if name.startswith("adaptive")}
+    print_results(results, configs, args, threshold, calib)
+    if args.plot:
+        plot(results, configs, args.plot)
+    if args.json:
+        kinds = ("surv_prior", "surv_online", "cond_prior", "cond_online", "plan_prior", "plan_online")
+        out = {
+            "args": vars(args),
+            "results": results,
+            "threshold": threshold,
+            "ece": {name: {k: ece(getattr(c, k)) for k in kinds} for name, c in calib.items()},
+        }
+        Path(args.json).write_text(json.dumps(out, indent=1))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
