@@ -34,7 +34,7 @@ PRIOR_STRENGTH = 4.0  # pseudo-rounds of the shared estimate behind a request's 
 
 
 class BudgetPolicy(Protocol):
-    def budgets(self, reqs: list[Any], limits: torch.Tensor, engine: "ServingEngine") -> torch.Tensor:
+    def budgets(self, reqs: list[Any], limits: torch.Tensor, engine: ServingEngine) -> torch.Tensor:
         """[B] draft tokens per running row this step, each in [0, limits[b]]."""
         ...
 
@@ -49,7 +49,7 @@ class FixedBudget:
     def __init__(self, max_verify_tokens: int | None = None) -> None:
         self.max_verify_tokens = max_verify_tokens
 
-    def budgets(self, reqs: list[Any], limits: torch.Tensor, engine: "ServingEngine") -> torch.Tensor:
+    def budgets(self, reqs: list[Any], limits: torch.Tensor, engine: ServingEngine) -> torch.Tensor:
         if self.max_verify_tokens is None:
             return limits
         # an even cut, as a static per-step cap would do: each row gets the same share
@@ -79,7 +79,7 @@ class VerifyCost:
         return t1 + (t1 - t0) / max(1, p1 - p0) * (positions - p1)  # extrapolate the last slope
 
     @staticmethod
-    def measure(engine: "ServingEngine", max_positions: int, repeats: int = 3) -> "VerifyCost":
+    def measure(engine: ServingEngine, max_positions: int, repeats: int = 3) -> VerifyCost:
         """Time passes of 1, 2, 4, … positions (one row, the longest under ``max_positions``)
         through the engine's own model and cache; the slowest of the repeats is dropped."""
         sizes, p = [], 1
@@ -130,7 +130,7 @@ class AdaptiveBudget:
             return shared
         return (accepted + PRIOR_STRENGTH * shared) / (reached + PRIOR_STRENGTH)
 
-    def budgets(self, reqs: list[Any], limits: torch.Tensor, engine: "ServingEngine") -> torch.Tensor:
+    def budgets(self, reqs: list[Any], limits: torch.Tensor, engine: ServingEngine) -> torch.Tensor:
         B = len(reqs)
         cap = limits.tolist()
         survival = [torch.cumprod(self.confidence(r.request_id), 0).tolist() for r in reqs]

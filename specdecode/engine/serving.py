@@ -29,7 +29,7 @@ import torch
 
 from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Draft, Drafter
-from specdecode.engine.batch import Batch, Sequence, SpecStats, pad_right
+from specdecode.engine.batch import Batch, Sequence, SpecStats
 from specdecode.engine.budget import AdaptiveBudget, BudgetPolicy, FixedBudget, VerifyCost, apply_budgets
 from specdecode.engine.step import Engine
 from specdecode.model.loader import LoadedModel

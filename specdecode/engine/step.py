@@ -1,10 +1,11 @@
-"""The decoding loop: prefill, then rounds of propose → verify → commit/rollback.
+"""The round: propose → verify → commit/rollback, for every row of a batch at once.
 
-Owns: the target's KV cache for a batch, the order of calls in a round, stop
-conditions, and per-request statistics. Plain decoding is the same loop with no
+Owns: the drafter a target decodes with, the order of calls in a round, stop
+conditions, and per-request statistics. Plain decoding is the same round with no
 drafter (γ = 0: each round verifies nothing and samples one bonus token).
-Does not own: how drafts are made (drafters/), the acceptance rule (verify.py), or
-text (entrypoints/).
+Does not own: requests coming and going, prefill and the KV cache's blocks
+(engine/serving.py, which builds on this class), how drafts are made (drafters/), the
+acceptance rule (verify.py), or text (entrypoints/).
 
 A round, for every row at once::
 
@@ -20,17 +21,16 @@ K/V are compacted into contiguous slots before the commit.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
-from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError
+from specdecode.config import SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Draft, Drafter, DrafterContext
 from specdecode.drafters.registry import create_drafter
-from specdecode.engine.batch import Batch, Sequence, SpecStats, pad_right
+from specdecode.engine.batch import Batch, Sequence, SpecStats
 from specdecode.kv_cache import KVCache
 from specdecode.model.loader import LoadedModel
-from specdecode.sampling import logits_to_probs, sample
+from specdecode.sampling import logits_to_probs
 from specdecode.tree import commit_paths
 from specdecode.verify import greedy_verify, rejection_sample, tree_greedy_verify, tree_rejection_sample
 
@@ -46,7 +46,7 @@ class StepEvent:
 
 
 class Engine:
-    """Static-batch speculative decoding over one target model and at most one drafter."""
+    """Speculative rounds over one target model and at most one drafter (see `ServingEngine`)."""
 
     def __init__(
         self,
@@ -83,39 +83,6 @@ class Engine:
             )
         self.eos_ids = set(target.config.eos_token_ids)
         self.tokenizer = target.tokenizer
-
-    @torch.inference_mode()
-    def stream(self, prompts: list[list[int]], params: list[SamplingParams]) -> Iterator[list[StepEvent]]:
-        """Decode ``prompts`` together; yield each round's new tokens per request (index = request id)."""
-        seqs = [Batch.new_sequence(i, p, sp, self.device) for i, (p, sp) in enumerate(zip(prompts, params))]
-        limits = [min(len(p) + sp.max_tokens, self.max_model_len) for p, sp in zip(prompts, params)]
-        batch = Batch(seqs, capacity=max(limits), device=self.device)
-        cache = self.model.new_cache(len(batch), batch.capacity + self.round_room)
-
-        first = self._prefill(batch, cache)
-        yield self._append_tokens(batch, first[:, None], torch.zeros_like(first), torch.zeros_like(first))
-        self._drop_finished(batch, cache, drafter=None)  # the drafter has no state yet
-        if self.drafter is not None and len(batch):
-            self.drafter.prefill(batch, list(range(len(batch))))
-
-        while len(batch):
-            draft = self.drafter.propose(batch, self.gamma) if self.drafter is not None else None
-            out, num_accepted, num_draft, aux_logits = self._verify_round(batch, cache, draft)  # commits the cache
-            events = self._append_tokens(batch, out, num_accepted, num_draft)
-            if self.drafter is not None:
-                self.drafter.on_verified(batch, num_accepted, aux_logits)
-            yield events
-            self._drop_finished(batch, cache, self.drafter)
-
-    def _prefill(self, batch: Batch, cache: KVCache) -> torch.Tensor:
-        tokens, lengths = pad_right([s.token_ids for s in batch.seqs], self.device)
-        positions = torch.arange(tokens.shape[1], device=self.device).expand_as(tokens)
-        logits = self.model(tokens, positions, cache, logits_at=(lengths - 1)[:, None])  # [B, 1, V]
-        cache.commit(lengths)
-        if batch.all_greedy:
-            return logits[:, 0].argmax(dim=-1)
-        p = logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p)[:, 0]  # [B, V]
-        return sample(p, batch.generators)
 
     def _verify_round(
         self, batch: Batch, cache: KVCache, draft: Draft | None
@@ -215,15 +182,3 @@ class Engine:
             if any(s in text for s in seq.params.stop):
                 return seq.num_prompt + k
         return None
-
-    @staticmethod
-    def _drop_finished(batch: Batch, cache: KVCache, drafter: Drafter | None) -> None:
-        """Release finished rows from the batch, the target cache and the drafter's state."""
-        keep = [i for i, s in enumerate(batch.seqs) if s.finish_reason is None]
-        if len(keep) == len(batch):
-            return
-        if keep:
-            cache.select_rows(torch.tensor(keep, dtype=torch.long))
-        if drafter is not None:
-            drafter.select_rows(keep)  # even to no rows: the next batch starts from none
-        batch.select_rows(keep)

@@ -9,11 +9,11 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Sequence, Union
 
 from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError
 from specdecode.engine.batch import SpecStats
-from specdecode.engine.step import Engine
+from specdecode.engine.serving import ServingEngine
 
 Prompt = Union[str, list[int]]
 
@@ -63,6 +63,17 @@ class RequestMetrics(SpecStats):
 
 
 @dataclass
+class StreamEvent:
+    """New tokens for prompt ``index`` (``finish_reason`` set on its last event)."""
+
+    index: int
+    new_token_ids: list[int]
+    finish_reason: str | None
+    time_s: float  # since the start of the call
+    stats: SpecStats
+
+
+@dataclass
 class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
@@ -82,6 +93,8 @@ class LLM:
     ``batch_invariant=True`` computes each position's attention alone in decode and verify
     passes: with row-invariant linears (int4 / gguf on our CPU kernel) speculative greedy
     output then equals plain greedy bit for bit; it costs one attention call per position.
+    Prompts run through the continuous-batching `ServingEngine` the server uses, at most
+    ``max_num_seqs`` at a time; the rest queue.
     """
 
     def __init__(
@@ -93,6 +106,7 @@ class LLM:
         max_model_len: int | None = None,
         quantization: str | None = None,
         batch_invariant: bool = False,
+        max_num_seqs: int = 16,
     ) -> None:
         from specdecode.model.loader import load_model
         from specdecode.model.quant import describe_kernels, parse_quantization
@@ -107,10 +121,10 @@ class LLM:
         self.max_model_len = max_model_len or context
         self.tokenizer = self.target.tokenizer
         self.spec = spec
-        self.engine = Engine(self.target, spec, self.max_model_len, quantization=quantization, batch_invariant=batch_invariant)
-        self._plain = (
-            Engine(self.target, None, self.max_model_len, batch_invariant=batch_invariant) if spec is not None else self.engine
-        )
+        engine_args = dict(max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, batch_invariant=batch_invariant)
+        self.engine = ServingEngine(self.target, spec, quantization=quantization, **engine_args)
+        # plain decoding of the same model, for baselines: its own engine, so no drafter work is timed
+        self._plain = ServingEngine(self.target, None, **engine_args) if spec is not None else self.engine
 
     def generate(
         self,
@@ -119,35 +133,61 @@ class LLM:
         speculative: bool = True,
         on_tokens: Callable[[int, list[int]], None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt as one batch.
+        """Generate for every prompt; outputs in prompt order.
 
         ``speculative=False`` runs plain decoding of the same model. ``on_tokens(i, ids)``
         is called as round after round commits new tokens to request ``i`` (streaming).
         """
         token_lists, params = self._prepare(prompts, sampling_params)
-        outputs = [[] for _ in token_lists]
+        outputs: list[list[int]] = [[] for _ in token_lists]
         finish: list[str | None] = [None] * len(token_lists)
         done_at = [0.0] * len(token_lists)
         first_at = [0.0] * len(token_lists)
-        stats: list[Any] = [None] * len(token_lists)
-        engine = self.engine if speculative else self._plain
-        start = time.perf_counter()
-        for events in engine.stream(token_lists, params):
-            now = time.perf_counter()
-            for e in events:
-                if not outputs[e.request_id]:
-                    first_at[e.request_id] = now - start
-                outputs[e.request_id] += e.new_token_ids
-                stats[e.request_id] = e.stats
-                if on_tokens is not None and e.new_token_ids:
-                    on_tokens(e.request_id, e.new_token_ids)
-                if e.finish_reason:
-                    finish[e.request_id] = e.finish_reason
-                    done_at[e.request_id] = now - start
+        stats: list[Any] = [SpecStats() for _ in token_lists]
+        for e in self._stream(token_lists, params, speculative):
+            if not outputs[e.index]:
+                first_at[e.index] = e.time_s
+            outputs[e.index] += e.new_token_ids
+            stats[e.index] = e.stats
+            if on_tokens is not None and e.new_token_ids:
+                on_tokens(e.index, e.new_token_ids)
+            if e.finish_reason:
+                finish[e.index] = e.finish_reason
+                done_at[e.index] = e.time_s
         return [
             self._output(token_lists[i], outputs[i], finish[i] or "length", params[i], stats[i], done_at[i], first_at[i])
             for i in range(len(token_lists))
         ]
+
+    def stream(
+        self,
+        prompts: "Prompt | Sequence[Prompt]",
+        sampling_params: "SamplingParams | Sequence[SamplingParams] | None" = None,
+        speculative: bool = True,
+    ) -> Iterator[StreamEvent]:
+        """Yield each request's new tokens as the engine commits them (prompt index, ids,
+        finish reason). Breaking out of the loop cancels the requests still running."""
+        token_lists, params = self._prepare(prompts, sampling_params)
+        yield from self._stream(token_lists, params, speculative)
+
+    def _stream(
+        self, token_lists: list[list[int]], params: list[SamplingParams], speculative: bool
+    ) -> Iterator[StreamEvent]:
+        engine = self.engine if speculative else self._plain
+        ids = [f"llm-{id(self)}-{time.perf_counter_ns()}-{i}" for i in range(len(token_lists))]
+        index = {rid: i for i, rid in enumerate(ids)}
+        start = time.perf_counter()
+        try:
+            for rid, tokens, sp in zip(ids, token_lists, params):
+                engine.add_request(rid, tokens, sp)
+            while engine.has_unfinished():
+                events = engine.step()
+                now = time.perf_counter() - start
+                for e in events:
+                    yield StreamEvent(index[e.request_id], e.new_token_ids, e.finish_reason, now, e.stats)
+        finally:  # an exception or a consumer that stopped early: nothing stays queued or cached
+            for rid in ids:
+                engine.abort(rid)
 
     def encode_chat(self, user_message: str) -> list[int]:
         """Token ids of a one-turn chat, with the generation prompt, via the model's chat template."""
@@ -178,6 +218,11 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(token_lists):
                 raise SpecDecodeError(f"got {len(params)} sampling params for {len(token_lists)} prompts")
+        # generation stops at the context's end ("length"), as it always has for this API
+        params = [
+            dataclasses.replace(sp, max_tokens=min(sp.max_tokens, self.max_model_len - len(t)))
+            for sp, t in zip(params, token_lists)
+        ]
         return token_lists, params
 
     def tokenize(self, prompt: Prompt) -> list[int]:

@@ -71,3 +71,14 @@ def assert_greedy_matches_plain(llm: LLM, plain: LLM, prompts: list[list[int]], 
         assert s.token_ids == r.token_ids, (label, max_tokens)
         assert b.token_ids == r.token_ids, (label, max_tokens)
     return batch
+
+
+def serve_all(engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    """Run ``prompts`` through a `ServingEngine` together; each one's output tokens, in order."""
+    outputs: list[list[int]] = [[] for _ in prompts]
+    for i, (prompt, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), prompt, sp)
+    while engine.has_unfinished():
+        for e in engine.step():
+            outputs[int(e.request_id)] += e.new_token_ids
+    return outputs

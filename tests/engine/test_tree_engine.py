@@ -10,9 +10,10 @@ from hypothesis import strategies as st
 
 from specdecode.config import SamplingParams, SpecConfig
 from specdecode.drafters.base import Draft
-from specdecode.engine.step import Engine
+from specdecode.engine.serving import ServingEngine
 from specdecode.model.loader import load_model
 from specdecode.tree import TreeBatch
+from tests.engine.checks import serve_all
 from tests.tiny import make_tiny_checkpoint
 
 PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4, 4, 6], [11, 12], [2, 3, 2, 3, 2]]
@@ -86,13 +87,10 @@ class OracleTreeDrafter:
 def setup(tmp_path_factory):
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("tree") / "m", "llama", seed=0, vocab_size=64)
     target = load_model(str(path), dtype="float32", device="cpu")
-    plain = Engine(target, None, max_model_len=256)
+    plain = ServingEngine(target, None, max_model_len=256)
     params = [SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)] * len(PROMPTS)
     reference = {}
-    outputs = [[] for _ in PROMPTS]
-    for events in plain.stream(PROMPTS, params):
-        for e in events:
-            outputs[e.request_id] += e.new_token_ids
+    outputs = serve_all(plain, PROMPTS, params)
     for p, out in zip(PROMPTS, outputs):
         reference[tuple(p)] = out
     return target, reference, params
@@ -103,22 +101,16 @@ def setup(tmp_path_factory):
 def test_random_trees_keep_greedy_exact(setup, seed, nodes, batch):
     target, reference, params = setup
     drafter = OracleTreeDrafter(reference, seed, nodes)
-    engine = Engine(target, SpecConfig("oracle", 4), max_model_len=256, drafter=drafter)
+    engine = ServingEngine(target, SpecConfig("oracle", 4), max_model_len=256, drafter=drafter)
     prompts = PROMPTS[:batch]
-    outputs = [[] for _ in prompts]
-    for events in engine.stream(prompts, params[:batch]):
-        for e in events:
-            outputs[e.request_id] += e.new_token_ids
+    outputs = serve_all(engine, prompts, params[:batch])
     assert outputs == [reference[tuple(p)] for p in prompts]
 
 
 def test_paths_through_later_siblings_are_exercised(setup):
     target, reference, params = setup
     drafter = OracleTreeDrafter(reference, seed=7, nodes=10)
-    engine = Engine(target, SpecConfig("oracle", 4), max_model_len=256, drafter=drafter)
-    outs = [[] for _ in PROMPTS]
-    for events in engine.stream(PROMPTS, params):
-        for e in events:
-            outs[e.request_id] += e.new_token_ids
+    engine = ServingEngine(target, SpecConfig("oracle", 4), max_model_len=256, drafter=drafter)
+    outs = serve_all(engine, PROMPTS, params)
     assert outs == [reference[tuple(p)] for p in PROMPTS]
     assert drafter.moved_paths > 5  # the accepted path often leaves nodes 0..k: the cache had to compact
