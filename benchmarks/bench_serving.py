@@ -27,6 +27,7 @@ import argparse
 import json
 import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -95,6 +96,7 @@ class Recording:
         self.inner = inner
         self.steps: list[StepRecord] = []
         self.calib = Calibration()
+        self.passes: list[tuple[int, int, float]] = []  # each verify pass: rows, widest draft, seconds
         self._budgets: list[int] = []
         self._planned: dict[str, tuple[list[float], list[float]]] = {}
 
@@ -147,7 +149,7 @@ def ece(pairs: list[tuple[float, int]], bins: int = 10) -> float:
 
 
 class ProposedBudget(AdaptiveBudget):
-    """`AdaptiveBudget` with three changes, proposed for engine/budget.py (config "adaptive*"):
+    """`AdaptiveBudget` with four changes, proposed for engine/budget.py (config "adaptive*"):
 
     1. Padding. The verify pass computes rows × (1 + widest draft) positions, so what a step
        costs is set by its widest row. The step picks one width w maximising
@@ -155,14 +157,21 @@ class ProposedBudget(AdaptiveBudget):
        a narrower row would save nothing.
     2. Cost. t(P) is the least-squares line a + m·P through the measured points, so one noisy
        point of the curve cannot make a wider pass look cheaper than a narrower one.
-    3. No draft. A row given a budget whose drafter proposed nothing counts as rejected at
+    3. Online cost. The line is refitted each step through the start-up curve's points and the
+       last ``window`` verify passes the engine really ran (rows · (1 + width), seconds), so a
+       start-up measurement taken while the machine was busy (or idle) heals as load changes.
+    4. No draft. A row given a budget whose drafter proposed nothing counts as rejected at
        position 1, so c_1 includes the drafter's chance of having a draft at all.
     """
 
-    def __init__(self, cost: VerifyCost, max_gamma: int, max_verify_tokens: int | None = None) -> None:
+    def __init__(self, cost: VerifyCost, max_gamma: int, max_verify_tokens: int | None = None, window: int = 256):
         super().__init__(cost, max_gamma, max_verify_tokens)
         self.line = fit_line(cost)
+        self.seen: deque[tuple[int, float]] = deque(maxlen=window)
         self._given: dict[str, int] = {}
+
+    def record_pass(self, positions: int, seconds: float) -> None:
+        self.seen.append((positions, seconds))
 
     def step_cost(self, positions: int) -> float:
         a, m = self.line
@@ -170,6 +179,8 @@ class ProposedBudget(AdaptiveBudget):
 
     def budgets(self, reqs, limits, engine):
         B, cap = len(reqs), limits.tolist()
+        if self.seen:
+            self.line = fit_points(self.cost.points + list(self.seen))
         survival = [torch.cumprod(self.confidence(r.request_id), 0).tolist() for r in reqs]
         expected = float(B)
         best_w, best_rate = 0, expected / self.step_cost(B)
@@ -203,7 +214,7 @@ def run_load(engine: ServingEngine, mix, clients: int, num_requests: int, max_to
     """Closed loop: ``clients`` requests in flight; each finished one is replaced at once."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     policy: Recording = engine.budget
-    first_step = len(policy.steps)
+    first_step, first_pass = len(policy.steps), len(policy.passes)
     submit, first, finish, n_out, stats = {}, {}, {}, {}, {}
     next_req, in_flight = 0, 0
     t0 = time.perf_counter()
@@ -228,6 +239,7 @@ def run_load(engine: ServingEngine, mix, clients: int, num_requests: int, max_to
     draft_tokens = sum(s.num_draft_tokens for s in stats.values())
     accepted = sum(s.num_accepted_tokens for s in stats.values())
     rows = sum(s.rows for s in steps)
+    passes = policy.passes[first_pass:]
     return {
         "clients": clients,
         "requests": num_requests,
@@ -246,15 +258,38 @@ def run_load(engine: ServingEngine, mix, clients: int, num_requests: int, max_to
         "positions_per_step": statistics.fmean(s.rows * (1 + s.width) for s in steps) if steps else 0.0,
         "rows_per_step": rows / max(len(steps), 1),
         "decode_steps": len(steps),
+        "pass_ms": 1e3 * statistics.fmean(t for _, _, t in passes) if passes else 0.0,
+        "pass_share": sum(t for _, _, t in passes) / wall,  # of the wall time, in verify passes
+        "passes": [(b, w, t) for b, w, t in passes],
     }
 
 
 # ---- the verify cost on this CPU -----------------------------------------------------------
 
 
+def time_passes(engine: ServingEngine, rec: Recording) -> None:
+    """Record each verify pass of the engine (rows, widest draft, seconds): what a step really costs."""
+    inner = engine._verify_round
+
+    def timed(batch, cache, draft):
+        t0 = time.perf_counter()
+        out = inner(batch, cache, draft)
+        rows, width, seconds = len(batch), int(out[2].max()) if len(batch) else 0, time.perf_counter() - t0
+        rec.passes.append((rows, width, seconds))
+        if isinstance(rec.inner, ProposedBudget):
+            rec.inner.record_pass(rows * (1 + width), seconds)
+        return out
+
+    engine._verify_round = timed
+
+
 def fit_line(curve: VerifyCost) -> tuple[float, float]:
     """Least-squares t(P) = a + m·P through the curve's points, a and m kept ≥ 0."""
-    xs, ys = [p for p, _ in curve.points], [t for _, t in curve.points]
+    return fit_points(curve.points)
+
+
+def fit_points(points: list[tuple[float, float]]) -> tuple[float, float]:
+    xs, ys = [p for p, _ in points], [t for _, t in points]
     if len(xs) < 2:
         return ys[0], 0.0
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
@@ -293,14 +328,14 @@ def print_results(
           f"{args.requests_per_client}·clients)\n")  # fmt: skip
     print(
         "| clients | config | throughput tok/s | per-user tok/s (e2e) | per-user decode tok/s | TTFT s | τ | α "
-        "| budget/row | drafted/row | positions/step | rows/step |"
+        "| budget/row | drafted/row | positions/step | rows/step | pass ms | pass share |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['clients']} | {r['config']} | {r['throughput']:.1f} | {r['per_user_e2e']:.2f} | "
               f"{r['per_user_decode']:.2f} | {r['ttft_s']:.2f} | {r['tau']:.2f} | {r['alpha']:.2f} | "
               f"{r['budget_per_row']:.2f} | {r['drafted_per_row']:.2f} | {r['positions_per_step']:.1f} | "
-              f"{r['rows_per_step']:.1f} |")  # fmt: skip
+              f"{r['rows_per_step']:.1f} | {r['pass_ms']:.1f} | {r['pass_share']:.2f} |")  # fmt: skip
     variants = [k for k in configs if k.startswith("adaptive")]
     print("\n| clients | policy | / none (throughput) | best fixed | / best fixed (throughput) "
           "| / best fixed (per-user) | / none (per-user) |")  # fmt: skip
@@ -335,6 +370,13 @@ def print_results(
           f"{threshold['weight_read_ms']:.1f} ms weight read); knee of the measured verify-cost curve "
           f"{threshold['curve_knee']:.1f} positions (fit t(P) = {threshold['fit_ms'][0]:.1f} ms + "
           f"{threshold['fit_ms'][1]:.2f} ms·P)")  # fmt: skip
+    passes = [(b * (1 + w), t) for r in results for b, w, t in r["passes"]]
+    if len(passes) > 1:
+        a, m = fit_points(passes)
+        print(
+            f"verify passes of the run ({len(passes)}, all configs and loads), least squares: t = {a * 1e3:.1f} ms + "
+            f"{m * 1e3:.2f} ms · rows·(1 + widest draft); knee {a / m if m > 0 else float('inf'):.1f} positions"
+        )
     print("verify-cost curve (positions in one row: ms): "
           + ", ".join(f"{p}: {t:.1f}" for p, t in threshold["curve_ms"]))  # fmt: skip
     for name, cal in calib.items():
@@ -415,8 +457,13 @@ def main() -> None:
                                                  adaptive.cost, args.adaptive_gamma))  # fmt: skip
     for engine in engines.values():
         engine.budget = Recording(engine.budget)
+        time_passes(engine, engine.budget)
         run_load(engine, mix, clients=2, num_requests=2, max_tokens=8)  # warm-up, untimed
-        engine.budget.steps, engine.budget.calib = [], Calibration()  # calibration over the timed runs only
+        engine.budget.steps, engine.budget.passes, engine.budget.calib = (
+            [],
+            [],
+            Calibration(),
+        )  # calibration over the timed runs only
     configs = list(engines)
 
     results = []
