@@ -36,7 +36,7 @@ from specdecode.model.loader import LoadedModel
 from specdecode.paged_cache import OutOfBlocks, PagedKVCache, new_paged_cache
 from specdecode.sampling import logits_to_probs, sample
 
-DEFAULT_KV_BYTES = 1 << 30  # KV pool size when num_blocks is not given
+DEFAULT_KV_BYTES = 256 << 20  # KV pool size when num_blocks is not given (at least one full sequence)
 
 
 @dataclass

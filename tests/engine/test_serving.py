@@ -46,6 +46,8 @@ SPECS = {
     "draft_model": {"method": "draft_model", "model": "{draft}", "num_speculative_tokens": 3},
     "draft_model_tree": {"method": "draft_model", "model": "{draft}", "num_speculative_tokens": 3, "topk": 2},
     "suffix": {"method": "suffix", "num_speculative_tokens": 8},
+    "lookahead": {"method": "lookahead", "num_speculative_tokens": 3, "lookahead_window": 3, "lookahead_ngram": 3,
+                  "lookahead_guess": 3},
     "ngram_adaptive": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
                        "verify_budget": "adaptive"},
 }

@@ -1,0 +1,114 @@
+"""Verification budgets: cutting proposals to per-row budgets, and the adaptive policy's
+shape (full γ when verification is free, smooth per-request shrinking under load)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specdecode.config import SpecConfig, SpecDecodeError
+from specdecode.drafters.base import Draft
+from specdecode.engine.budget import AdaptiveBudget, FixedBudget, VerifyCost, apply_budgets
+from specdecode.tree import TreeBatch
+
+
+def req(rid: str) -> SimpleNamespace:
+    return SimpleNamespace(request_id=rid, seq=SimpleNamespace(finish_reason=None))
+
+
+def roofline(knee: int, slope: float = 1.0) -> VerifyCost:
+    """Flat (memory-bound) up to ``knee`` positions, then linear (compute-bound)."""
+    return VerifyCost(sorted({(1, 1.0), (knee, 1.0), (knee + 100, 1.0 + slope * 100 / knee)}))
+
+
+def test_verify_cost_interpolates_and_extrapolates():
+    cost = VerifyCost([(1, 2.0), (5, 2.0), (9, 4.0)])
+    assert cost(1) == cost(3) == 2.0
+    assert cost(7) == pytest.approx(3.0)
+    assert cost(13) == pytest.approx(6.0)
+
+
+def test_chain_budgets_truncate_rows():
+    draft = Draft(tokens=torch.tensor([[1, 2, 3], [4, 5, -1], [6, 7, 8]]))
+    cut = apply_budgets(draft, torch.tensor([3, 1, 0]))
+    assert cut.tokens.tolist() == [[1, 2, 3], [4, -1, -1], [-1, -1, -1]]
+    assert cut.num_tokens.tolist() == [3, 1, 0]
+
+
+def test_tree_budgets_drop_deeper_nodes():
+    # root -> a -> c, root -> b; budget 1 keeps a and b, budget 0 only the root
+    tree = TreeBatch.from_parents(torch.tensor([[9, 1, 2, 3]] * 2), torch.tensor([[-1, 0, 0, 1]] * 2))
+    cut = apply_budgets(Draft.from_tree(tree), torch.tensor([1, 0])).tree
+    assert cut.valid.tolist() == [[True, True, True, False], [True, False, False, False]]
+    assert cut.max_depth == 1
+
+
+def test_adaptive_gives_full_gamma_while_verification_is_free():
+    policy = AdaptiveBudget(roofline(knee=64), max_gamma=4)
+    reqs = [req(str(i)) for i in range(4)]
+    budgets = policy.budgets(reqs, torch.full((4,), 4), engine=None)
+    assert budgets.tolist() == [4, 4, 4, 4]  # 4 * 5 = 20 positions < 64: every position is free
+
+
+def test_adaptive_budget_shrinks_smoothly_with_load_and_never_switches_off():
+    # past the knee each position costs half of what the average one did at the knee
+    policy = AdaptiveBudget(roofline(knee=16, slope=0.5), max_gamma=6)
+    # teach it that position k survives with probability 0.8 (shared by all requests)
+    for _ in range(200):
+        reqs = [req("warm")]
+        policy.observe(reqs, torch.tensor([int(torch.rand(1) < 0.8)]), torch.tensor([1]))
+    totals, per_row = [], []
+    for B in (1, 2, 4, 8, 16, 32):
+        budgets = policy.budgets([req(f"r{i}") for i in range(B)], torch.full((B,), 6), engine=None)
+        totals.append(int(budgets.sum()) + B)
+        per_row.append(budgets.float().mean().item())
+    assert per_row[0] == 6
+    assert all(a >= b for a, b in zip(per_row, per_row[1:]))  # shrinks as load grows
+    assert per_row[-1] < per_row[0]
+    assert len(set(per_row)) > 2  # smoothly, not on/off
+    assert per_row[-1] > 0  # the likeliest first tokens still pay for themselves at B = 32
+
+
+def test_adaptive_budget_is_zero_where_a_position_costs_as_much_as_a_token():
+    # purely compute-bound past the knee (time ∝ positions): a draft token that may be
+    # rejected never pays for a position that a whole row's bonus token could use
+    policy = AdaptiveBudget(roofline(knee=16, slope=1.0), max_gamma=6)
+    budgets = policy.budgets([req(f"r{i}") for i in range(32)], torch.full((32,), 6), engine=None)
+    assert budgets.sum() == 0
+
+
+def test_confident_requests_get_more_of_a_tight_budget():
+    policy = AdaptiveBudget(roofline(knee=8, slope=3.0), max_gamma=6)
+    good, bad = req("good"), req("bad")
+    for _ in range(30):
+        policy.observe([good, bad], torch.tensor([6, 0]), torch.tensor([6, 6]))
+    budgets = policy.budgets([good, bad], torch.tensor([6, 6]), engine=None).tolist()
+    assert budgets[0] > budgets[1]
+
+
+def test_budget_can_be_zero_per_request():
+    policy = AdaptiveBudget(roofline(knee=1, slope=0.5), max_gamma=4)
+    hopeless = req("hopeless")
+    for _ in range(50):
+        policy.observe([hopeless], torch.tensor([0]), torch.tensor([4]))
+    assert policy.budgets([hopeless], torch.tensor([4]), engine=None).tolist() == [0]
+
+
+def test_fixed_budget_cap_splits_evenly():
+    assert FixedBudget().budgets([req("a")] * 3, torch.tensor([4, 2, 4]), None).tolist() == [4, 2, 4]
+    assert FixedBudget(max_verify_tokens=9).budgets([req("a")] * 3, torch.tensor([4, 2, 4]), None).tolist() == [2, 2, 2]
+
+
+@pytest.mark.parametrize(
+    "config,match",
+    [
+        ({"method": "ngram", "verify_budget": "sometimes"}, "verify_budget"),
+        ({"method": "ngram", "max_verify_tokens": 0}, "max_verify_tokens"),
+        ({"method": "ngram", "budget": "adaptive"}, "verify_budget, max_verify_tokens"),
+    ],
+)
+def test_bad_budget_keys(config, match):
+    with pytest.raises(SpecDecodeError, match=match):
+        SpecConfig.parse(config)
