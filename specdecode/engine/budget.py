@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from specdecode.drafters.base import Draft
+from specdecode.engine.calibration import Rounds, SequentialTemperatureScaling
 from specdecode.tree import TreeBatch
 
 if TYPE_CHECKING:
@@ -112,28 +113,47 @@ class VerifyCost:
 
 
 class AdaptiveBudget:
-    """Per-request budgets that maximise expected accepted tokens per unit of step time."""
+    """Per-request budgets that maximise expected accepted tokens per unit of step time.
 
-    def __init__(self, cost: VerifyCost, max_gamma: int, max_verify_tokens: int | None = None) -> None:
+    Raw confidences are online estimates from acceptance statistics (no drafter here has a
+    trained confidence head yet): a request's own counts by position, shrunk towards the
+    counts shared by all requests. Sequential Temperature Scaling, refitted every
+    ``refit_every`` rounds on the most recent ``window`` rounds, calibrates them.
+    """
+
+    def __init__(
+        self,
+        cost: VerifyCost,
+        max_gamma: int,
+        max_verify_tokens: int | None = None,
+        refit_every: int = 64,
+        window: int = 2048,
+    ) -> None:
         self.cost = cost
         self.max_verify_tokens = max_verify_tokens
         # shared counts by position: rounds that reached position k, and accepted it (Laplace prior)
         self.reached = torch.ones(max_gamma)
         self.accepted = torch.full((max_gamma,), 0.5)
         self.per_request: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.sts = SequentialTemperatureScaling(max_gamma)
+        self.refit_every, self.window = refit_every, window
+        self._raw: dict[str, torch.Tensor] = {}  # the raw confidences each row was budgeted with
+        self.records: list[tuple[torch.Tensor, int, int]] = []  # (raw [γ], drafted, accepted)
+        self._since_fit = 0
 
     def confidence(self, request_id: str) -> torch.Tensor:
-        """[γ] c_k: the chance draft token k survives given tokens 1..k-1 did."""
+        """[γ] raw c_k: the estimated chance draft token k survives given tokens 1..k-1 did."""
         shared = self.accepted / self.reached
         reached, accepted = self.per_request.get(request_id, (None, None))
         if reached is None:
             return shared
         return (accepted + PRIOR_STRENGTH * shared) / (reached + PRIOR_STRENGTH)
 
-    def budgets(self, reqs: list[Any], limits: torch.Tensor, engine: ServingEngine) -> torch.Tensor:
+    def budgets(self, reqs: list[Any], limits: torch.Tensor, engine: "ServingEngine") -> torch.Tensor:
         B = len(reqs)
         cap = limits.tolist()
-        survival = [torch.cumprod(self.confidence(r.request_id), 0).tolist() for r in reqs]
+        self._raw = {r.request_id: self.confidence(r.request_id) for r in reqs}
+        survival = [torch.cumprod(self.sts(self._raw[r.request_id]), 0).tolist() for r in reqs]
         out = [0] * B
         positions, expected = B, float(B)  # every row verifies its root and gains one token
         heap = [(-survival[b][0], b) for b in range(B) if cap[b] > 0]
@@ -158,6 +178,9 @@ class AdaptiveBudget:
         for req, a, d in zip(reqs, num_accepted.tolist(), num_draft.tolist()):
             if d == 0:
                 continue
+            if req.request_id in self._raw:
+                self.records.append((self._raw[req.request_id], d, a))
+                self._since_fit += 1
             reached_k = min(a + 1, d)  # positions 1..a were accepted; a+1 was tried and rejected
             if req.seq.finish_reason is None:
                 mine = self.per_request.setdefault(req.request_id, (torch.zeros(gamma), torch.zeros(gamma)))
@@ -165,6 +188,27 @@ class AdaptiveBudget:
                 mine[1][:a] += 1
             self.reached[:reached_k] += 1
             self.accepted[:a] += 1
+        del self.records[: -self.window]
+        if self._since_fit >= self.refit_every:
+            self.sts = SequentialTemperatureScaling(gamma).fit(self.rounds())
+            self._since_fit = 0
+
+    def rounds(self) -> Rounds:
+        """The recorded rounds, as STS fits them."""
+        if not self.records:
+            return Rounds(torch.empty(0, self.reached.numel()), torch.empty(0, dtype=torch.long), torch.empty(0))
+        raw, drafted, accepted = zip(*self.records)
+        return Rounds(torch.stack(raw), torch.tensor(drafted), torch.tensor(accepted))
+
+    def calibration_error(self) -> tuple[float, float]:
+        """ECE of block survival before and after STS: fitted on the older half of the recorded
+        rounds, measured on the newer half (held out)."""
+        rounds = self.rounds()
+        half = rounds.raw.shape[0] // 2
+        fit = Rounds(rounds.raw[:half], rounds.drafted[:half], rounds.accepted[:half])
+        test = Rounds(rounds.raw[half:], rounds.drafted[half:], rounds.accepted[half:])
+        sts = SequentialTemperatureScaling(self.reached.numel()).fit(fit)
+        return sts.survival_ece(test, calibrated=False), sts.survival_ece(test)
 
 
 def apply_budgets(draft: Draft, budgets: torch.Tensor) -> Draft:

@@ -112,3 +112,36 @@ def test_fixed_budget_cap_splits_evenly():
 def test_bad_budget_keys(config, match):
     with pytest.raises(SpecDecodeError, match=match):
         SpecConfig.parse(config)
+
+
+def test_sts_calibrates_overconfident_survival_and_keeps_order():
+    from specdecode.engine.calibration import Rounds, SequentialTemperatureScaling, expected_calibration_error
+
+    g = torch.Generator().manual_seed(0)
+    R, gamma = 4000, 4
+    true = torch.rand(R, gamma, generator=g) * 0.6 + 0.2  # each token's real survival chance
+    raw = torch.sigmoid(torch.logit(true) * 3.0)  # an overconfident estimator (same order)
+    survived = torch.rand(R, gamma, generator=g) < true
+    accepted = survived.long().cumprod(dim=1).sum(dim=1)
+    rounds = Rounds(raw, torch.full((R,), gamma), accepted)
+    sts = SequentialTemperatureScaling(gamma).fit(rounds)
+    before, after = sts.survival_ece(rounds, calibrated=False), sts.survival_ece(rounds)
+    assert after < before / 2
+    assert (sts.temps > 1.5).all()  # it learned to soften
+    order = raw[:, 0].argsort()
+    assert (sts(raw)[:, 0][order].diff() >= 0).all()  # order-preserving
+    assert expected_calibration_error(torch.tensor([0.9, 0.9]), torch.tensor([1.0, 0.0])) == pytest.approx(0.4)
+
+
+def test_adaptive_policy_records_rounds_and_reports_calibration():
+    policy = AdaptiveBudget(roofline(knee=64), max_gamma=4, refit_every=16)
+    g = torch.Generator().manual_seed(1)
+    for step in range(80):
+        reqs = [req(f"r{step % 3}"), req("steady")]
+        budgets = policy.budgets(reqs, torch.tensor([4, 4]), engine=None)
+        accepted = torch.tensor([int(torch.randint(0, 5, (1,), generator=g)), 4]).minimum(budgets)
+        policy.observe(reqs, accepted, budgets)
+    assert len(policy.records) == 160
+    before, after = policy.calibration_error()
+    assert 0 <= after <= 1 and 0 <= before <= 1
+    assert policy.confidence("steady")[0] > policy.confidence("r0")[0]

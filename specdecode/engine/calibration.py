@@ -1,0 +1,90 @@
+"""Calibrating draft-token confidences: Sequential Temperature Scaling (STS) and ECE.
+
+Owns: turning raw per-position confidences c_k (the estimated chance that draft token k
+survives given tokens 1..k-1 did) into calibrated ones, and measuring calibration.
+Does not own: where raw confidences come from (engine/budget.py) or how they are spent.
+
+STS (DSpark): one temperature per draft position, c'_k = σ(logit(c_k) / T_k). Scaling a
+logit by a positive constant keeps the order of confidences at each position, so the
+scheduler's ranking within a position is unchanged; only the values move. The
+temperatures are fitted left to right: T_1 first, then T_2 with T_1 fixed, and so on,
+each by a 1-D grid search minimising the expected calibration error of the *cumulative*
+survival S_k = c'_1 · … · c'_k against whether the first k tokens were all accepted,
+over the rounds that drafted at least k tokens. The survival of a block, not the
+single-token confidence, is what the scheduler multiplies into expected tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+TEMPERATURES = torch.exp(torch.linspace(-2.5, 2.5, 41))  # the grid: about 0.08 .. 12
+EPS = 1e-4
+
+
+def expected_calibration_error(pred: torch.Tensor, outcome: torch.Tensor, bins: int = 10) -> float:
+    """ECE: Σ over equal-width bins of |mean prediction − observed rate| · (bin share)."""
+    if pred.numel() == 0:
+        return 0.0
+    pred, outcome = pred.flatten().float(), outcome.flatten().float()
+    which = (pred * bins).long().clamp(0, bins - 1)
+    count = torch.zeros(bins).scatter_add_(0, which, torch.ones_like(pred))
+    conf = torch.zeros(bins).scatter_add_(0, which, pred)
+    hits = torch.zeros(bins).scatter_add_(0, which, outcome)
+    used = count > 0
+    return float(((conf[used] - hits[used]).abs()).sum() / pred.numel())
+
+
+@dataclass
+class Rounds:
+    """Verification records: raw confidences [R, γ], tokens drafted [R] and accepted [R]."""
+
+    raw: torch.Tensor
+    drafted: torch.Tensor
+    accepted: torch.Tensor
+
+    def survival_targets(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rounds that drafted at least k + 1 tokens, and whether their first k + 1 were all accepted."""
+        reached = self.drafted > k
+        return reached, (self.accepted[reached] > k).float()
+
+
+def _scaled(raw: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+    logit = torch.logit(raw.clamp(EPS, 1 - EPS))
+    return torch.sigmoid(logit / temps)
+
+
+class SequentialTemperatureScaling:
+    """Per-position temperatures for raw conditional confidences [.., γ]."""
+
+    def __init__(self, gamma: int) -> None:
+        self.temps = torch.ones(gamma)
+
+    def __call__(self, raw: torch.Tensor) -> torch.Tensor:
+        """Calibrated conditional confidences, same shape as ``raw`` [.., k ≤ γ]."""
+        k = raw.shape[-1]
+        return _scaled(raw, self.temps[:k])
+
+    def fit(self, rounds: Rounds, min_rounds: int = 8) -> "SequentialTemperatureScaling":
+        """Fit T_1, T_2, … in order; a position with fewer than ``min_rounds`` records keeps T = 1."""
+        gamma = self.temps.numel()
+        survival = torch.ones(rounds.raw.shape[0])  # S_{k-1} under the temperatures fitted so far
+        for k in range(min(gamma, rounds.raw.shape[1])):
+            reached, target = rounds.survival_targets(k)
+            if int(reached.sum()) < min_rounds:
+                break
+            prefix, raw_k = survival[reached], rounds.raw[reached, k]
+            errors = [expected_calibration_error(prefix * _scaled(raw_k, t), target) for t in TEMPERATURES]
+            self.temps[k] = TEMPERATURES[int(torch.tensor(errors).argmin())]
+            survival = survival * _scaled(rounds.raw[:, k], self.temps[k])
+        return self
+
+    def survival_ece(self, rounds: Rounds, calibrated: bool = True) -> float:
+        """ECE of cumulative survival over every (round, position) pair that was drafted."""
+        conf = self(rounds.raw) if calibrated else rounds.raw.clamp(EPS, 1 - EPS)
+        survival = torch.cumprod(conf, dim=1)  # [R, γ]
+        k = torch.arange(rounds.raw.shape[1])[None, :]
+        drafted = k < rounds.drafted[:, None]
+        return expected_calibration_error(survival[drafted], (k < rounds.accepted[:, None])[drafted])
