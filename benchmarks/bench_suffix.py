@@ -6,8 +6,9 @@ load), and one `LLM` -- hence one drafter and one global tree -- serves every
 repetition, so from the second repetition on earlier answers are drafted from.
 Per repetition it prints acceptance α, τ (tokens per drafting round), tokens/s for
 both, the speedup, and the drafter's own time (propose + on_verified) per round as a
-percentage of a plain target step. The CPU may be shared: timings are noisy, ratios
-less so.
+percentage of a plain target step, and Leviathan's formula at the measured α with γ =
+the mean drafted depth per drafting round ((τ − 1) / α) and γc = the drafter's time per
+round over a plain step. The CPU may be shared: timings are noisy, ratios less so.
 
     python benchmarks/bench_suffix.py [--reps 5] [--max-tokens 128] [--gamma 24] [--threads 1] [--json out.json]
 
@@ -28,6 +29,7 @@ import torch
 from timing import Timer
 
 from specdecode import LLM, SamplingParams
+from specdecode.theory import expected_tokens_per_round
 
 PROMPTS = [
     "What is the capital of France?",
@@ -107,8 +109,9 @@ def main() -> None:
     print(f"\n### suffix vs plain: {len(prompts)} chat prompts x {args.reps} repetitions, dtype={args.dtype}, "
           f"γ={llm.spec.num_speculative_tokens}, {args.max_tokens} new tokens, greedy, batch 1, "
           f"threads={torch.get_num_threads()}\n")
-    print("| rep | α | τ | plain tok/s | suffix tok/s | speedup | draft ms/round | draft % of step | rounds from global | same as plain |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| rep | α | τ | plain tok/s | suffix tok/s | speedup | formula | draft ms/round | draft % of step "
+          "| rounds from global | same as plain |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in reps:
         print("| " + " | ".join(str(c) for c in table_cells(r, len(prompts))) + " |")
     if args.json:
@@ -122,14 +125,22 @@ def table_cells(r: dict, n: int) -> list:
     step_s = r["plain_decode_s"] / max(r["plain_tokens"] - n, 1)  # one plain decode step
     draft_round_s = r["draft_s"] / max(r["rounds"], 1)
     return [r["rep"], f"{alpha:.2f}", f"{tau:.2f}", f"{plain_tps:.1f}", f"{spec_tps:.1f}", f"{spec_tps / plain_tps:.2f}x",
-            f"{draft_round_s * 1e3:.2f}", f"{100 * draft_round_s / step_s:.1f}%",
+            f"{formula(alpha, tau, draft_round_s / step_s):.2f}x", f"{draft_round_s * 1e3:.2f}", f"{100 * draft_round_s / step_s:.1f}%",
             f"{r['global_rounds']}/{r['rounds']}", f"{r['same']}/{n}"]
+
+
+def formula(alpha: float, tau: float, draft_cost: float) -> float:
+    """Leviathan's speedup with γ = the mean drafted depth (τ − 1) / α and γc = ``draft_cost``
+    (the drafter's time per round over a plain step); a verify pass is taken to cost one step."""
+    if alpha == 0.0:
+        return 1.0 / (1.0 + draft_cost)
+    return expected_tokens_per_round(alpha, (tau - 1) / alpha) / (1.0 + draft_cost)
 
 
 def fmt_row(r: dict, n: int) -> str:
     c = table_cells(r, n)
-    return (f"α={c[1]} τ={c[2]} plain {c[3]} tok/s, suffix {c[4]} tok/s ({c[5]}), "
-            f"draft {c[6]} ms/round = {c[7]} of a step, global {c[8]}, same {c[9]}")
+    return (f"α={c[1]} τ={c[2]} plain {c[3]} tok/s, suffix {c[4]} tok/s ({c[5]}, formula {c[6]}), "
+            f"draft {c[7]} ms/round = {c[8]} of a step, global {c[9]}, same {c[10]}")
 
 
 if __name__ == "__main__":

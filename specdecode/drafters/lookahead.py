@@ -53,8 +53,10 @@ WINDOW_SEED = 0  # the seed of the generator that draws each row's first window 
 class LookaheadOptions:
     """W, N, G as the paper names them, and where the n-gram pool is seeded from."""
 
-    lookahead_window: int = 4  # W: columns of the window
-    lookahead_ngram: int = 4  # N: n-gram size; the window has N-1 levels
+    # Defaults measured on a 2-core CPU with the default model (docs/benchmarks.md): each
+    # verified position costs there, so a narrow window and a few long guesses win.
+    lookahead_window: int = 2  # W: columns of the window
+    lookahead_ngram: int = 5  # N: n-gram size; the window has N-1 levels
     lookahead_guess: int = 4  # G: pool n-grams verified per round (and kept per key)
     pool_from_prompt: bool = True  # start each row's pool with its prompt's n-grams
     pool_from_output: bool = True  # add each committed n-gram of the output to the pool

@@ -160,7 +160,7 @@ def test_pool_seeded_from_prompt_and_output():
 
 
 def test_select_rows_and_joining_rows():
-    d = drafter(pool_from_prompt=True)
+    d = drafter(lookahead_ngram=4, pool_from_prompt=True)
     batch = batch_of([1, 2, 3], [4, 5, 6], [7, 8, 9])
     d.prefill(batch)
     rows = d._rows
