@@ -53,7 +53,7 @@ class ServerMetrics:
                                      label, buckets=LATENCY_BUCKETS, registry=r).labels(model_name)  # fmt: skip
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Arrival to first generated token.",
                               label, buckets=TTFT_BUCKETS, registry=r).labels(model_name)  # fmt: skip
-        self.running = gauge("vllm:num_requests_running", "Requests in the running batch.")
+        self.running = gauge("vllm:num_requests_running", "Requests being prefilled or decoded.")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests queued for admission (the queue length).")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).")
         self.kv_blocks_used = gauge("specdecode:kv_blocks_used", "KV-cache blocks in use.")
@@ -83,7 +83,7 @@ class ServerMetrics:
         self.observe_engine(stats, new_tokens)
 
     def observe_engine(self, stats: Any, new_tokens: int = 0) -> None:
-        self.running.set(stats.num_running)
+        self.running.set(stats.num_running + stats.num_prefilling)  # as vLLM: prefilling requests run too
         self.waiting.set(stats.num_waiting)
         self.kv_blocks_used.set(stats.kv_blocks_used)
         self.kv_blocks_total.set(stats.kv_blocks_total)

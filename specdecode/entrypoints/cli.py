@@ -62,6 +62,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--device", default="auto", help="auto, cpu, cuda")
     s.add_argument("--quantization", default=None, help="weights of the linears: none, int8, int4[-g32|-g64|-g128], gguf")
     s.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    s.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -241,11 +242,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SpecDecodeError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     if args.api_key is not None and not args.api_key.strip():
         raise SpecDecodeError("--api-key must not be empty")
+    if args.threads is not None and args.threads < 1:
+        raise SpecDecodeError(f"--threads must be >= 1, got {args.threads}")
     try:  # a taken port fails here, in one line, rather than after loading the model
         with socket.create_server((args.host, args.port), family=socket.AF_INET6 if ":" in args.host else socket.AF_INET):
             pass
     except OSError as e:
         raise SpecDecodeError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     from specdecode.entrypoints.server import run_server
 
     run_server(model=args.model, speculative_config=args.speculative_config, host=args.host, port=args.port,

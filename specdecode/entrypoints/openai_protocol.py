@@ -10,6 +10,7 @@ their one-line messages are passed through), HTTP routing (server.py).
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -44,7 +45,7 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 def from_spec_error(e: SpecDecodeError, override: bool = False) -> APIError:
     """A 400 for a one-line `SpecDecodeError`; ``param`` is the field its message names first."""
     msg = str(e)
-    first = msg.split(" ", 1)[0]
+    first = re.match(r"\w*", msg).group(0)  # "max_tokens must ...", "max_tokens=9 is ..."
     param = first if first in SAMPLING_FIELDS else None
     if param is None and (override or "speculat" in msg):
         param = "speculative_config"

@@ -148,8 +148,7 @@ class _Server:
         self.metrics.observe_admitted(len(prompt_ids))
         out = _Output(self, request_id, events, params.stop, arrival)
         if req.stream:
-            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            return StreamingResponse(self._sse(out, req, chat), media_type="text/event-stream", headers=headers)
+            return _EventStream(self._sse(out, req, chat), on_close=out.cancel)
         return await self._complete(request, out, chat)
 
     async def _complete(self, request: Request, out: _Output, chat: bool) -> Response:
@@ -210,11 +209,29 @@ class _Server:
                 if req.include_usage:
                     yield _sse_line({**base, "choices": [], "usage": out.usage()})
             yield "data: [DONE]\n\n"
-        finally:  # also on cancellation, when the client disconnects mid-stream
+        finally:  # when the client disconnects mid-stream (see _EventStream)
             out.cancel()
 
     def _envelope(self, request_id: str, obj: str) -> dict[str, Any]:
         return {"id": request_id, "object": obj, "created": int(time.time()), "model": self.model_name}
+
+
+class _EventStream(StreamingResponse):
+    """SSE whose ``on_close`` runs however the response ends. Starlette cancels the sending task
+    on disconnect, which leaves the body generator suspended at a ``yield`` (its ``finally`` would
+    wait for garbage collection); this closes it and cancels the request at once."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Any) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+            await self.body_iterator.aclose()
 
 
 def _sse_line(obj: Mapping[str, Any]) -> str:

@@ -12,36 +12,53 @@ import random
 import re
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
 import httpx
 import pytest
 
+from specdecode.config import SpecConfig
+from specdecode.engine.serving import ServingEngine
 from specdecode.entrypoints.cli import main as cli_main
 from specdecode.entrypoints.server import create_app
-from tests.entrypoints.fake_engine import FakeEngine
+from specdecode.model.loader import load_model
 from tests.entrypoints.server_helpers import ServerThread, SlowEngine, sse_events
-from tests.tiny import tiny_tokenizer
+from tests.tiny import make_tiny_checkpoint
 
-MAX_MODEL_LEN = 256
+MAX_MODEL_LEN = 256  # the tiny checkpoint's context
+GAMMA = 3
+SPEC = {"method": "ngram", "num_speculative_tokens": GAMMA, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 USAGE_KEYS = {"prompt_tokens", "completion_tokens", "total_tokens", "acceptance_rate", "mean_accepted_length",
               "num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return tiny_tokenizer()
-
-
-def make_app(tokenizer, engine=None, **kw):
-    engine = engine if engine is not None else FakeEngine(max_model_len=MAX_MODEL_LEN)
-    return create_app(engine, tokenizer, "tiny", max_model_len=MAX_MODEL_LEN, vocab_size=128, **kw)
+def ckpt(tmp_path_factory):
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("serve") / "tiny", "llama", seed=0))
 
 
 @pytest.fixture(scope="module")
-def served(tokenizer):
-    with ServerThread(make_app(tokenizer)) as srv:
+def target(ckpt):
+    return load_model(ckpt, dtype="float32", device="cpu", progress=False)
+
+
+def make_engine(target, max_num_seqs: int = 8, delay: float = 0.0) -> SlowEngine:
+    engine = ServingEngine(target, SpecConfig.parse(SPEC), max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs)
+    return SlowEngine(engine, delay)
+
+
+def make_app(target, engine=None, **kw):
+    engine = engine if engine is not None else make_engine(target)
+    return create_app(engine, target.tokenizer, "tiny", max_model_len=MAX_MODEL_LEN,
+                      vocab_size=target.config.vocab_size, **kw)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def served(target):
+    with ServerThread(make_app(target)) as srv:
         yield srv
 
 
@@ -124,6 +141,18 @@ def test_completion_and_chat_streaming_match_non_streaming(client):
     assert events[-2]["usage"]["completion_tokens"] == 9
 
 
+def test_stop_strings_cut_the_text_streamed_or_not(client):
+    base = {"prompt": "hello", "max_tokens": 40, "temperature": 1.0, "seed": 1, "ignore_eos": True}
+    full = client.post("/v1/completions", json=base).json()["choices"][0]["text"]
+    assert len(full) > 8
+    # a 2-character stop string whose first occurrence is well inside the text
+    stop = next(full[i : i + 2] for i in range(3, len(full) - 2) if full.index(full[i : i + 2]) == i)
+    cut = client.post("/v1/completions", json={**base, "stop": stop}).json()
+    assert cut["choices"][0]["text"] == full[: full.index(stop)] and cut["choices"][0]["finish_reason"] == "stop"
+    with client.stream("POST", "/v1/completions", json={**base, "stop": [stop], "stream": True}) as r:
+        assert check_stream(sse_events(r.iter_lines()), chat=False, include_usage=False) == full[: full.index(stop)]
+
+
 def test_models_health_and_metrics(client):
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["tiny"]
@@ -201,8 +230,8 @@ def test_bad_chat_input_is_400(client):
 # -- auth ------------------------------------------------------------------------------------
 
 
-def test_api_key(tokenizer):
-    with ServerThread(make_app(tokenizer, api_key="s3cret")) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+def test_api_key(target):
+    with ServerThread(make_app(target, api_key="s3cret")) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
         body = {"prompt": "hi", "max_tokens": 2}
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
             for r in (c.post("/v1/completions", json=body, headers=headers), c.get("/v1/models", headers=headers)):
@@ -217,10 +246,10 @@ def test_api_key(tokenizer):
 # -- load and faults -------------------------------------------------------------------------
 
 
-def test_200_requests_from_32_clients(tokenizer):
+def test_200_requests_from_32_clients(target):
     """Mixed streaming / non-streaming, chat / completions; max_num_seqs 4, so most requests queue."""
-    engine = SlowEngine(FakeEngine(max_model_len=MAX_MODEL_LEN, max_num_seqs=4))
-    with ServerThread(make_app(tokenizer, engine)) as srv:
+    engine = make_engine(target, max_num_seqs=4)
+    with ServerThread(make_app(target, engine)) as srv:
 
         async def client_task(i: int, n: int, http: httpx.AsyncClient):
             rng = random.Random(i)
@@ -257,50 +286,60 @@ def test_200_requests_from_32_clients(tokenizer):
         assert re.search(r'^vllm:request_success_total{finished_reason="length",model_name="tiny"} 200\.0$', metrics, re.M)
 
 
-def _open_stream(port: int, body: dict) -> socket.socket:
-    """A raw HTTP/1.1 streaming request; returns the socket once two SSE events arrived."""
-    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+def _open_chat_streams(port: int, body: dict, n: int) -> list[socket.socket]:
+    """``n`` raw HTTP/1.1 streaming chat requests at once; returns their sockets once each got its first
+    SSE event (the assistant-role chunk, sent as soon as the engine admitted the request)."""
     data = json.dumps(body).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)  # fmt: skip
-    seen = b""
-    while seen.count(b"data: ") < 2:
-        chunk = sock.recv(4096)
-        assert chunk, seen
-        seen += chunk
-    return sock
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    socks = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(n)]
+    for sock in socks:
+        sock.sendall(head.encode() + data)
+    for sock in socks:
+        seen = b""
+        while b"data: " not in seen:
+            chunk = sock.recv(4096)
+            assert chunk, seen
+            seen += chunk
+    return socks
 
 
-def test_killed_clients_leave_no_blocks(tokenizer):
-    engine = SlowEngine(FakeEngine(max_model_len=MAX_MODEL_LEN, max_num_seqs=8), delay=0.02)
-    with ServerThread(make_app(tokenizer, engine)) as srv:
-        body = {"prompt": "a long story", "max_tokens": 200, "stream": True, "ignore_eos": True}
-        socks = [_open_stream(srv.port, body) for _ in range(6)]
-        busy = srv.engine_call(lambda e: e.stats())
-        assert busy.kv_blocks_used > 0
+def test_killed_clients_leave_no_blocks(target):
+    engine = make_engine(target, max_num_seqs=8, delay=0.03)
+    with ServerThread(make_app(target, engine)) as srv:
+        body = {"messages": [{"role": "user", "content": "a story"}], "max_tokens": 200, "stream": True,
+                "ignore_eos": True, "speculative_config": {"num_speculative_tokens": 0}}  # one token a step: ~6 s
+        socks = _open_chat_streams(srv.port, body, 6)
+        deadline = time.monotonic() + 5
+        while (busy := srv.engine_call(lambda e: e.stats())).num_running < 6 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert busy.num_running == 6 and busy.kv_blocks_used > 0
         for s in socks:
             s.close()
         stats = wait_idle(srv, timeout=10)
         assert (stats.num_running, stats.num_waiting, stats.kv_blocks_used) == (0, 0, 0)
         metrics = httpx.get(srv.url + "/metrics").text
         assert re.search(r'^vllm:request_success_total{finished_reason="abort",model_name="tiny"} 6\.0$', metrics, re.M)
+        assert 'finished_reason="length"' not in metrics
         # a non-streaming client that gives up is cancelled too
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(srv.url + "/v1/completions", json={**body, "stream": False}, timeout=0.3)
+            httpx.post(srv.url + "/v1/chat/completions", json={**body, "stream": False}, timeout=0.3)
         assert wait_idle(srv, timeout=10).kv_blocks_used == 0
+        assert re.search(r'^vllm:request_success_total{finished_reason="abort",model_name="tiny"} 7\.0$',
+                         httpx.get(srv.url + "/metrics").text, re.M)  # fmt: skip
         assert httpx.post(srv.url + "/v1/completions", json={"prompt": "ok", "max_tokens": 3}).status_code == 200
 
 
-def test_drain_finishes_in_flight_and_refuses_new(tokenizer):
+def test_drain_finishes_in_flight_and_refuses_new(target):
     """What SIGTERM does (DrainingServer.handle_exit), in-process: 503 for new work, in-flight completes, exit."""
-    engine = SlowEngine(FakeEngine(max_model_len=MAX_MODEL_LEN), delay=0.02)
-    srv = ServerThread(make_app(tokenizer, engine)).__enter__()
+    engine = make_engine(target, delay=0.02)
+    srv = ServerThread(make_app(target, engine)).__enter__()
     try:
         events, first = [], threading.Event()
 
         def stream():
-            body = {"prompt": "drain me", "max_tokens": 60, "stream": True, "ignore_eos": True}
-            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r:
+            body = {"messages": [{"role": "user", "content": "drain me"}], "max_tokens": 60, "stream": True,
+                    "ignore_eos": True}  # the first chunk (the role) comes as soon as the request is admitted
+            with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=30) as r:
                 for line in r.iter_lines():
                     events.extend(sse_events([line]))
                     first.set()
@@ -313,7 +352,7 @@ def test_drain_finishes_in_flight_and_refuses_new(tokenizer):
         assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
         assert httpx.get(srv.url + "/health").status_code == 503
         t.join(30)
-        assert check_stream(events, chat=False, include_usage=False)
+        check_stream(events, chat=True, include_usage=False)
         assert events[-2]["choices"][0]["finish_reason"] == "length"
         srv.thread.join(30)
         assert not srv.thread.is_alive()  # the server stopped by itself once drained
@@ -321,7 +360,7 @@ def test_drain_finishes_in_flight_and_refuses_new(tokenizer):
         srv.__exit__()
 
 
-def test_engine_error_is_500_and_the_server_recovers(tokenizer):
+def test_engine_error_is_500_and_the_server_recovers(target):
     class FailOnce(SlowEngine):
         failed = False
 
@@ -331,8 +370,8 @@ def test_engine_error_is_500_and_the_server_recovers(tokenizer):
                 raise RuntimeError("boom")
             return self.engine.step()
 
-    engine = FailOnce(FakeEngine(max_model_len=MAX_MODEL_LEN), delay=0)
-    with ServerThread(make_app(tokenizer, engine)) as srv:
+    engine = FailOnce(make_engine(target).engine)
+    with ServerThread(make_app(target, engine)) as srv:
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3})
         assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
         assert httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}).status_code == 200
@@ -356,3 +395,55 @@ def test_serve_bad_flags_are_one_line_and_exit_2(capsys):
             assert err.startswith("error: ") and err.count("\n") == 1 and match in err, err
     finally:
         taken.close()
+
+
+def test_sigterm_drains_then_exits_0(ckpt):
+    """`specdecode serve` as a process: SIGTERM mid-stream -> 503 for new work, the stream completes, exit 0."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "specdecode.entrypoints.cli", "serve", "--model", ckpt, "--port", str(port),
+           "--dtype", "float32", "--device", "cpu", "--max-num-seqs", "1", "--threads", "1", "--log-level", "warning",
+           "--speculative-config", json.dumps(SPEC)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.communicate()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.1)
+        streams: list[list] = [[], [], []]
+        started = threading.Event()
+
+        def stream(i: int):
+            body = {"messages": [{"role": "user", "content": f"story {i}"}], "max_tokens": 200, "stream": True,
+                    "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    streams[i].extend(sse_events([line]))
+                    started.set()
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]  # the others queue behind the first
+        for t in threads:
+            t.start()
+        assert started.wait(30)
+        time.sleep(0.05)  # let the others reach the queue
+        proc.send_signal(signal.SIGTERM)
+        late = httpx.post(url + "/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=10)
+        assert late.status_code == 503
+        for t in threads:
+            t.join(60)
+        for events in streams:
+            check_stream(events, chat=True, include_usage=True)
+            assert events[-2]["usage"]["completion_tokens"] == 200
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
