@@ -42,12 +42,12 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
-def from_spec_error(e: SpecDecodeError, override: bool = False) -> APIError:
+def from_spec_error(e: SpecDecodeError) -> APIError:
     """A 400 for a one-line `SpecDecodeError`; ``param`` is the field its message names first."""
     msg = str(e)
     first = re.match(r"\w*", msg).group(0)  # "max_tokens must ...", "max_tokens=9 is ..."
     param = first if first in SAMPLING_FIELDS else None
-    if param is None and (override or "speculat" in msg):
+    if param is None and "speculat" in msg:
         param = "speculative_config"
     if param is None and "prompt" in msg:
         param = "prompt" if "context" in msg or "empty" in msg else None

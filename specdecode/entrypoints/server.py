@@ -53,8 +53,9 @@ class _Output:
     async def next_delta(self) -> str:
         """Wait for the next event; return the text it makes safe to show."""
         item = await self.events.get()
-        if isinstance(item, Exception):
+        if isinstance(item, Exception):  # the engine failed; it has already dropped the request
             self.finish = "error"
+            self.app.metrics.observe_finished("error", time.monotonic() - self.arrival)
             raise item
         now = time.monotonic()
         self.last = item

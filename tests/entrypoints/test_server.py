@@ -380,6 +380,13 @@ def test_engine_error_is_500_and_the_server_recovers(target):
 # -- the command line --------------------------------------------------------------------------
 
 
+def test_serve_binds_loopback_by_default():
+    from specdecode.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["serve"])
+    assert (args.host, args.port, args.api_key) == ("127.0.0.1", 8000, None)
+
+
 def test_serve_bad_flags_are_one_line_and_exit_2(capsys):
     taken = socket.create_server(("127.0.0.1", 0))
     try:
