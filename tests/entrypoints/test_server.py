@@ -73,7 +73,7 @@ def wait_idle(srv: ServerThread, timeout: float = 20.0):
     deadline = time.monotonic() + timeout
     while True:
         s = srv.engine_call(lambda e: e.stats())
-        if (s.num_running, s.num_waiting, s.kv_blocks_used) == (0, 0, 0) or time.monotonic() > deadline:
+        if (s.num_running, s.num_waiting, s.num_prefilling, s.kv_blocks_used) == (0, 0, 0, 0) or time.monotonic() > deadline:
             return s
         time.sleep(0.05)
 
@@ -361,19 +361,25 @@ def test_drain_finishes_in_flight_and_refuses_new(target):
 
 
 def test_engine_error_is_500_and_the_server_recovers(target):
-    class FailOnce(SlowEngine):
-        failed = False
+    class FailOnDemand(SlowEngine):
+        fail_next = True
 
         def step(self):
-            if not self.failed:
-                self.failed = True
+            if self.fail_next:
+                self.fail_next = False
                 raise RuntimeError("boom")
             return self.engine.step()
 
-    engine = FailOnce(make_engine(target).engine)
+    engine = FailOnDemand(make_engine(target).engine)
     with ServerThread(make_app(target, engine)) as srv:
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3})
         assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
+        assert httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}).status_code == 200
+        engine.fail_next = True  # mid-stream: an error event, then [DONE]
+        with httpx.stream("POST", srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": True}) as r:
+            events = sse_events(r.iter_lines())
+        assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "internal_server_error"
+        assert wait_idle(srv).kv_blocks_used == 0
         assert httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}).status_code == 200
 
 
