@@ -28,7 +28,9 @@ the slot axis, gathering a row's blocks is one ``index_select`` of whole blocks,
 (block indices and write indices) is built once per forward pass, on its first
 ``append``, and reused by every layer. One row whose blocks have consecutive ids (the
 usual case: the pool hands out the lowest ids and takes freed ones back first) reads a
-plain slice, with no gather at all.
+plain slice, with no gather at all. Every other pass pays, per layer, one copy of its
+rows' K/V (memory-bound, like attention's own read of them): SDPA needs a dense tensor,
+and a paged-attention kernel that reads the blocks in place is not ours to add here.
 """
 
 from __future__ import annotations
