@@ -137,8 +137,9 @@ class PagedKVCache(KVCache):
 
     Sequences are named by hashable ids. The `KVCache` methods act on the current batch:
     ``lengths`` [B] (int64, on ``device``) are its rows' lengths, in `seq_ids` order.
-    Treat ``lengths`` as read-only: the cache keeps the same lengths on the host (that is
-    how it frees blocks without a device sync) and replaces the tensor when they change.
+    Treat ``lengths`` as read-only: the cache keeps the same lengths on the host, beside
+    the block tables, and replaces the tensor when they change. ``commit``, ``truncate``,
+    ``reserve`` and ``select_rows`` read a tensor argument back once (``.tolist()``).
     """
 
     def __init__(
