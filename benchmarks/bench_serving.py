@@ -412,7 +412,8 @@ def plot(results: list[dict], configs: list[str], path: str) -> None:
     axes[1].yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     axes[1].yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     axes[0].legend()
-    fig.suptitle("SmolLM2-135M, bf16, CPU (2 threads), greedy, ngram drafts: serving under closed-loop load")
+    fig.suptitle(f"SmolLM2-135M, bf16, CPU ({torch.get_num_threads()} threads), greedy, ngram drafts: "
+                 "serving under closed-loop load")  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"\nplot written to {path}")
