@@ -60,6 +60,18 @@ def joint_chisquare(continuations: list[list[int]], want: dict[tuple, float], vo
     return JointChiSquare(common, exp, samples, float(chisquare(obs, exp).pvalue))
 
 
+def assert_target_distribution(test: JointChiSquare, llm: LLM, prompt: list[int], n: int, temperature: float,
+                               top_k: int, want: dict[tuple, float]) -> None:  # fmt: skip
+    """The samples pass the test, and the test has power: a sampler slightly off (the target
+    at 0.8x the temperature, or one that puts 10% of its mass uniformly over the
+    continuations the target allows) would be rejected at the same size."""
+    assert test.pvalue > 1e-3
+    colder = exact_joint(llm, prompt, n, 0.8 * temperature, top_k)
+    allowed = [k for k, v in want.items() if v > 0]
+    for wrong in (colder, {k: 0.9 * want[k] + 0.1 / len(allowed) for k in allowed}):
+        assert test.pvalue_if(wrong) < 1e-3
+
+
 def assert_greedy_matches_plain(llm: LLM, plain: LLM, prompts: list[list[int]], max_tokens: int, label: object) -> list:
     """Each prompt alone and all together give exactly plain greedy's tokens; returns the batch outputs."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
