@@ -5,7 +5,10 @@ prompts of prompts.json. For each prompt, ``--reps`` interleaved repetitions run
 decoding and every lookahead config back to back (order rotated per repetition), so
 all see the same CPU load; the speedup is the median over repetitions of the paired
 decode-rate ratio (tokens after the first per second: prefill is the same work either
-way), and end-to-end tokens/s ratios are printed too. Each config gets its own `LLM`
+way), and end-to-end tokens/s ratios are printed too. On a CPU shared with other jobs,
+wall time swings with their load; the *CPU time* column (this process's CPU seconds
+per generated token, plain over lookahead, whole `generate`, median of the paired
+ratios) is far steadier, since time spent waiting for a core is not counted. Each config gets its own `LLM`
 (the converted model is cached on disk), so a sweep is one command.
 
 The formula. Leviathan's (1 − α^(γ+1)) / ((1 − α)(γc + 1)) with γ = N − 1 (a guess's
@@ -15,7 +18,8 @@ assumes a verify pass costs one plain step and that every round drafts. The *cos
 prediction drops both assumptions with measured quantities: the formula's tokens per
 drafted round, weighted by f (the fraction of rounds whose root had a pool guess; the
 others emit one token), over the measured round cost v (target pass with its tree and
-W·(N−1) window nodes, in plain steps) plus γc.
+W·(N−1) window nodes, in plain steps, from CPU time per round and per plain token,
+prefill included in both) plus γc.
 
     python benchmarks/bench_lookahead.py [--configs 2,5,4 4,4,4,noprompt,nooutput] [--reps 3] [--max-tokens 128] [--threads 2] [--json out.json]
 
@@ -29,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -76,9 +81,12 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
 
     def run(name: str, ids: list[int]):
+        t0 = time.process_time()
         if name == "plain":
-            return first.generate([ids], params, speculative=False)[0]
-        return llms[name].generate([ids], params)[0]
+            out = first.generate([ids], params, speculative=False)[0]
+        else:
+            out = llms[name].generate([ids], params)[0]
+        return out, time.process_time() - t0
 
     warm = first.encode_chat("Hi")  # allocator and kernels, untimed
     for name in ["plain", *engines]:
@@ -96,10 +104,10 @@ def main() -> None:
                     if name != "plain":
                         for t in timers[name]:
                             t.seconds, t.calls = 0.0, 0
-                    out = run(name, ids)
-                    extra = {}
+                    out, cpu_s = run(name, ids)
+                    extra = {"cpu_s": cpu_s, "cpu_s_per_token": cpu_s / max(len(out.token_ids), 1)}
                     if name != "plain":
-                        extra = {"draft_s": sum(t.seconds for t in timers[name]), "rounds": timers[name][0].calls}
+                        extra |= {"draft_s": sum(t.seconds for t in timers[name]), "rounds": timers[name][0].calls}
                     runs[name].append((out, extra))
             for name in engines:
                 rows.append(summarize(kind, text, name, runs["plain"], runs[name], engines[name]))
@@ -115,15 +123,18 @@ def summarize(kind: str, text: str, name: str, plain_runs: list, spec_runs: list
     gamma = min(engine.spec.num_speculative_tokens, o.lookahead_ngram - 1)
     decode_ratio = [s.metrics.decode_tokens_per_s / p.metrics.decode_tokens_per_s for (p, _), (s, _) in zip(plain_runs, spec_runs)]
     e2e_ratio = [s.metrics.tokens_per_s / p.metrics.tokens_per_s for (p, _), (s, _) in zip(plain_runs, spec_runs)]
+    cpu_ratio = [p["cpu_s_per_token"] / s["cpu_s_per_token"] for (_, p), (_, s) in zip(plain_runs, spec_runs)]
     out, extra = spec_runs[0]
     m = out.metrics
     rounds = extra["rounds"]
-    step_s = statistics.median(1.0 / p.metrics.decode_tokens_per_s for p, _ in plain_runs)  # one plain decode step
-    spec_decode_s = statistics.median((s.metrics.wall_time_s - s.metrics.first_token_time_s) for s, _ in spec_runs)
+    # Costs in CPU seconds (steady under load): a plain step ≈ plain CPU time per token; a
+    # lookahead round ≈ its CPU time per round, less the drafter's host time.
+    step_s = statistics.median(p["cpu_s_per_token"] for _, p in plain_runs)
     draft_round_s = statistics.median(e["draft_s"] / max(e["rounds"], 1) for _, e in spec_runs)
+    round_s = statistics.median(e["cpu_s"] / max(e["rounds"], 1) for _, e in spec_runs)
     alpha = m.acceptance_rate
     c = draft_round_s / gamma / step_s
-    v = (spec_decode_s / max(rounds, 1) - draft_round_s) / step_s  # target pass per round, in plain steps
+    v = (round_s - draft_round_s) / step_s  # target pass per round, in plain steps
     f = m.num_drafts / max(rounds, 1)  # rounds whose root had a guess
     tokens_per_round = f * expected_tokens_per_round(alpha, gamma) + (1 - f)
     return {
@@ -131,7 +142,7 @@ def summarize(kind: str, text: str, name: str, plain_runs: list, spec_runs: list
         "plain_tps": statistics.median(p.metrics.decode_tokens_per_s for p, _ in plain_runs),
         "spec_tps": statistics.median(s.metrics.decode_tokens_per_s for s, _ in spec_runs),
         "speedup": statistics.median(decode_ratio), "speedup_min": min(decode_ratio), "speedup_max": max(decode_ratio),
-        "e2e_speedup": statistics.median(e2e_ratio),
+        "e2e_speedup": statistics.median(e2e_ratio), "cpu_speedup": statistics.median(cpu_ratio),
         "alpha": alpha, "tau": m.mean_accepted_length, "guess_rate": f, "tokens_per_round": len(out.token_ids) / max(rounds, 1),
         "c": c, "verify_cost": v, "formula": expected_speedup(alpha, gamma, c),
         "formula_costed": tokens_per_round / (gamma * c + v),
@@ -142,19 +153,19 @@ def summarize(kind: str, text: str, name: str, plain_runs: list, spec_runs: list
 
 def fmt(r: dict) -> str:
     return (f"[{r['kind']}] {r['config']} {r['prompt']!r}: plain {r['plain_tps']:.1f} tok/s, lookahead {r['spec_tps']:.1f} "
-            f"({r['speedup']:.2f}x, {r['speedup_min']:.2f}-{r['speedup_max']:.2f}), α={r['alpha']:.2f} τ={r['tau']:.2f} "
+            f"({r['speedup']:.2f}x, {r['speedup_min']:.2f}-{r['speedup_max']:.2f}; CPU time {r['cpu_speedup']:.2f}x), α={r['alpha']:.2f} τ={r['tau']:.2f} "
             f"f={r['guess_rate']:.2f} v={r['verify_cost']:.2f} formula {r['formula']:.2f}x costed {r['formula_costed']:.2f}x")
 
 
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     print(f"\n### lookahead vs plain: dtype={args.dtype}, {args.max_tokens} new tokens, greedy, batch 1, "
           f"threads={torch.get_num_threads()}, median of {args.reps} interleaved repetitions\n")
-    print("| kind | prompt | W,N,G | plain tok/s | lookahead tok/s | decode speedup (min–max) | end-to-end | α | τ "
+    print("| kind | prompt | W,N,G | plain tok/s | lookahead tok/s | decode speedup (min–max) | end-to-end | CPU time | α | τ "
           "| rounds with a guess | tokens/round | c | verify cost v | formula | formula, costed | match vs plain |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['kind']} | {r['prompt']} | {r['config']} | {r['plain_tps']:.1f} | {r['spec_tps']:.1f} | "
-              f"{r['speedup']:.2f}x ({r['speedup_min']:.2f}–{r['speedup_max']:.2f}) | {r['e2e_speedup']:.2f}x | "
+              f"{r['speedup']:.2f}x ({r['speedup_min']:.2f}–{r['speedup_max']:.2f}) | {r['e2e_speedup']:.2f}x | {r['cpu_speedup']:.2f}x | "
               f"{r['alpha']:.2f} | {r['tau']:.2f} | {r['guess_rate']:.2f} | {r['tokens_per_round']:.2f} | {r['c']:.3f} | "
               f"{r['verify_cost']:.2f} | {r['formula']:.2f}x | {r['formula_costed']:.2f}x | {r['match_vs_plain']:.2f} |")
     print()
@@ -163,7 +174,8 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
             sel = [r for r in rows if r["kind"] == kind and r["config"] == config]
             g = lambda f: statistics.geometric_mean([f(r) for r in sel])  # noqa: E731
             print(f"**{kind}, {config}** (geometric means): decode speedup {g(lambda r: r['speedup']):.2f}x, "
-                  f"end-to-end {g(lambda r: r['e2e_speedup']):.2f}x, formula {g(lambda r: r['formula']):.2f}x, "
+                  f"end-to-end {g(lambda r: r['e2e_speedup']):.2f}x, CPU time {g(lambda r: r['cpu_speedup']):.2f}x, "
+                  f"formula {g(lambda r: r['formula']):.2f}x, "
                   f"costed formula {g(lambda r: r['formula_costed']):.2f}x, verify cost v {g(lambda r: r['verify_cost']):.2f}")
 
 
