@@ -409,6 +409,7 @@ def plot(results: list[dict], configs: list[str], path: str) -> None:
         ax.set_title(title)
         ax.grid(alpha=0.3)
     axes[1].set_yscale("log")
+    axes[1].yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 3.0, 5.0)))
     axes[1].yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     axes[1].yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     axes[0].legend()
