@@ -17,6 +17,11 @@ CPU (roofline from a local profile, and the knee of the measured verify-cost cur
 the expected calibration error of the adaptive policy's per-position estimates, from the
 shared prior alone (before) and with each request's own counts (after).
 
+Configurations: none, ngram with each fixed γ of ``--gammas``, the engine's adaptive budget
+(γ ≤ ``--adaptive-gamma``) and "adaptive*", a prototype of proposed changes to
+engine/budget.py (`ProposedBudget` below; ``--no-proposed`` skips it). The budget policies
+are wrapped (`Recording`) and each verify pass timed; no engine code is changed.
+
     python benchmarks/bench_serving.py [--clients 1 4 16 32] [--max-tokens 64] [--gammas 2 4 8]
         [--threads 2] [--json out.json] [--plot docs/serving_throughput.png]
 """
