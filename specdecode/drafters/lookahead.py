@@ -18,7 +18,10 @@ also under sampling, so drafts stay deterministic functions of the history and
 verification stays lossless). For every column i the n-gram (level0[i], ...,
 level_{N-2}[i], O(N-2, i)) goes into the pool, keyed by its first token. Then the
 window shifts: levels 1..N-2 become levels 0..N-3 and O(N-2, ·) becomes level N-2. The
-first N-2 rounds only fill the window (their n-grams would still hold seed tokens).
+first N-2 rounds only fill the window: n-grams are collected once levels 1..N-2 hold
+outputs (level 0, the key, may still be a seed token, as in LADE). A round that
+accepts k guessed tokens moves the root k+1 positions; the window is kept as it is (its
+guesses then sit k positions early), since a fresh one would cost N-2 filling rounds.
 
 Seeding. The window starts as tokens drawn from the row's prompt by a generator seeded
 with 0 (LADE's choice; deterministic, and no row sees another's prompt). With
