@@ -106,7 +106,8 @@ class Engine:
         q = draft.q[:, :width] if draft.q is not None else None
         tokens = torch.cat([batch.last_tokens(), draft_tokens.clamp(min=0)], dim=1)  # [B, 1 + w]
         positions = cache.lengths[:, None] + torch.arange(1 + width, device=self.device)
-        logits = self.model(tokens, positions, cache, batch_invariant=self.batch_invariant)  # [B, 1 + w, V]
+        valid = torch.arange(1 + width, device=self.device)[None, :] <= num_draft[:, None]  # a row pays for its own drafts
+        logits = self.model(tokens, positions, cache, batch_invariant=self.batch_invariant, valid=valid)  # [B, 1 + w, V]
         if batch.all_greedy:
             out, num_accepted = greedy_verify(logits.argmax(dim=-1), draft_tokens)
         else:
@@ -122,12 +123,16 @@ class Engine:
         compacted in the cache, and the aux nodes' K/V dropped with the rejected nodes'."""
         tree, aux = draft.tree, draft.aux
         tokens, positions, mask = tree.tokens.clamp(min=0), tree.positions(cache.lengths), tree.mask
+        valid = tree.valid
         if aux is not None:
             B, N, A = tree.batch_size, tree.num_nodes, aux.tokens.shape[1]
             tokens = torch.cat([tokens, aux.tokens], dim=1)  # [B, N + A]
             positions = torch.cat([positions, cache.lengths[:, None] + aux.offsets], dim=1)
             mask = torch.cat([torch.cat([tree.mask, tree.mask.new_zeros(B, N, A)], dim=2), aux.mask], dim=1)
-        logits = self.model(tokens, positions, cache, block_mask=mask, batch_invariant=self.batch_invariant)
+            valid = torch.cat([valid, torch.ones_like(aux.tokens, dtype=torch.bool)], dim=1)
+        logits = self.model(
+            tokens, positions, cache, block_mask=mask, batch_invariant=self.batch_invariant, valid=valid
+        )
         aux_logits = None
         if aux is not None:
             logits, aux_logits = logits[:, : tree.num_nodes], logits[:, tree.num_nodes :]  # [B, N, V], [B, A, V]

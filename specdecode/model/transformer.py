@@ -185,9 +185,9 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None, step: _Step) -> Tensor:
         """``mask`` is [B, 1, G*T, S] (query rows folded, see Transformer._masks) or None (causal / T == 1)."""
-        B, T, _ = x.shape
+        B, T = step.slots.shape
         H, Hkv, G, D = self.heads, self.kv_heads, self.group, self.head_dim
-        qkv = self.qkv(x).view(B, T, H + 2 * Hkv, D)
+        qkv = step.unpack(self.qkv(x)).view(B, T, H + 2 * Hkv, D)
         v = qkv[:, :, H + Hkv :]
         if self.qk_norm:
             q, k = qkv[:, :, :H], qkv[:, :, H : H + Hkv]
@@ -205,7 +205,7 @@ class Attention(nn.Module):
             q = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
             out = out.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4)
-        return self.o(out.reshape(B, T, H * D))
+        return self.o(step.pack_rows(out.reshape(B, T, H * D)))
 
     def _attend_rowwise(self, q: Tensor, k: Tensor, v: Tensor, visible: list[list[Tensor | slice]]) -> Tensor:
         """One mask-free SDPA per query over exactly the keys it sees: the same computation
@@ -260,6 +260,21 @@ class _Step:
     # batch-invariant mode: per layer kind, the key slots each query (b, t) sees, in order
     # (a slice when they are contiguous, as for every chain: no gather)
     visible: dict[str, list[list[Tensor | slice]]] | None = None
+    # packed pass: flat indices (into B*T) of the real tokens; the linears see only them [N, H]
+    pack: Tensor | None = None
+
+    def unpack(self, x: Tensor) -> Tensor:
+        """[N, F] packed rows -> [B, T, F] with zeros at padding (identity when not packed)."""
+        if self.pack is None:
+            return x
+        B, T = self.slots.shape
+        full = x.new_zeros(B * T, x.shape[-1])
+        full[self.pack] = x
+        return full.view(B, T, -1)
+
+    def pack_rows(self, x: Tensor) -> Tensor:
+        """[B, T, F] -> [N, F], the real tokens only (identity when not packed)."""
+        return x if self.pack is None else x.reshape(-1, x.shape[-1])[self.pack]
 
 
 class Transformer(nn.Module):
@@ -292,6 +307,7 @@ class Transformer(nn.Module):
         logits_at: Tensor | None = None,
         hidden_layers: tuple[int, ...] = (),
         batch_invariant: bool = False,
+        valid: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, list[Tensor]]:
         """Logits [B, T or K, V] (fp32) for ``tokens`` [B, T] at RoPE ``positions`` [B, T].
 
@@ -304,13 +320,19 @@ class Transformer(nn.Module):
         ``batch_invariant`` runs attention one query at a time over exactly its visible
         keys, so a position's logits do not depend on what else is in the pass, as long
         as the linears are row-invariant too (our int4 CPU kernel is; bf16 GEMMs are not).
+        ``valid`` [B, T] bool marks the real tokens of a padded batch (rows drafting fewer
+        tokens than the widest): the linears and the LM head then run on the real tokens
+        only, so a row pays for its own draft length, not the batch's widest. Padding
+        still writes (zero) K/V past its row's length, and its logits come back as 0.
         """
         cfg = self.config
         B, T = tokens.shape
         kv_len = int(cache.lengths.max()) + T  # the one host sync of the pass
         slots = cache.lengths[:, None] + torch.arange(T, device=tokens.device)
         step = _Step(cache, slots, kv_len)
-        x = self.embed(tokens)
+        if valid is not None and B * T > 1 and not bool(valid.all()):
+            step.pack = valid.reshape(-1).nonzero()[:, 0]
+        x = step.pack_rows(self.embed(tokens))
         if cfg.embed_scale != 1.0:
             x = x * x.new_tensor(cfg.embed_scale)
         ropes = {kind: self._rope(kind, positions, x.dtype) for kind in set(cfg.layer_types)}
@@ -331,13 +353,15 @@ class Transformer(nn.Module):
         x = self.norm(x)
         hiddens[-1] = x
         if logits_at is not None:
-            x = x.gather(1, logits_at[:, :, None].expand(-1, -1, x.shape[-1]))
+            x = step.unpack(x).gather(1, logits_at[:, :, None].expand(-1, -1, x.shape[-1]))
         logits = self.lm_head(x).float()
         if cfg.final_logit_softcap is not None:
             logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
+        if logits_at is None:
+            logits = step.unpack(logits)  # packed: the LM head ran on the real tokens only
         if not hidden_layers:
             return logits
-        return logits, [hiddens[i] for i in hidden_layers]
+        return logits, [step.unpack(hiddens[i]) for i in hidden_layers]
 
     @staticmethod
     def _visible(mask: Tensor | None, lengths: Tensor, T: int) -> list[list[Tensor | slice]]:

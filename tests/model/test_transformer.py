@@ -194,3 +194,33 @@ def test_unsupported_configs_raise():
 
     with pytest.raises(SpecDecodeError, match="supported: llama"):
         ModelConfig.from_hf(GPT2Config())
+
+
+def test_packed_pass_equals_padded_pass(pair):
+    """Rows with fewer real tokens than the widest: with ``valid`` the linears run on the real
+    tokens only; the logits there, and what the cache keeps, equal the padded pass's."""
+    ours, _ = pair
+    prompts = [tokens_of(9, 3), tokens_of(5, 4), tokens_of(12, 5)]
+    draft_len = torch.tensor([4, 0, 2])  # real new tokens per row: 1 + draft
+    width = 5
+    new = torch.stack([tokens_of(width, 10 + b) for b in range(3)])
+    valid = torch.arange(width)[None, :] < (1 + draft_len)[:, None]
+    out = []
+    for packed in (False, True):
+        cache = ours.new_cache(3, 32)
+        for b, p in enumerate(prompts):  # ragged prefill, one row at a time through a sub-cache view
+            row = ours.new_cache(1, 32)
+            ours(p[None], torch.arange(len(p))[None], row)
+            cache.k[:, b], cache.v[:, b] = row.k[:, 0], row.v[:, 0]
+        cache.commit(torch.tensor([len(p) for p in prompts]))
+        positions = cache.lengths[:, None] + torch.arange(width)
+        with torch.no_grad():
+            logits = ours(new, positions, cache, valid=valid if packed else None)
+        cache.commit(1 + draft_len)
+        out.append((logits, cache))
+    (dense, c0), (packed, c1) = out
+    torch.testing.assert_close(packed[valid], dense[valid], atol=ATOL, rtol=0)
+    assert (packed[~valid] == 0).all()
+    for b in range(3):
+        n = int(c0.lengths[b])
+        torch.testing.assert_close(c1.k[:, b, :, :n], c0.k[:, b, :, :n], atol=ATOL, rtol=0)
