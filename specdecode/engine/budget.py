@@ -36,11 +36,14 @@ PRIOR_STRENGTH = 4.0  # pseudo-rounds of the shared estimate behind a request's 
 
 class BudgetPolicy(Protocol):
     def budgets(self, reqs: list[Any], limits: torch.Tensor, engine: ServingEngine) -> torch.Tensor:
-        """[B] draft tokens per running row this step, each in [0, limits[b]]."""
+        """[B] draft tokens per running row this step, each in [0, limits[b]] (limits: what the
+        drafter proposed, capped by each request's γ)."""
         ...
 
-    def observe(self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor) -> None:
-        """What the step's verification accepted, per row."""
+    def observe(
+        self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor, positions: int, seconds: float
+    ) -> None:
+        """What the step's verification accepted, per row, and what its target pass cost."""
         ...
 
 
@@ -57,17 +60,42 @@ class FixedBudget:
         share = max(0, (self.max_verify_tokens - len(reqs)) // max(1, len(reqs)))
         return limits.clamp(max=share)
 
-    def observe(self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor) -> None:
+    def observe(
+        self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor, positions: int, seconds: float
+    ) -> None:
         pass
 
 
 class VerifyCost:
-    """t(P): the measured time of one target pass over P positions, interpolated."""
+    """t(P): the measured time of one target pass over P positions, interpolated.
+
+    Timings are noisy (a shared CPU), and a curve that dips makes the planner stop early,
+    so the points are made non-decreasing (running max) before use.
+    """
 
     def __init__(self, points: list[tuple[int, float]]) -> None:
         if not points:
             raise ValueError("a verify-cost curve needs at least one point")
-        self.points = sorted(points)
+        pts, top = [], 0.0
+        for p, t in sorted(points):
+            top = max(top, t)
+            pts.append((p, top))
+        self.points = pts
+
+    @staticmethod
+    def fit_line(samples: list[tuple[int, float]]) -> VerifyCost | None:
+        """A least-squares line t = a + b·P through measured passes, as a curve; None if the
+        samples do not span two sizes or the fit is not an increasing positive line."""
+        if len({p for p, _ in samples}) < 2:
+            return None
+        P = torch.tensor([p for p, _ in samples], dtype=torch.float64)
+        T = torch.tensor([t for _, t in samples], dtype=torch.float64)
+        b = float(((P - P.mean()) * (T - T.mean())).sum() / ((P - P.mean()) ** 2).sum())
+        a = float(T.mean()) - b * float(P.mean())
+        if b < 0 or a <= 0:
+            return None
+        lo, hi = int(P.min()), int(P.max())
+        return VerifyCost([(lo, a + b * lo), (hi, a + b * hi)])
 
     def __call__(self, positions: int) -> float:
         pts = self.points
@@ -140,6 +168,7 @@ class AdaptiveBudget:
         self._raw: dict[str, torch.Tensor] = {}  # the raw confidences each row was budgeted with
         self.records: list[tuple[torch.Tensor, int, int]] = []  # (raw [γ], drafted, accepted)
         self._since_fit = 0
+        self.passes: list[tuple[int, float]] = []  # (positions, seconds) of the engine's passes
 
     def confidence(self, request_id: str) -> torch.Tensor:
         """[γ] raw c_k: the estimated chance draft token k survives given tokens 1..k-1 did."""
@@ -149,7 +178,7 @@ class AdaptiveBudget:
             return shared
         return (accepted + PRIOR_STRENGTH * shared) / (reached + PRIOR_STRENGTH)
 
-    def budgets(self, reqs: list[Any], limits: torch.Tensor, engine: "ServingEngine") -> torch.Tensor:
+    def budgets(self, reqs: list[Any], limits: torch.Tensor, engine: ServingEngine) -> torch.Tensor:
         B = len(reqs)
         cap = limits.tolist()
         self._raw = {r.request_id: self.confidence(r.request_id) for r in reqs}
@@ -171,7 +200,10 @@ class AdaptiveBudget:
                 heapq.heappush(heap, (-survival[b][out[b]], b))
         return torch.tensor(out, dtype=torch.long, device=limits.device)
 
-    def observe(self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor) -> None:
+    def observe(
+        self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor, positions: int, seconds: float
+    ) -> None:
+        self._observe_cost(positions, seconds)
         gamma = self.reached.numel()
         live = {r.request_id for r in reqs if r.seq.finish_reason is None}
         self.per_request = {k: v for k, v in self.per_request.items() if k in live}  # finished or cancelled
@@ -192,6 +224,14 @@ class AdaptiveBudget:
         if self._since_fit >= self.refit_every:
             self.sts = SequentialTemperatureScaling(gamma).fit(self.rounds())
             self._since_fit = 0
+
+    def _observe_cost(self, positions: int, seconds: float) -> None:
+        """Refit t(P) from the engine's own passes: they carry real batch sizes and contexts,
+        which the start-up curve (one row, an empty context) does not."""
+        self.passes.append((positions, seconds))
+        del self.passes[: -self.window]
+        if len(self.passes) >= 32 and len(self.passes) % 16 == 0:
+            self.cost = VerifyCost.fit_line(self.passes) or self.cost
 
     def rounds(self) -> Rounds:
         """The recorded rounds, as STS fits them."""

@@ -22,6 +22,7 @@ Nothing is failed for lack of blocks; a request that could never fit is refused 
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -281,16 +282,20 @@ class ServingEngine(Engine):
             return []
         reqs = list(self.running.values())
         draft: Draft | None = None
-        if self.drafter is not None:
-            limits = torch.tensor([r.gamma for r in reqs], device=self.device)
-            budgets = self.budget.budgets(reqs, limits, self)  # [B] per-row draft length, >= 0
-            if int(budgets.max()) > 0 or self.gamma == 0:
-                draft = apply_budgets(self.drafter.propose(self.batch, self.gamma), budgets)
+        if self.drafter is not None and any(r.gamma for r in reqs):
+            proposed = self.drafter.propose(self.batch, self.gamma)
+            # budget over what was actually proposed: a row that found nothing costs nothing
+            gammas = torch.tensor([r.gamma for r in reqs], device=self.device)
+            budgets = self.budget.budgets(reqs, torch.minimum(proposed.num_tokens, gammas), self)  # [B] >= 0
+            if int(budgets.max()) > 0 or proposed.aux is not None:
+                draft = apply_budgets(proposed, budgets)
+        start = time.perf_counter()
         out, num_accepted, num_draft, aux_logits = self._verify_round(self.batch, self.cache, draft)
+        seconds = time.perf_counter() - start
         step_events = self._append_tokens(self.batch, out, num_accepted, num_draft)
         if self.drafter is not None:
             self.drafter.on_verified(self.batch, num_accepted, aux_logits)
-        self.budget.observe(reqs, num_accepted, num_draft)
+        self.budget.observe(reqs, num_accepted, num_draft, len(reqs) + int(num_draft.sum()), seconds)
         events = [self._event(self.running[e.request_id], e.new_token_ids) for e in step_events]
         self._remove_running([r.request_id for r in reqs if r.seq.finish_reason is not None])
         return events

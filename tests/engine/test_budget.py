@@ -58,7 +58,7 @@ def test_adaptive_budget_shrinks_smoothly_with_load_and_never_switches_off():
     # teach it that position k survives with probability 0.8 (shared by all requests)
     for _ in range(200):
         reqs = [req("warm")]
-        policy.observe(reqs, torch.tensor([int(torch.rand(1) < 0.8)]), torch.tensor([1]))
+        policy.observe(reqs, torch.tensor([int(torch.rand(1) < 0.8)]), torch.tensor([1]), 2, 1.0)
     totals, per_row = [], []
     for B in (1, 2, 4, 8, 16, 32):
         budgets = policy.budgets([req(f"r{i}") for i in range(B)], torch.full((B,), 6), engine=None)
@@ -83,7 +83,7 @@ def test_confident_requests_get_more_of_a_tight_budget():
     policy = AdaptiveBudget(roofline(knee=8, slope=3.0), max_gamma=6)
     good, bad = req("good"), req("bad")
     for _ in range(30):
-        policy.observe([good, bad], torch.tensor([6, 0]), torch.tensor([6, 6]))
+        policy.observe([good, bad], torch.tensor([6, 0]), torch.tensor([6, 6]), 14, 1.0)
     budgets = policy.budgets([good, bad], torch.tensor([6, 6]), engine=None).tolist()
     assert budgets[0] > budgets[1]
 
@@ -92,7 +92,7 @@ def test_budget_can_be_zero_per_request():
     policy = AdaptiveBudget(roofline(knee=1, slope=0.5), max_gamma=4)
     hopeless = req("hopeless")
     for _ in range(50):
-        policy.observe([hopeless], torch.tensor([0]), torch.tensor([4]))
+        policy.observe([hopeless], torch.tensor([0]), torch.tensor([4]), 5, 1.0)
     assert policy.budgets([hopeless], torch.tensor([4]), engine=None).tolist() == [0]
 
 
@@ -140,8 +140,21 @@ def test_adaptive_policy_records_rounds_and_reports_calibration():
         reqs = [req(f"r{step % 3}"), req("steady")]
         budgets = policy.budgets(reqs, torch.tensor([4, 4]), engine=None)
         accepted = torch.tensor([int(torch.randint(0, 5, (1,), generator=g)), 4]).minimum(budgets)
-        policy.observe(reqs, accepted, budgets)
+        policy.observe(reqs, accepted, budgets, 2 + int(budgets.sum()), 1.0)
     assert len(policy.records) == 160
     before, after = policy.calibration_error()
     assert 0 <= after <= 1 and 0 <= before <= 1
     assert policy.confidence("steady")[0] > policy.confidence("r0")[0]
+
+
+def test_cost_curve_is_monotone_and_refits_from_real_passes():
+    noisy = VerifyCost([(1, 0.115), (2, 0.089), (4, 0.133), (8, 0.084), (16, 0.2)])
+    assert [t for _, t in noisy.points] == [0.115, 0.115, 0.133, 0.133, 0.2]  # a dip cannot stop the planner
+    line = VerifyCost.fit_line([(p, 0.05 + 0.002 * p) for p in (10, 20, 40, 80)])
+    assert line(30) == pytest.approx(0.11) and line(160) == pytest.approx(0.37)
+    assert VerifyCost.fit_line([(10, 1.0), (10, 2.0)]) is None  # one size: no slope to fit
+    policy = AdaptiveBudget(roofline(knee=64), max_gamma=4)
+    for i in range(32):
+        P = 8 + i
+        policy.observe([req("a")], torch.tensor([0]), torch.tensor([0]), P, 0.05 + 0.002 * P)
+    assert policy.cost(100) == pytest.approx(0.25)  # now the engine's own passes price a step
