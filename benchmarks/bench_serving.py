@@ -11,16 +11,15 @@ are interleaved within each load so they share the machine's noise.
 Per configuration and load it reports output throughput (output tokens / wall time of the
 load), per-user speed (mean over requests of output tokens / (finish − submit), and of
 decode tokens / (finish − first token)), τ, α, the policy's mean budget per row, what the
-drafter actually proposed per row, and the positions each verify pass computed (rows ×
-(1 + widest draft): rows are padded to the widest). Also: the B·(γ+1) threshold of this
+drafter actually proposed per row, and the positions each verify pass computed (rows +
+their drafts: the pass runs its linears on real tokens only). Also: the B·(γ+1) threshold of this
 CPU (roofline from a local profile, and the knee of the measured verify-cost curve), and
 the expected calibration error of the adaptive policy's per-position estimates, from the
 shared prior alone (before) and with each request's own counts (after).
 
-Configurations: none, ngram with each fixed γ of ``--gammas``, the engine's adaptive budget
-(γ ≤ ``--adaptive-gamma``) and "adaptive*", a prototype of proposed changes to
-engine/budget.py (`ProposedBudget` below; ``--no-proposed`` skips it). The budget policies
-are wrapped (`Recording`) and each verify pass timed; no engine code is changed.
+Configurations: none, ngram with each fixed γ of ``--gammas``, and the engine's adaptive
+budget (γ ≤ ``--adaptive-gamma``). The budget policies are wrapped (`Recording`), which
+also receives each verify pass's positions and time from the engine.
 
     python benchmarks/bench_serving.py [--clients 1 4 16 32] [--max-tokens 64] [--gammas 2 4 8]
         [--threads 2] [--json out.json] [--plot docs/serving_throughput.png]
@@ -32,7 +31,6 @@ import argparse
 import json
 import statistics
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,7 +74,7 @@ class StepRecord:
     rows: int
     budget: int  # Σ of the policy's per-row budgets (before the drafter)
     drafted: int  # Σ of the draft tokens actually verified
-    width: int  # widest row's draft: the pass computes rows · (1 + width) positions
+    width: int  # widest row's draft (the pass runs rows + their drafts through the linears)
     accepted: int
 
 
@@ -101,7 +99,7 @@ class Recording:
         self.inner = inner
         self.steps: list[StepRecord] = []
         self.calib = Calibration()
-        self.passes: list[tuple[int, int, float]] = []  # each verify pass: rows, widest draft, seconds
+        self.passes: list[tuple[int, float]] = []  # each verify pass: positions, seconds
         self._budgets: list[int] = []
         self._planned: dict[str, tuple[list[float], list[float]]] = {}
 
@@ -113,7 +111,8 @@ class Recording:
         self._budgets = out.tolist()
         return out
 
-    def observe(self, reqs, num_accepted, num_draft):
+    def observe(self, reqs, num_accepted, num_draft, seconds, draft_seconds):
+        self.passes.append((len(reqs) + int(num_draft.sum()), seconds))
         acc, drafted = num_accepted.tolist(), num_draft.tolist()
         budget = sum(self._budgets) if len(self._budgets) == len(reqs) else 0
         self.steps.append(StepRecord(len(reqs), budget, sum(drafted), max(drafted, default=0), sum(acc)))
@@ -136,7 +135,7 @@ class Recording:
                     if k <= a:  # position k+1 was reached: tokens 1..k were accepted
                         pairs_c.append((conf[k], int(k < a)))
         self._planned, self._budgets = {}, []
-        self.inner.observe(reqs, num_accepted, num_draft)
+        self.inner.observe(reqs, num_accepted, num_draft, seconds, draft_seconds)
 
 
 def ece(pairs: list[tuple[float, int]], bins: int = 10) -> float:
@@ -148,68 +147,6 @@ def ece(pairs: list[tuple[float, int]], bins: int = 10) -> float:
         groups.setdefault(min(int(p * bins), bins - 1), []).append((p, y))
     return sum(len(g) * abs(statistics.fmean(p for p, _ in g) - statistics.fmean(y for _, y in g))
                for g in groups.values()) / len(pairs)  # fmt: skip
-
-
-# ---- a prototype of the proposed budget policy ----------------------------------------
-
-
-class ProposedBudget(AdaptiveBudget):
-    """`AdaptiveBudget` with four changes, proposed for engine/budget.py (config "adaptive*"):
-
-    1. Padding. The verify pass computes rows × (1 + widest draft) positions, so what a step
-       costs is set by its widest row. The step picks one width w maximising
-       (B + Σ_b Σ_{k ≤ min(w, γ_b)} s_b,k) / t(B · (1 + w)), and every row gets min(w, γ_b):
-       a narrower row would save nothing.
-    2. Cost. t(P) is the least-squares line a + m·P through the measured points, so one noisy
-       point of the curve cannot make a wider pass look cheaper than a narrower one.
-    3. Online cost. The line is refitted each step through the start-up curve's points and the
-       last ``window`` verify passes the engine really ran (rows · (1 + width), seconds), so a
-       start-up measurement taken while the machine was busy (or idle) heals as load changes.
-    4. No draft. A row given a budget whose drafter proposed nothing counts as rejected at
-       position 1, so c_1 includes the drafter's chance of having a draft at all.
-    """
-
-    def __init__(self, cost: VerifyCost, max_gamma: int, max_verify_tokens: int | None = None, window: int = 256):
-        super().__init__(cost, max_gamma, max_verify_tokens)
-        self.line = fit_line(cost)
-        self.seen: deque[tuple[int, float]] = deque(maxlen=window)
-        self._given: dict[str, int] = {}
-
-    def record_pass(self, positions: int, seconds: float) -> None:
-        self.seen.append((positions, seconds))
-
-    def step_cost(self, positions: int) -> float:
-        a, m = self.line
-        return a + m * positions
-
-    def budgets(self, reqs, limits, engine):
-        B, cap = len(reqs), limits.tolist()
-        if self.seen:
-            self.line = fit_points(self.cost.points + list(self.seen))
-        survival = [torch.cumprod(self.confidence(r.request_id), 0).tolist() for r in reqs]
-        expected = float(B)
-        best_w, best_rate = 0, expected / self.step_cost(B)
-        for w in range(1, max(cap, default=0) + 1):
-            if self.max_verify_tokens is not None and B * (1 + w) > self.max_verify_tokens:
-                break
-            expected += sum(s[w - 1] for s, c in zip(survival, cap) if w <= c)
-            rate = expected / self.step_cost(B * (1 + w))
-            if rate > best_rate:
-                best_w, best_rate = w, rate
-        out = [min(best_w, c) for c in cap]
-        self._given = {r.request_id: b for r, b in zip(reqs, out)}
-        return torch.tensor(out, dtype=torch.long, device=limits.device)
-
-    def observe(self, reqs, num_accepted, num_draft):
-        super().observe(reqs, num_accepted, num_draft)
-        gamma = self.reached.numel()
-        for req, d in zip(reqs, num_draft.tolist()):
-            if d == 0 and self._given.get(req.request_id, 0) > 0:
-                self.reached[0] += 1
-                if req.seq.finish_reason is None:
-                    mine = self.per_request.setdefault(req.request_id, (torch.zeros(gamma), torch.zeros(gamma)))
-                    mine[0][0] += 1
-        self._given = {}
 
 
 # ---- the load generator ----------------------------------------------------------------
@@ -260,32 +197,16 @@ def run_load(engine: ServingEngine, mix, clients: int, num_requests: int, max_to
         "alpha": accepted / draft_tokens if draft_tokens else 0.0,
         "budget_per_row": sum(s.budget for s in steps) / max(rows, 1),
         "drafted_per_row": sum(s.drafted for s in steps) / max(rows, 1),
-        "positions_per_step": statistics.fmean(s.rows * (1 + s.width) for s in steps) if steps else 0.0,
+        "positions_per_step": statistics.fmean(s.rows + s.drafted for s in steps) if steps else 0.0,
         "rows_per_step": rows / max(len(steps), 1),
         "decode_steps": len(steps),
-        "pass_ms": 1e3 * statistics.fmean(t for _, _, t in passes) if passes else 0.0,
-        "pass_share": sum(t for _, _, t in passes) / wall,  # of the wall time, in verify passes
-        "passes": [(b, w, t) for b, w, t in passes],
+        "pass_ms": 1e3 * statistics.fmean(t for _, t in passes) if passes else 0.0,
+        "pass_share": sum(t for _, t in passes) / wall,  # of the wall time, in verify passes
+        "passes": list(passes),
     }
 
 
 # ---- the verify cost on this CPU -----------------------------------------------------------
-
-
-def time_passes(engine: ServingEngine, rec: Recording) -> None:
-    """Record each verify pass of the engine (rows, widest draft, seconds): what a step really costs."""
-    inner = engine._verify_round
-
-    def timed(batch, cache, draft):
-        t0 = time.perf_counter()
-        out = inner(batch, cache, draft)
-        rows, width, seconds = len(batch), int(out[2].max()) if len(batch) else 0, time.perf_counter() - t0
-        rec.passes.append((rows, width, seconds))
-        if isinstance(rec.inner, ProposedBudget):
-            rec.inner.record_pass(rows * (1 + width), seconds)
-        return out
-
-    engine._verify_round = timed
 
 
 def fit_line(curve: VerifyCost) -> tuple[float, float]:
@@ -375,12 +296,12 @@ def print_results(
           f"{threshold['weight_read_ms']:.1f} ms weight read); knee of the measured verify-cost curve "
           f"{threshold['curve_knee']:.1f} positions (fit t(P) = {threshold['fit_ms'][0]:.1f} ms + "
           f"{threshold['fit_ms'][1]:.2f} ms·P)")  # fmt: skip
-    passes = [(b * (1 + w), t) for r in results for b, w, t in r["passes"]]
+    passes = [(p, t) for r in results for p, t in r["passes"]]
     if len(passes) > 1:
         a, m = fit_points(passes)
         print(
             f"verify passes of the run ({len(passes)}, all configs and loads), least squares: t = {a * 1e3:.1f} ms + "
-            f"{m * 1e3:.2f} ms · rows·(1 + widest draft); knee {a / m if m > 0 else float('inf'):.1f} positions"
+            f"{m * 1e3:.2f} ms · positions; knee {a / m if m > 0 else float('inf'):.1f} positions"
         )
     print("verify-cost curve (positions in one row: ms): "
           + ", ".join(f"{p}: {t:.1f}" for p, t in threshold["curve_ms"]))  # fmt: skip
@@ -439,8 +360,6 @@ def main() -> None:
     ap.add_argument("--adaptive-gamma", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--no-proposed", dest="proposed", action="store_false",
-                    help="skip the prototype of the proposed budget policy (config adaptive*)")  # fmt: skip
     ap.add_argument("--json", default=None, help="also write the raw results here")
     ap.add_argument("--plot", default=None, help="write the throughput / per-user plot (PNG) here")
     args = ap.parse_args()
@@ -458,13 +377,8 @@ def main() -> None:
         engines[name] = engine
     adaptive: AdaptiveBudget = engines["adaptive"].budget  # its verify-cost curve was measured just now
     print("adaptive verify-cost curve (ms):", [(p, round(t * 1e3, 1)) for p, t in adaptive.cost.points], flush=True)
-    if args.proposed:  # the prototype plans with the same measured curve
-        engines["adaptive*"] = ServingEngine(model, SpecConfig.parse(specs["adaptive"]), max_model_len=args.max_model_len,
-                                             max_num_seqs=max(args.clients), budget=ProposedBudget(
-                                                 adaptive.cost, args.adaptive_gamma))  # fmt: skip
     for engine in engines.values():
         engine.budget = Recording(engine.budget)
-        time_passes(engine, engine.budget)
         run_load(engine, mix, clients=2, num_requests=2, max_tokens=8)  # warm-up, untimed
         engine.budget.steps, engine.budget.passes, engine.budget.calib = (
             [],

@@ -41,9 +41,10 @@ class BudgetPolicy(Protocol):
         ...
 
     def observe(
-        self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor, positions: int, seconds: float
+        self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor, seconds: float, draft_seconds: float
     ) -> None:
-        """What the step's verification accepted, per row, and what its target pass cost."""
+        """What the step's verification accepted, per row, how long its target pass took, and how
+        long proposing took (0 when the step did not draft)."""
         ...
 
 
@@ -61,7 +62,7 @@ class FixedBudget:
         return limits.clamp(max=share)
 
     def observe(
-        self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor, positions: int, seconds: float
+        self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor, seconds: float, draft_seconds: float
     ) -> None:
         pass
 
@@ -168,7 +169,10 @@ class AdaptiveBudget:
         self._raw: dict[str, torch.Tensor] = {}  # the raw confidences each row was budgeted with
         self.records: list[tuple[torch.Tensor, int, int]] = []  # (raw [γ], drafted, accepted)
         self._since_fit = 0
-        self.passes: list[tuple[int, float]] = []  # (positions, seconds) of the engine's passes
+        self.passes: list[tuple[int, int, float]] = []  # the engine's passes: positions, padded positions, seconds
+        # seconds per padded position, B·(1 + widest draft): attention runs on the padded batch
+        self.padding_cost = 0.0
+        self.draft_cost = 0.0  # seconds a step spends proposing (the drafter's c, per step)
 
     def confidence(self, request_id: str) -> torch.Tensor:
         """[γ] raw c_k: the estimated chance draft token k survives given tokens 1..k-1 did."""
@@ -183,27 +187,45 @@ class AdaptiveBudget:
         cap = limits.tolist()
         self._raw = {r.request_id: self.confidence(r.request_id) for r in reqs}
         survival = [torch.cumprod(self.sts(self._raw[r.request_id]), 0).tolist() for r in reqs]
-        out = [0] * B
-        positions, expected = B, float(B)  # every row verifies its root and gains one token
+        # Attention pads every row to the widest draft, so the widest draft is chosen first:
+        # for each width w, fill positions of depth <= w most-likely-first while they pay,
+        # then keep the width whose step yields the most expected tokens per second.
+        best_rate, out = -1.0, [0] * B
+        for w in range(0, max(cap, default=0) + 1):
+            drafting = self.draft_cost if w else 0.0  # a step that drafts nothing skips proposing
+            budgets, rate = self._fill(survival, [min(c, w) for c in cap], w, drafting)
+            if rate > best_rate:
+                best_rate, out = rate, budgets
+        return torch.tensor(out, dtype=torch.long, device=limits.device)
+
+    def _fill(
+        self, survival: list[list[float]], cap: list[int], width: int, drafting: float
+    ) -> tuple[list[int], float]:
+        """Budgets of at most ``cap[b]``, added in order of survival while each pays for its time
+        in a pass padded to ``width`` (plus ``drafting`` seconds); and the step's tokens per second."""
+        B = len(survival)
+        padded = self.padding_cost * B * (1 + width) + drafting
+        out, positions, expected = [0] * B, B, float(B)  # every row verifies its root and gains one token
         heap = [(-survival[b][0], b) for b in range(B) if cap[b] > 0]
         heapq.heapify(heap)
         limit = self.max_verify_tokens
         while heap and (limit is None or positions < limit):
             neg_s, b = heapq.heappop(heap)
             gain = -neg_s
-            if (expected + gain) / self.cost(positions + 1) < expected / self.cost(positions):
+            if (expected + gain) / (self.cost(positions + 1) + padded) < expected / (self.cost(positions) + padded):
                 break  # the most likely remaining position no longer pays for its time
-            out[b] += 1
-            positions += 1
-            expected += gain
+            out[b], positions, expected = out[b] + 1, positions + 1, expected + gain
             if out[b] < cap[b]:
                 heapq.heappush(heap, (-survival[b][out[b]], b))
-        return torch.tensor(out, dtype=torch.long, device=limits.device)
+        widest = max(out, default=0)
+        return out, expected / (self.cost(positions) + self.padding_cost * B * (1 + widest) + drafting)
 
     def observe(
-        self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor, positions: int, seconds: float
+        self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor, seconds: float, draft_seconds: float
     ) -> None:
-        self._observe_cost(positions, seconds)
+        self._observe_cost(len(reqs), num_draft.tolist(), seconds)
+        if draft_seconds > 0:  # a running mean of what proposing costs a step
+            self.draft_cost = draft_seconds if self.draft_cost == 0 else 0.9 * self.draft_cost + 0.1 * draft_seconds
         gamma = self.reached.numel()
         live = {r.request_id for r in reqs if r.seq.finish_reason is None}
         self.per_request = {k: v for k, v in self.per_request.items() if k in live}  # finished or cancelled
@@ -225,13 +247,25 @@ class AdaptiveBudget:
             self.sts = SequentialTemperatureScaling(gamma).fit(self.rounds())
             self._since_fit = 0
 
-    def _observe_cost(self, positions: int, seconds: float) -> None:
-        """Refit t(P) from the engine's own passes: they carry real batch sizes and contexts,
-        which the start-up curve (one row, an empty context) does not."""
-        self.passes.append((positions, seconds))
+    def _observe_cost(self, rows: int, num_draft: list[int], seconds: float) -> None:
+        """Refit the step time from the engine's own passes, which carry real batch sizes and
+        contexts (the start-up curve has one row and an empty context): t = a + b·P + c·Q,
+        P the real positions (linears) and Q = rows · (1 + widest draft) the padded ones
+        (attention). Falls back to a line in P while Q's share cannot be told apart."""
+        positions, padded = rows + sum(num_draft), rows * (1 + max(num_draft, default=0))
+        self.passes.append((positions, padded, seconds))
         del self.passes[: -self.window]
-        if len(self.passes) >= 32 and len(self.passes) % 16 == 0:
-            self.cost = VerifyCost.fit_line(self.passes) or self.cost
+        if len(self.passes) < 32 or len(self.passes) % 16:
+            return
+        X = torch.tensor([[1.0, p, q] for p, q, _ in self.passes], dtype=torch.float64)
+        y = torch.tensor([t for _, _, t in self.passes], dtype=torch.float64)
+        a, b, c = torch.linalg.lstsq(X, y[:, None]).solution[:, 0].tolist()
+        if a > 0 and b >= 0 and c >= 0 and torch.linalg.matrix_rank(X) == 3:
+            lo, hi = min(p for p, _, _ in self.passes), max(p for p, _, _ in self.passes)
+            self.cost, self.padding_cost = VerifyCost([(lo, a + b * lo), (max(hi, lo + 1), a + b * max(hi, lo + 1))]), c
+        else:
+            self.cost = VerifyCost.fit_line([(p, t) for p, _, t in self.passes]) or self.cost
+            self.padding_cost = 0.0
 
     def rounds(self) -> Rounds:
         """The recorded rounds, as STS fits them."""

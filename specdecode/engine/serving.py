@@ -282,10 +282,14 @@ class ServingEngine(Engine):
             return []
         reqs = list(self.running.values())
         draft: Draft | None = None
-        if self.drafter is not None and any(r.gamma for r in reqs):
+        draft_seconds = 0.0
+        gammas = torch.tensor([r.gamma for r in reqs], device=self.device)
+        # Propose only if the budget would use drafts at all, were every row to find its γ.
+        if self.drafter is not None and int(self.budget.budgets(reqs, gammas, self).max()) > 0:
+            start = time.perf_counter()
             proposed = self.drafter.propose(self.batch, self.gamma)
+            draft_seconds = time.perf_counter() - start
             # budget over what was actually proposed: a row that found nothing costs nothing
-            gammas = torch.tensor([r.gamma for r in reqs], device=self.device)
             budgets = self.budget.budgets(reqs, torch.minimum(proposed.num_tokens, gammas), self)  # [B] >= 0
             if int(budgets.max()) > 0 or proposed.aux is not None:
                 draft = apply_budgets(proposed, budgets)
@@ -295,7 +299,7 @@ class ServingEngine(Engine):
         step_events = self._append_tokens(self.batch, out, num_accepted, num_draft)
         if self.drafter is not None:
             self.drafter.on_verified(self.batch, num_accepted, aux_logits)
-        self.budget.observe(reqs, num_accepted, num_draft, len(reqs) + int(num_draft.sum()), seconds)
+        self.budget.observe(reqs, num_accepted, num_draft, seconds, draft_seconds)
         events = [self._event(self.running[e.request_id], e.new_token_ids) for e in step_events]
         self._remove_running([r.request_id for r in reqs if r.seq.finish_reason is not None])
         return events

@@ -58,7 +58,7 @@ def test_adaptive_budget_shrinks_smoothly_with_load_and_never_switches_off():
     # teach it that position k survives with probability 0.8 (shared by all requests)
     for _ in range(200):
         reqs = [req("warm")]
-        policy.observe(reqs, torch.tensor([int(torch.rand(1) < 0.8)]), torch.tensor([1]), 2, 1.0)
+        policy.observe(reqs, torch.tensor([int(torch.rand(1) < 0.8)]), torch.tensor([1]), 1.0, 0.0)
     totals, per_row = [], []
     for B in (1, 2, 4, 8, 16, 32):
         budgets = policy.budgets([req(f"r{i}") for i in range(B)], torch.full((B,), 6), engine=None)
@@ -83,7 +83,7 @@ def test_confident_requests_get_more_of_a_tight_budget():
     policy = AdaptiveBudget(roofline(knee=8, slope=3.0), max_gamma=6)
     good, bad = req("good"), req("bad")
     for _ in range(30):
-        policy.observe([good, bad], torch.tensor([6, 0]), torch.tensor([6, 6]), 14, 1.0)
+        policy.observe([good, bad], torch.tensor([6, 0]), torch.tensor([6, 6]), 1.0, 0.0)
     budgets = policy.budgets([good, bad], torch.tensor([6, 6]), engine=None).tolist()
     assert budgets[0] > budgets[1]
 
@@ -92,7 +92,7 @@ def test_budget_can_be_zero_per_request():
     policy = AdaptiveBudget(roofline(knee=1, slope=0.5), max_gamma=4)
     hopeless = req("hopeless")
     for _ in range(50):
-        policy.observe([hopeless], torch.tensor([0]), torch.tensor([4]), 5, 1.0)
+        policy.observe([hopeless], torch.tensor([0]), torch.tensor([4]), 1.0, 0.0)
     assert policy.budgets([hopeless], torch.tensor([4]), engine=None).tolist() == [0]
 
 
@@ -140,7 +140,7 @@ def test_adaptive_policy_records_rounds_and_reports_calibration():
         reqs = [req(f"r{step % 3}"), req("steady")]
         budgets = policy.budgets(reqs, torch.tensor([4, 4]), engine=None)
         accepted = torch.tensor([int(torch.randint(0, 5, (1,), generator=g)), 4]).minimum(budgets)
-        policy.observe(reqs, accepted, budgets, 2 + int(budgets.sum()), 1.0)
+        policy.observe(reqs, accepted, budgets, 1.0, 0.0)
     assert len(policy.records) == 160
     before, after = policy.calibration_error()
     assert 0 <= after <= 1 and 0 <= before <= 1
@@ -154,7 +154,33 @@ def test_cost_curve_is_monotone_and_refits_from_real_passes():
     assert line(30) == pytest.approx(0.11) and line(160) == pytest.approx(0.37)
     assert VerifyCost.fit_line([(10, 1.0), (10, 2.0)]) is None  # one size: no slope to fit
     policy = AdaptiveBudget(roofline(knee=64), max_gamma=4)
-    for i in range(32):
-        P = 8 + i
-        policy.observe([req("a")], torch.tensor([0]), torch.tensor([0]), P, 0.05 + 0.002 * P)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(32):  # passes of 2-8 rows with random drafts: t = 50 ms + 2 ms·P + 1 ms·rows·(1 + widest)
+        rows = int(torch.randint(2, 9, (1,), generator=g))
+        drafts = torch.randint(0, 5, (rows,), generator=g)
+        P, Q = rows + int(drafts.sum()), rows * (1 + int(drafts.max()))
+        policy.observe([req(f"x{i}") for i in range(rows)], torch.zeros(rows, dtype=torch.long), drafts,
+                       0.05 + 0.002 * P + 0.001 * Q, 0.0)  # fmt: skip
     assert policy.cost(100) == pytest.approx(0.25)  # now the engine's own passes price a step
+    assert policy.padding_cost == pytest.approx(0.001)
+
+
+def test_adaptive_budget_keeps_a_busy_batch_narrow_when_padding_costs():
+    """Attention pads every row to the widest draft: one deep row makes the whole batch pay."""
+    policy = AdaptiveBudget(VerifyCost([(1, 0.05), (200, 0.05 + 0.001 * 199)]), max_gamma=8)
+    policy.reached, policy.accepted = torch.full((8,), 100.0), torch.full((8,), 90.0)  # every token survives 90%
+    reqs = [req(f"r{i}") for i in range(32)]
+    wide = policy.budgets(reqs, torch.full((32,), 8), engine=None)
+    policy.padding_cost = 0.0005
+    narrow = policy.budgets(reqs, torch.full((32,), 8), engine=None)
+    assert narrow.max() < wide.max() and narrow.sum() > 0
+
+
+def test_drafting_overhead_is_paid_only_when_it_pays():
+    policy = AdaptiveBudget(VerifyCost([(1, 0.05), (200, 0.05 + 0.001 * 199)]), max_gamma=4)
+    policy.reached, policy.accepted = torch.full((4,), 100.0), torch.full((4,), 60.0)  # 60% survive
+    reqs = [req(f"r{i}") for i in range(32)]
+    assert policy.budgets(reqs, torch.full((32,), 4), engine=None).sum() > 0
+    policy.observe(reqs, torch.zeros(32, dtype=torch.long), torch.zeros(32, dtype=torch.long), 0.08, 0.02)
+    assert policy.draft_cost == 0.02
+    assert policy.budgets(reqs, torch.full((32,), 4), engine=None).sum() == 0  # 20 ms of drafting is not worth it
