@@ -18,7 +18,6 @@ request, down to 0; speculation is never switched off wholesale.
 
 from __future__ import annotations
 
-import heapq
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -163,7 +162,7 @@ class AdaptiveBudget:
         # shared counts by position: rounds that reached position k, and accepted it (Laplace prior)
         self.reached = torch.ones(max_gamma)
         self.accepted = torch.full((max_gamma,), 0.5)
-        self.per_request: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.per_request: dict[str, tuple[list[float], list[float]]] = {}  # reached, accepted by position
         self.sts = SequentialTemperatureScaling(max_gamma)
         self.refit_every, self.window = refit_every, window
         self._raw: dict[str, torch.Tensor] = {}  # the raw confidences each row was budgeted with
@@ -176,47 +175,57 @@ class AdaptiveBudget:
 
     def confidence(self, request_id: str) -> torch.Tensor:
         """[γ] raw c_k: the estimated chance draft token k survives given tokens 1..k-1 did."""
+        return self.confidences([request_id])[0]
+
+    def confidences(self, request_ids: list[str]) -> torch.Tensor:
+        """[B, γ] raw c_k for several requests at once: each one's counts shrunk to the shared."""
+        gamma = self.reached.numel()
+        zeros = [0.0] * gamma
+        mine = [self.per_request.get(r, (zeros, zeros)) for r in request_ids]
+        reached = torch.tensor([m[0] for m in mine])  # [B, γ]
+        accepted = torch.tensor([m[1] for m in mine])
         shared = self.accepted / self.reached
-        reached, accepted = self.per_request.get(request_id, (None, None))
-        if reached is None:
-            return shared
         return (accepted + PRIOR_STRENGTH * shared) / (reached + PRIOR_STRENGTH)
 
     def budgets(self, reqs: list[Any], limits: torch.Tensor, engine: ServingEngine) -> torch.Tensor:
         B = len(reqs)
         cap = limits.tolist()
-        self._raw = {r.request_id: self.confidence(r.request_id) for r in reqs}
-        survival = [torch.cumprod(self.sts(self._raw[r.request_id]), 0).tolist() for r in reqs]
+        raw = self.confidences([r.request_id for r in reqs])  # [B, γ]
+        self._raw = {r.request_id: raw[b] for b, r in enumerate(reqs)}
+        survival = torch.cumprod(self.sts(raw), dim=1).tolist()
+        # Candidate positions (row b's k-th draft token), most likely to survive first; survival
+        # falls with k, so a row's positions come in order.
+        ranked = sorted(
+            ((survival[b][k - 1], k, b) for b in range(B) for k in range(1, cap[b] + 1)), key=lambda c: (-c[0], c[1])
+        )
         # Attention pads every row to the widest draft, so the widest draft is chosen first:
-        # for each width w, fill positions of depth <= w most-likely-first while they pay,
-        # then keep the width whose step yields the most expected tokens per second.
+        # for each width w, take positions of depth <= w in that order while they pay, then
+        # keep the width whose step yields the most expected tokens per second.
         best_rate, out = -1.0, [0] * B
         for w in range(0, max(cap, default=0) + 1):
             drafting = self.draft_cost if w else 0.0  # a step that drafts nothing skips proposing
-            budgets, rate = self._fill(survival, [min(c, w) for c in cap], w, drafting)
+            budgets, rate = self._fill(ranked, B, w, drafting)
             if rate > best_rate:
                 best_rate, out = rate, budgets
         return torch.tensor(out, dtype=torch.long, device=limits.device)
 
     def _fill(
-        self, survival: list[list[float]], cap: list[int], width: int, drafting: float
+        self, ranked: list[tuple[float, int, int]], B: int, width: int, drafting: float
     ) -> tuple[list[int], float]:
-        """Budgets of at most ``cap[b]``, added in order of survival while each pays for its time
-        in a pass padded to ``width`` (plus ``drafting`` seconds); and the step's tokens per second."""
-        B = len(survival)
-        padded = self.padding_cost * B * (1 + width) + drafting
+        """Budgets from ``ranked`` (survival, depth, row) positions of depth <= ``width``, taken
+        while each pays for its time in a pass padded to ``width`` (plus ``drafting`` seconds);
+        and the step's expected tokens per second."""
+        fixed = self.padding_cost * B * (1 + width) + drafting
         out, positions, expected = [0] * B, B, float(B)  # every row verifies its root and gains one token
-        heap = [(-survival[b][0], b) for b in range(B) if cap[b] > 0]
-        heapq.heapify(heap)
         limit = self.max_verify_tokens
-        while heap and (limit is None or positions < limit):
-            neg_s, b = heapq.heappop(heap)
-            gain = -neg_s
-            if (expected + gain) / (self.cost(positions + 1) + padded) < expected / (self.cost(positions) + padded):
+        for s, k, b in ranked:
+            if limit is not None and positions >= limit:
+                break
+            if k > width or k != out[b] + 1:
+                continue
+            if (expected + s) / (self.cost(positions + 1) + fixed) < expected / (self.cost(positions) + fixed):
                 break  # the most likely remaining position no longer pays for its time
-            out[b], positions, expected = out[b] + 1, positions + 1, expected + gain
-            if out[b] < cap[b]:
-                heapq.heappush(heap, (-survival[b][out[b]], b))
+            out[b], positions, expected = k, positions + 1, expected + s
         widest = max(out, default=0)
         return out, expected / (self.cost(positions) + self.padding_cost * B * (1 + widest) + drafting)
 
@@ -237,9 +246,11 @@ class AdaptiveBudget:
                 self._since_fit += 1
             reached_k = min(a + 1, d)  # positions 1..a were accepted; a+1 was tried and rejected
             if req.seq.finish_reason is None:
-                mine = self.per_request.setdefault(req.request_id, (torch.zeros(gamma), torch.zeros(gamma)))
-                mine[0][:reached_k] += 1
-                mine[1][:a] += 1
+                reached, accepted = self.per_request.setdefault(req.request_id, ([0.0] * gamma, [0.0] * gamma))
+                for k in range(reached_k):
+                    reached[k] += 1
+                for k in range(a):
+                    accepted[k] += 1
             self.reached[:reached_k] += 1
             self.accepted[:a] += 1
         del self.records[: -self.window]
