@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -62,14 +62,13 @@ class EngineStats:
     kv_blocks_total: int
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: queues find and remove it by identity
 class _Request:
     request_id: str
     seq: Sequence
     gamma: int  # the most draft tokens per round this request may verify
     arrival: int
     cached: int = 0  # tokens whose K/V are in the target cache (prefill progress)
-    events: list[int] = field(default_factory=list)
 
     @property
     def resumed(self) -> bool:
