@@ -1,10 +1,9 @@
 """One decoder-only transformer for every supported architecture, chosen by config flags.
 
 Owns: `ModelConfig` (our own flags, built from a Hugging Face config by
-`ModelConfig.from_hf`), attention masks for chains, trees and
-batches with ragged cache lengths, and the forward pass that writes K/V through a
-`KVCache`.
-Does not own: RoPE frequency formulas (rope.py), reading checkpoints or tokenizers
+`ModelConfig.from_hf`) and the forward pass that writes K/V through a `KVCache`.
+Does not own: attention masks for chains, trees and ragged batches (masks.py), RoPE
+frequency formulas (rope.py), reading checkpoints or tokenizers
 (loader.py), advancing or rolling back the cache (the engine calls `cache.commit` / `cache.truncate`).
 
 Architectures as flags: Llama / SmolLM2 / Mistral (plain), Qwen2 (qkv bias), Qwen3
@@ -26,10 +25,10 @@ from torch import Tensor, nn
 
 from specdecode.config import SpecDecodeError
 from specdecode.kv_cache import ContiguousKVCache, KVCache
+from specdecode.model.masks import FULL, SLIDING, attention_masks, visible_keys
 from specdecode.model.rope import RopeConfig, rope_frequencies
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
-FULL, SLIDING = "full", "sliding"
 
 
 @dataclass(frozen=True)
@@ -184,7 +183,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None, step: _Step) -> Tensor:
-        """``mask`` is [B, 1, G*T, S] (query rows folded, see Transformer._masks) or None (causal / T == 1)."""
+        """``mask`` is [B, 1, G*T, S] (query rows folded, see masks.attention_masks) or None (causal / T == 1)."""
         B, T = step.slots.shape
         H, Hkv, G, D = self.heads, self.kv_heads, self.group, self.head_dim
         qkv = step.unpack(self.qkv(x)).view(B, T, H + 2 * Hkv, D)
@@ -336,11 +335,11 @@ class Transformer(nn.Module):
         if cfg.embed_scale != 1.0:
             x = x * x.new_tensor(cfg.embed_scale)
         ropes = {kind: self._rope(kind, positions, x.dtype) for kind in set(cfg.layer_types)}
-        masks = self._masks(positions, cache.lengths, block_mask, kv_len)
+        masks = attention_masks(cfg, positions, cache.lengths, block_mask, kv_len)
         if batch_invariant:
-            step.visible = {FULL: self._visible(masks[FULL], cache.lengths, T)}
+            step.visible = {FULL: visible_keys(masks[FULL], cache.lengths, T)}
             same = masks[SLIDING] is masks[FULL]  # no window in play: sliding layers see what full ones do
-            step.visible[SLIDING] = step.visible[FULL] if same else self._visible(masks[SLIDING], cache.lengths, T)
+            step.visible[SLIDING] = step.visible[FULL] if same else visible_keys(masks[SLIDING], cache.lengths, T)
         want = set(hidden_layers)
         bad = [i for i in want if not (i == -1 or 0 <= i < cfg.num_layers)]
         if bad:
@@ -363,21 +362,6 @@ class Transformer(nn.Module):
             return logits
         return logits, [step.unpack(hiddens[i]) for i in hidden_layers]
 
-    @staticmethod
-    def _visible(mask: Tensor | None, lengths: Tensor, T: int) -> list[list[Tensor | slice]]:
-        """Key slots per query (b, t), ascending: from the folded mask (row t is group 0's), or causal.
-        A contiguous run is returned as a slice, so chains read the cache without a gather."""
-        if mask is None:
-            ends = (lengths[:, None] + torch.arange(T, device=lengths.device) + 1).tolist()
-            return [[slice(0, e) for e in row] for row in ends]
-
-        def keys(row: Tensor) -> Tensor | slice:
-            idx = row.nonzero()[:, 0]
-            first, last = int(idx[0]), int(idx[-1])
-            return slice(first, last + 1) if last - first + 1 == idx.numel() else idx
-
-        return [[keys(mask[b, 0, t]) for t in range(T)] for b in range(mask.shape[0])]
-
     def _rope(self, kind: str, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos and signed sin [B, T, 1, D] for one layer type, in the activations' dtype."""
         inv_freq = getattr(self, f"inv_freq_{kind}").float()
@@ -387,39 +371,3 @@ class Transformer(nn.Module):
         cos = torch.cat((cos, cos), dim=-1).to(dtype)[:, :, None, :]
         sin = torch.cat((-sin, sin), dim=-1).to(dtype)[:, :, None, :]
         return cos, sin
-
-    def _masks(
-        self, positions: Tensor, lengths: Tensor, block_mask: Tensor | None, kv_len: int
-    ) -> dict[str, Tensor | None]:
-        """Boolean SDPA masks [B, 1, G*T, kv_len] per layer type (the query rows of a kv head's
-        G heads folded together); None = no mask (T == 1, or causal over an empty cache)."""
-        cfg = self.config
-        B, T = positions.shape
-        window = cfg.sliding_window
-        # Every query position is < kv_len, so a window of at least kv_len hides nothing.
-        use_window = window is not None and SLIDING in cfg.layer_types and kv_len > window
-        simple = B == 1 and block_mask is None and (T == 1 or kv_len == T)
-        if simple and not use_window:
-            return {FULL: None, SLIDING: None}
-        device = positions.device
-        j = torch.arange(kv_len, device=device)
-        s = j[None, :] - lengths[:, None]  # [B, S]: slot offset into this pass (< 0: cached)
-        t = torch.arange(T, device=device)[None, :, None]
-        if block_mask is None:
-            visible = s[:, None, :] <= t  # [B, T, S]
-        else:
-            picked = block_mask.to(torch.bool).gather(2, s.clamp(0, T - 1)[:, None, :].expand(B, T, kv_len))
-            own = s[:, None, :] == t  # a query always sees itself, so no row is fully masked
-            visible = (s < 0)[:, None, :] | ((s < T)[:, None, :] & picked) | own
-        group = cfg.num_heads // cfg.num_kv_heads
-        fold = lambda m: m[:, None].repeat(1, 1, group, 1)  # noqa: E731  [B, 1, G*T, S], rows (g, t)
-        masks = {FULL: None if simple else fold(visible), SLIDING: None}
-        if SLIDING in cfg.layer_types:
-            if use_window:
-                new_pos = positions.gather(1, s.clamp(0, T - 1))
-                key_pos = torch.where(s < 0, j[None, :], new_pos)  # cached slot == position
-                near = positions[:, :, None] - key_pos[:, None, :] < window
-                masks[SLIDING] = fold(visible & near)
-            else:
-                masks[SLIDING] = masks[FULL]
-        return masks
