@@ -86,13 +86,14 @@ class DraftModelDrafter:
             return self.static_tree.num_nodes - 1
         return num_tokens if self.topk == 1 else self.budget
 
-    def _feed(self, rows: list[list[int]]) -> torch.Tensor:
-        """Run the draft on each row's pending tokens; commit them; return logits [B, V] at each row's last."""
-        assert self.cache is not None
-        tokens, lengths = pad_right(rows, self.ctx.device)
-        positions = self.cache.lengths[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
-        logits = self.model(tokens, positions, self.cache, logits_at=(lengths - 1)[:, None])  # [B, 1, V]
-        self.cache.commit(lengths)
+    def _feed(self, rows: list[list[int]], cache: KVCache) -> torch.Tensor:
+        """Run the draft on each row's pending tokens and commit them in ``cache``; return logits
+        [B, V] at each row's last. An empty row feeds a placeholder that it does not keep."""
+        tokens, _ = pad_right([r or [0] for r in rows], self.ctx.device)
+        lengths = torch.tensor([len(r) for r in rows], device=self.ctx.device)
+        positions = cache.lengths[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
+        logits = self.model(tokens, positions, cache, logits_at=(lengths - 1).clamp(min=0)[:, None])  # [B, 1, V]
+        cache.commit(lengths)
         return logits[:, 0]
 
     def prefill(self, batch: Batch, rows: list[int]) -> None:
@@ -100,16 +101,13 @@ class DraftModelDrafter:
         # chains feed γ tokens; tree levels re-run at most k paths, or the static tree's nodes
         room = max(self.gamma, self.topk * self.gamma, self.max_draft_tokens(self.gamma)) + 2
         joined = self.model.new_cache(len(rows), batch.capacity + room)
-        tokens, lengths = pad_right([batch.seqs[r].token_ids[:-1] or [0] for r in rows], self.ctx.device)
-        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        self.model(tokens, positions, joined, logits_at=(lengths - 1)[:, None])
-        joined.commit(torch.tensor([len(batch.seqs[r].token_ids) - 1 for r in rows], device=joined.lengths.device))
+        self._feed([batch.seqs[r].token_ids[:-1] for r in rows], joined)
         self.cache = joined if self.cache is None or self.cache.batch_size == 0 else self.cache.concat_rows(joined)
 
     def propose(self, batch: Batch, num_tokens: int) -> Draft:
         assert self.cache is not None
         seen = self.cache.lengths.tolist()
-        logits = self._feed([s.token_ids[n:] for s, n in zip(batch.seqs, seen)])
+        logits = self._feed([s.token_ids[n:] for s, n in zip(batch.seqs, seen)], self.cache)
         roots = [s.token_ids[-1] for s in batch.seqs]
         if self.static_tree is not None:
             return fill_static_tree(self._score_block, logits, roots, self.static_tree)
