@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from specdecode.config import SamplingParams, SpecConfig
-from specdecode.engine.budget import AdaptiveBudget, BudgetPolicy, VerifyCost
+from specdecode.engine.budget import AdaptiveBudget, BudgetPolicy, VerifyCost, least_squares_line
 from specdecode.engine.serving import ServingEngine
 from specdecode.model.loader import LoadedModel, load_model
 from specdecode.roofline import Roofline, profile_local, shape_from_config
@@ -215,12 +215,11 @@ def fit_line(curve: VerifyCost) -> tuple[float, float]:
 
 
 def fit_points(points: list[tuple[float, float]]) -> tuple[float, float]:
-    xs, ys = [p for p, _ in points], [t for _, t in points]
-    if len(xs) < 2:
-        return ys[0], 0.0
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    m = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs))
-    return max(0.0, my - m * mx), m
+    """t = a + m·P through the points, a and m kept >= 0 (one point: a flat line)."""
+    if len({p for p, _ in points}) < 2:
+        return points[0][1], 0.0
+    m = max(0.0, least_squares_line(points)[1])
+    return max(0.0, statistics.fmean(t for _, t in points) - m * statistics.fmean(p for p, _ in points)), m
 
 
 def threshold_report(model: LoadedModel, curve: VerifyCost) -> dict:

@@ -66,6 +66,14 @@ class FixedBudget:
         pass
 
 
+def least_squares_line(samples: list[tuple[float, float]]) -> tuple[float, float]:
+    """(a, b) of the least-squares line y = a + b·x through (x, y) samples spanning two x."""
+    x = torch.tensor([p for p, _ in samples], dtype=torch.float64)
+    y = torch.tensor([t for _, t in samples], dtype=torch.float64)
+    b = float(((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum())
+    return float(y.mean()) - b * float(x.mean()), b
+
+
 class VerifyCost:
     """t(P): the measured time of one target pass over P positions, interpolated.
 
@@ -88,13 +96,10 @@ class VerifyCost:
         samples do not span two sizes or the fit is not an increasing positive line."""
         if len({p for p, _ in samples}) < 2:
             return None
-        P = torch.tensor([p for p, _ in samples], dtype=torch.float64)
-        T = torch.tensor([t for _, t in samples], dtype=torch.float64)
-        b = float(((P - P.mean()) * (T - T.mean())).sum() / ((P - P.mean()) ** 2).sum())
-        a = float(T.mean()) - b * float(P.mean())
+        a, b = least_squares_line(samples)
         if b < 0 or a <= 0:
             return None
-        lo, hi = int(P.min()), int(P.max())
+        lo, hi = min(p for p, _ in samples), max(p for p, _ in samples)
         return VerifyCost([(lo, a + b * lo), (hi, a + b * hi)])
 
     def __call__(self, positions: int) -> float:
