@@ -60,6 +60,11 @@ def joint_chisquare(continuations: list[list[int]], want: dict[tuple, float], vo
     return JointChiSquare(common, exp, samples, float(chisquare(obs, exp).pvalue))
 
 
+def greedy(max_tokens: int) -> SamplingParams:
+    """Temperature 0 for exactly ``max_tokens`` tokens (EOS does not stop it)."""
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
 def assert_target_distribution(test: JointChiSquare, llm: LLM, prompt: list[int], n: int, temperature: float,
                                top_k: int, want: dict[tuple, float]) -> None:  # fmt: skip
     """The samples pass the test, and the test has power: a sampler slightly off (the target
@@ -74,7 +79,7 @@ def assert_target_distribution(test: JointChiSquare, llm: LLM, prompt: list[int]
 
 def assert_greedy_matches_plain(llm: LLM, plain: LLM, prompts: list[list[int]], max_tokens: int, label: object) -> list:
     """Each prompt alone and all together give exactly plain greedy's tokens; returns the batch outputs."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = greedy(max_tokens)
     ref = plain.generate(prompts, params)
     single = [llm.generate([p], params)[0] for p in prompts]
     batch = llm.generate(prompts, params)

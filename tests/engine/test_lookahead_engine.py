@@ -14,7 +14,13 @@ import pytest
 import torch
 
 from specdecode import LLM, SamplingParams
-from tests.engine.checks import assert_greedy_matches_plain, assert_target_distribution, exact_joint, joint_chisquare
+from tests.engine.checks import (
+    assert_greedy_matches_plain,
+    assert_target_distribution,
+    exact_joint,
+    greedy,
+    joint_chisquare,
+)
 from tests.tiny import make_tiny_checkpoint
 
 PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4, 4, 6], [11], [2, 3, 2, 3, 2, 3, 2, 3, 2]]
@@ -25,10 +31,6 @@ CONFIGS = {
     "wide": {"lookahead_window": 5, "lookahead_ngram": 5, "lookahead_guess": 4, "num_speculative_tokens": 3},
     "bigram": {"lookahead_window": 2, "lookahead_ngram": 2, "lookahead_guess": 1, "pool_from_prompt": False},
 }
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
 def lookahead(path: str, **options) -> LLM:

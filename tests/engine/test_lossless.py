@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from specdecode import LLM, SamplingParams
-from tests.engine.checks import assert_greedy_matches_plain, exact_joint, joint_chisquare
+from tests.engine.checks import assert_greedy_matches_plain, exact_joint, greedy, joint_chisquare
 from tests.tiny import make_tiny_checkpoint
 
 PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4, 4, 6], [11], [2, 3, 2, 3, 2, 3, 2, 3, 2]]
@@ -42,10 +43,6 @@ def spec_configs(ckpts):
         "draft_model_self_tree": {"method": "draft_model", "model": ckpts["target"], "num_speculative_tokens": 3,
                                   "topk": 2},
     }
-
-
-def greedy(max_tokens, **kw):
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -9,18 +9,19 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from specdecode import LLM, SamplingParams
-from tests.engine.checks import assert_greedy_matches_plain, assert_target_distribution, exact_joint, joint_chisquare
+from tests.engine.checks import (
+    assert_greedy_matches_plain,
+    assert_target_distribution,
+    exact_joint,
+    greedy,
+    joint_chisquare,
+)
 from tests.tiny import make_tiny_checkpoint
 
 PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4, 4, 6], [11], [2, 3, 2, 3, 2, 3, 2, 3, 2]]
-
-
-def greedy(max_tokens):
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
