@@ -130,3 +130,29 @@ class ContiguousKVCache(KVCache):
         self.k = self.k[:, rows].contiguous()
         self.v = self.v[:, rows].contiguous()
         self.lengths = self.lengths[rows].clone()
+
+
+class NoCache(KVCache):
+    """No history and nothing kept: one forward over whole sequences, differentiable
+    (training a drafter). Writing into a shared buffer would break autograd, so `append`
+    hands the new K/V straight back."""
+
+    def __init__(self, batch_size: int, device: torch.device | str) -> None:
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+
+    def append(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, kv_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return k, v
+
+    def commit(self, num_tokens: torch.Tensor) -> None:
+        raise RuntimeError("NoCache keeps nothing; use a ContiguousKVCache to decode")
+
+    def truncate(self, lengths: torch.Tensor) -> None:
+        raise RuntimeError("NoCache keeps nothing")
+
+    def keep_slots(self, row: int, src_slots: torch.Tensor, dst_start: int) -> None:
+        raise RuntimeError("NoCache keeps nothing")
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.lengths = self.lengths[rows.to(self.lengths.device)]

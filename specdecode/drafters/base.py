@@ -90,6 +90,10 @@ class Drafter(Protocol):
 
     Options: ClassVar[type]  # frozen dataclass of this method's speculative_config keys
     default_num_speculative_tokens: ClassVar[int]
+    # Target layers whose residual stream this drafter reads (EAGLE, Medusa, ...; -1 = the
+    # final normed hidden); () for drafters that need only tokens. The engine then hands
+    # their features, concatenated over the layers in this order, to prefill / on_verified.
+    hidden_layers: tuple[int, ...]
 
     def __init__(self, spec: "SpecConfig", ctx: DrafterContext) -> None: ...
 
@@ -98,15 +102,27 @@ class Drafter(Protocol):
         propose when asked for ``num_tokens``: caches keep that much room past each row."""
         ...
 
-    def prefill(self, batch: "Batch", rows: list[int]) -> None:
-        """Set up state for ``rows``, the rows of ``batch`` that just joined (the last ones)."""
+    def prefill(self, batch: "Batch", rows: list[int], hidden: list[torch.Tensor] | None = None) -> None:
+        """Set up state for ``rows``, the rows of ``batch`` that just joined (the last ones).
+        ``hidden`` (when ``hidden_layers``): per joined row, the target's features [n, F] of
+        its tokens but the newest (``token_ids[:-1]``), whose K/V the target cache holds."""
         ...
 
     def propose(self, batch: "Batch", num_tokens: int) -> Draft: ...
 
-    def on_verified(self, batch: "Batch", num_accepted: torch.Tensor, aux_logits: torch.Tensor | None = None) -> None:
+    def on_verified(
+        self,
+        batch: "Batch",
+        num_accepted: torch.Tensor,
+        aux_logits: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
+    ) -> None:
         """After the round's tokens are appended. ``aux_logits`` [B, A, V]: the target's logits
-        at the proposal's `AuxBranch` nodes, or None if it had none."""
+        at the proposal's `AuxBranch` nodes, or None if it had none. ``hidden`` [B, W, F]
+        (when ``hidden_layers``): the target's features at the tokens this round added to
+        its cache, in order: the round's root, then the accepted drafts (row b's first
+        ``num_accepted[b] + 1``; the emitted bonus token is the next round's root). With
+        the features from ``prefill``, a drafter thus sees features for ``token_ids[:-1]``."""
         ...
 
     def select_rows(self, rows: list[int]) -> None: ...

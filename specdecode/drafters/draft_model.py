@@ -67,6 +67,7 @@ def check_same_vocab(target, draft, draft_path: str) -> None:
 class DraftModelDrafter:
     Options: ClassVar[type] = DraftModelOptions
     default_num_speculative_tokens: ClassVar[int] = 4
+    hidden_layers: tuple[int, ...] = ()
 
     def __init__(self, spec: SpecConfig, ctx: DrafterContext) -> None:
         path = spec.options.model
@@ -96,7 +97,7 @@ class DraftModelDrafter:
         cache.commit(lengths)
         return logits[:, 0]
 
-    def prefill(self, batch: Batch, rows: list[int]) -> None:
+    def prefill(self, batch: Batch, rows: list[int], hidden: list[torch.Tensor] | None = None) -> None:
         # Everything but the newest token, which the first propose feeds.
         # chains feed γ tokens; tree levels re-run at most k paths, or the static tree's nodes
         room = max(self.gamma, self.topk * self.gamma, self.max_draft_tokens(self.gamma)) + 2
@@ -140,7 +141,9 @@ class DraftModelDrafter:
         self.cache.commit(torch.ones_like(self.cache.lengths))
         return logits[:, 0]
 
-    def on_verified(self, batch: Batch, num_accepted: torch.Tensor, aux_logits: torch.Tensor | None = None) -> None:
+    def on_verified(
+        self, batch: Batch, num_accepted: torch.Tensor, aux_logits: torch.Tensor | None = None, hidden: torch.Tensor | None = None
+    ) -> None:
         assert self.cache is not None
         committed = torch.tensor([len(s.token_ids) - 1 for s in batch.seqs], device=self.cache.lengths.device)
         self.cache.truncate(committed)

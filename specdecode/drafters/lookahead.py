@@ -156,6 +156,7 @@ class LookaheadDrafter:
     Options: ClassVar[type] = LookaheadOptions
     # γ caps the guesses' depth at min(γ, N-1); by default N alone decides.
     default_num_speculative_tokens: ClassVar[int] = MAX_SPECULATIVE_TOKENS
+    hidden_layers: tuple[int, ...] = ()
 
     def __init__(self, spec: SpecConfig, ctx: DrafterContext) -> None:
         self.options: LookaheadOptions = spec.options
@@ -174,7 +175,7 @@ class LookaheadDrafter:
     def max_draft_tokens(self, num_tokens: int) -> int:
         return self.G * min(num_tokens, self.N - 1) + self.num_aux  # guesses + window nodes
 
-    def prefill(self, batch: Batch, rows: list[int] | None = None) -> None:
+    def prefill(self, batch: Batch, rows: list[int] | None = None, hidden: list[torch.Tensor] | None = None) -> None:
         """Start a window and a pool for ``rows``, the rows that just joined (the last ones);
         ``None``: every row of a new batch."""
         if rows is None:
@@ -222,7 +223,9 @@ class LookaheadDrafter:
             mask=mask.expand(B, A, num_nodes + A),
         )
 
-    def on_verified(self, batch: Batch, num_accepted: torch.Tensor, aux_logits: torch.Tensor | None = None) -> None:
+    def on_verified(
+        self, batch: Batch, num_accepted: torch.Tensor, aux_logits: torch.Tensor | None = None, hidden: torch.Tensor | None = None
+    ) -> None:
         if aux_logits is None:  # the engine ran without our window (not expected); keep it as it is
             return
         last_level = aux_logits[:, (self.N - 2) * self.W :].argmax(dim=-1).cpu().numpy()  # [B, W]

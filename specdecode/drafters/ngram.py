@@ -98,6 +98,7 @@ def merge_into_tree(chains: list[np.ndarray], budget: int) -> tuple[list[int], l
 class NgramDrafter:
     Options: ClassVar[type] = NgramOptions
     default_num_speculative_tokens: ClassVar[int] = 4
+    hidden_layers: tuple[int, ...] = ()
 
     def __init__(self, spec: SpecConfig, ctx: DrafterContext) -> None:
         self.options: NgramOptions = spec.options
@@ -107,7 +108,7 @@ class NgramDrafter:
         o = self.options
         return num_tokens if o.max_matches == 1 else o.num_draft_tokens or num_tokens * o.max_matches
 
-    def prefill(self, batch: Batch, rows: list[int]) -> None:
+    def prefill(self, batch: Batch, rows: list[int], hidden: list[torch.Tensor] | None = None) -> None:
         pass  # stateless: every proposal is computed from the rows' tokens
 
     def propose(self, batch: Batch, num_tokens: int) -> Draft:
@@ -137,7 +138,9 @@ class NgramDrafter:
         )
         return Draft.from_tree(tree)
 
-    def on_verified(self, batch: Batch, num_accepted: torch.Tensor, aux_logits: torch.Tensor | None = None) -> None:
+    def on_verified(
+        self, batch: Batch, num_accepted: torch.Tensor, aux_logits: torch.Tensor | None = None, hidden: torch.Tensor | None = None
+    ) -> None:
         pass
 
     def select_rows(self, rows: list[int]) -> None:

@@ -13,8 +13,14 @@ from specdecode.config import SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Drafter, DrafterContext
 
 _METHODS: dict[str, str] = {
+    "dflash": "specdecode.drafters.dflash:DFlashDrafter",
     "draft_model": "specdecode.drafters.draft_model:DraftModelDrafter",
+    "eagle": "specdecode.drafters.eagle:EagleDrafter",
+    "eagle3": "specdecode.drafters.eagle3:Eagle3Drafter",
+    "layer_skip": "specdecode.drafters.layer_skip:LayerSkipDrafter",
     "lookahead": "specdecode.drafters.lookahead:LookaheadDrafter",
+    "medusa": "specdecode.drafters.medusa:MedusaDrafter",
+    "mtp": "specdecode.drafters.mtp:MtpDrafter",
     "ngram": "specdecode.drafters.ngram:NgramDrafter",
     "suffix": "specdecode.drafters.suffix:SuffixDrafter",
 }

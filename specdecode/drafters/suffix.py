@@ -87,6 +87,7 @@ class SuffixDrafter:
     # 12 deep (12 matched + 12 drafted); the extra room lets longer matches draft bushier
     # trees. A 24-token tree costs a CPU target pass about 1.5x a 1-token step.
     default_num_speculative_tokens: ClassVar[int] = 24
+    hidden_layers: tuple[int, ...] = ()
 
     def __init__(self, spec: SpecConfig, ctx: DrafterContext) -> None:
         self.options: SuffixOptions = spec.options
@@ -99,7 +100,7 @@ class SuffixDrafter:
     def max_draft_tokens(self, num_tokens: int) -> int:
         return num_tokens  # the node budget never exceeds γ
 
-    def prefill(self, batch: Batch, rows: list[int]) -> None:
+    def prefill(self, batch: Batch, rows: list[int], hidden: list[torch.Tensor] | None = None) -> None:
         self._rows += [_Row(batch.seqs[r].token_ids, self.max_depth) for r in rows]
 
     def propose(self, batch: Batch, num_tokens: int) -> Draft:
@@ -136,7 +137,9 @@ class SuffixDrafter:
             self.stats.none += 1
         return local
 
-    def on_verified(self, batch: Batch, num_accepted: torch.Tensor, aux_logits: torch.Tensor | None = None) -> None:
+    def on_verified(
+        self, batch: Batch, num_accepted: torch.Tensor, aux_logits: torch.Tensor | None = None, hidden: torch.Tensor | None = None
+    ) -> None:
         for b, seq in enumerate(batch.seqs):
             row = self._rows[b]
             if len(seq.token_ids) < row.seen:  # committed tokens only grow today; rebuild if not

@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -69,6 +69,7 @@ class _Request:
     gamma: int  # the most draft tokens per round this request may verify
     arrival: int
     cached: int = 0  # tokens whose K/V are in the target cache (prefill progress)
+    features: list[torch.Tensor] = field(default_factory=list)  # prefill chunks' features, for the drafter
 
     @property
     def resumed(self) -> bool:
@@ -219,7 +220,7 @@ class ServingEngine(Engine):
                 break  # FIFO: later requests wait behind it rather than starve it
             self.waiting.popleft()
             self.cache.add_sequence(req.request_id)
-            req.cached = 0
+            req.cached, req.features = 0, []
             self.prefilling.append(req)
             owed += need
 
@@ -237,9 +238,12 @@ class ServingEngine(Engine):
             self._reserve([n], prefill=True)
             tokens = torch.tensor([req.seq.token_ids[req.cached : req.cached + n]], device=self.device)
             positions = torch.arange(req.cached, req.cached + n, device=self.device)[None, :]
-            logits = self.model(tokens, positions, self.cache, logits_at=torch.tensor([[n - 1]], device=self.device))
+            at = torch.tensor([[n - 1]], device=self.device)
+            logits, hidden = self._target(tokens, positions, self.cache, logits_at=at)
             self.cache.commit(torch.tensor([n], device=self.device))
             req.cached += n
+            if hidden is not None:
+                req.features.append(hidden[0])
             if req.cached == req.prefill_target:
                 done.append(req)
                 last_logits.append(logits[0, 0])
@@ -263,8 +267,16 @@ class ServingEngine(Engine):
             self.running[req.request_id] = req
             rows = self.batch.extend([req.seq])
             if self.drafter is not None:
-                self.drafter.prefill(self.batch, rows)
+                features = [self._prompt_features(req)] if self.hidden_layers else None
+                self.drafter.prefill(self.batch, rows, features)
         return events
+
+    def _prompt_features(self, req: _Request) -> torch.Tensor:
+        """[len - 1, F]: the features of every token but the newest (a fresh request's first
+        token has none yet; a resumed request recomputed all but its newest)."""
+        features = torch.cat(req.features)
+        req.features = []
+        return features[: len(req.seq.token_ids) - 1]
 
     def _sample_first(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         rows = Batch(seqs, capacity=self.max_model_len, device=self.device)
@@ -293,12 +305,12 @@ class ServingEngine(Engine):
             if int(budgets.max()) > 0 or proposed.aux is not None:
                 draft = apply_budgets(proposed, budgets)
         start = time.perf_counter()
-        out, num_accepted, num_draft, aux_logits = self._verify_round(self.batch, self.cache, draft)
+        v = self._verify_round(self.batch, self.cache, draft)
         seconds = time.perf_counter() - start
-        step_events = self._append_tokens(self.batch, out, num_accepted, num_draft)
+        step_events = self._append_tokens(self.batch, v.out, v.num_accepted, v.num_draft)
         if self.drafter is not None:
-            self.drafter.on_verified(self.batch, num_accepted, aux_logits)
-        self.budget.observe(reqs, num_accepted, num_draft, seconds, draft_seconds)
+            self.drafter.on_verified(self.batch, v.num_accepted, v.aux_logits, v.hidden)
+        self.budget.observe(reqs, v.num_accepted, v.num_draft, seconds, draft_seconds)
         events = [self._event(self.running[e.request_id], e.new_token_ids) for e in step_events]
         self._remove_running([r.request_id for r in reqs if r.seq.finish_reason is not None])
         return events
@@ -319,7 +331,7 @@ class ServingEngine(Engine):
 
     def _preempt(self, req: _Request) -> None:
         self._remove_running([req.request_id])
-        req.cached = 0
+        req.cached, req.features = 0, []
         self.waiting.appendleft(req)
         self.num_preempted += 1
 

@@ -36,6 +36,17 @@ from specdecode.verify import greedy_verify, rejection_sample, tree_greedy_verif
 
 
 @dataclass
+class Verified:
+    """One verify pass's result, per row."""
+
+    out: torch.Tensor  # [B, w+1] accepted drafts, then the recovered / bonus token, -1 padded
+    num_accepted: torch.Tensor  # [B]
+    num_draft: torch.Tensor  # [B]
+    aux_logits: torch.Tensor | None = None  # [B, A, V] at the proposal's aux branch
+    hidden: torch.Tensor | None = None  # [B, w+1, F] target features at the committed tokens (root first)
+
+
+@dataclass
 class StepEvent:
     """What one round added to one request."""
 
@@ -81,17 +92,27 @@ class Engine:
             raise SpecDecodeError(
                 f"one round drafts up to {self.round_room - 2} tokens, which does not fit the context of {max_model_len}"
             )
+        # target layers the drafter reads; every target pass returns their features
+        self.hidden_layers: tuple[int, ...] = self.drafter.hidden_layers if self.drafter is not None else ()
         self.eos_ids = set(target.config.eos_token_ids)
         self.tokenizer = target.tokenizer
 
-    def _verify_round(
-        self, batch: Batch, cache: KVCache, draft: Draft | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """One target pass over [last, drafts]; commits the accepted K/V.
+    def _target(
+        self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, block_mask: torch.Tensor | None = None,
+        logits_at: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """One target pass: logits, and the drafter's features [B, T, F] (None if it reads none)."""
+        out = self.model(
+            tokens, positions, cache, block_mask=block_mask, logits_at=logits_at,
+            hidden_layers=self.hidden_layers, batch_invariant=self.batch_invariant, valid=valid,
+        )  # fmt: skip
+        if not self.hidden_layers:
+            return out, None
+        logits, hidden = out
+        return logits, torch.cat(hidden, dim=-1)
 
-        Returns out [B, w+1] (accepted drafts, then the recovered / bonus token, -1
-        padded), num_accepted [B], num_draft [B] and the aux branch's logits (or None).
-        """
+    def _verify_round(self, batch: Batch, cache: KVCache, draft: Draft | None) -> Verified:
+        """One target pass over [last, drafts]; commits the accepted K/V."""
         B = len(batch)
         if draft is None:
             draft = Draft(tokens=torch.empty(B, 0, dtype=torch.long, device=self.device))
@@ -107,18 +128,16 @@ class Engine:
         tokens = torch.cat([batch.last_tokens(), draft_tokens.clamp(min=0)], dim=1)  # [B, 1 + w]
         positions = cache.lengths[:, None] + torch.arange(1 + width, device=self.device)
         valid = torch.arange(1 + width, device=self.device)[None, :] <= num_draft[:, None]  # a row pays for its own drafts
-        logits = self.model(tokens, positions, cache, batch_invariant=self.batch_invariant, valid=valid)  # [B, 1 + w, V]
+        logits, hidden = self._target(tokens, positions, cache, valid=valid)  # [B, 1 + w, V], [B, 1 + w, F]
         if batch.all_greedy:
             out, num_accepted = greedy_verify(logits.argmax(dim=-1), draft_tokens)
         else:
             p = logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p)
             out, num_accepted = rejection_sample(p, q, draft_tokens, batch.generators)
         cache.commit(num_accepted + 1)
-        return out, num_accepted, num_draft, None
+        return Verified(out, num_accepted, num_draft, None, hidden)
 
-    def _verify_tree(
-        self, batch: Batch, cache: KVCache, draft: Draft
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _verify_tree(self, batch: Batch, cache: KVCache, draft: Draft) -> Verified:
         """One target pass over every row's tree (and aux branch); the accepted path's K/V are
         compacted in the cache, and the aux nodes' K/V dropped with the rejected nodes'."""
         tree, aux = draft.tree, draft.aux
@@ -130,9 +149,7 @@ class Engine:
             positions = torch.cat([positions, cache.lengths[:, None] + aux.offsets], dim=1)
             mask = torch.cat([torch.cat([tree.mask, tree.mask.new_zeros(B, N, A)], dim=2), aux.mask], dim=1)
             valid = torch.cat([valid, torch.ones_like(aux.tokens, dtype=torch.bool)], dim=1)
-        logits = self.model(
-            tokens, positions, cache, block_mask=mask, batch_invariant=self.batch_invariant, valid=valid
-        )
+        logits, hidden = self._target(tokens, positions, cache, block_mask=mask, valid=valid)
         aux_logits = None
         if aux is not None:
             logits, aux_logits = logits[:, : tree.num_nodes], logits[:, tree.num_nodes :]  # [B, N, V], [B, A, V]
@@ -142,7 +159,9 @@ class Engine:
             p = logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p)
             out, num_accepted, nodes = tree_rejection_sample(p, draft.q, tree, batch.generators)
         commit_paths(cache, nodes, num_accepted)
-        return out, num_accepted, draft.num_tokens, aux_logits
+        if hidden is not None:  # the accepted path's features, root first
+            hidden = hidden.gather(1, nodes.clamp(min=0)[:, :, None].expand(-1, -1, hidden.shape[-1]))
+        return Verified(out, num_accepted, draft.num_tokens, aux_logits, hidden)
 
     def _append_tokens(
         self, batch: Batch, out: torch.Tensor, num_accepted: torch.Tensor, num_draft: torch.Tensor

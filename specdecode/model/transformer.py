@@ -299,7 +299,7 @@ class Transformer(nn.Module):
 
     def forward(
         self,
-        tokens: Tensor,
+        tokens: Tensor | None,
         positions: Tensor,
         cache: KVCache,
         block_mask: Tensor | None = None,
@@ -307,6 +307,7 @@ class Transformer(nn.Module):
         hidden_layers: tuple[int, ...] = (),
         batch_invariant: bool = False,
         valid: Tensor | None = None,
+        embeds: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, list[Tensor]]:
         """Logits [B, T or K, V] (fp32) for ``tokens`` [B, T] at RoPE ``positions`` [B, T].
 
@@ -323,16 +324,18 @@ class Transformer(nn.Module):
         tokens than the widest): the linears and the LM head then run on the real tokens
         only, so a row pays for its own draft length, not the batch's widest. Padding
         still writes (zero) K/V past its row's length, and its logits come back as 0.
+        ``embeds`` [B, T, H] replaces the token embeddings (``tokens`` is then None): a
+        learned drafter feeds the layers its own inputs (EAGLE's fused features).
         """
         cfg = self.config
-        B, T = tokens.shape
+        B, T = positions.shape
         kv_len = int(cache.lengths.max()) + T  # the one host sync of the pass
-        slots = cache.lengths[:, None] + torch.arange(T, device=tokens.device)
+        slots = cache.lengths[:, None] + torch.arange(T, device=positions.device)
         step = _Step(cache, slots, kv_len)
         if valid is not None and B * T > 1 and not bool(valid.all()):
             step.pack = valid.reshape(-1).nonzero()[:, 0]
-        x = step.pack_rows(self.embed(tokens))
-        if cfg.embed_scale != 1.0:
+        x = step.pack_rows(self.embed(tokens) if embeds is None else embeds)
+        if cfg.embed_scale != 1.0 and embeds is None:
             x = x * x.new_tensor(cfg.embed_scale)
         ropes = {kind: self._rope(kind, positions, x.dtype) for kind in set(cfg.layer_types)}
         masks = attention_masks(cfg, positions, cache.lengths, block_mask, kv_len)

@@ -59,9 +59,9 @@ def test_window_logits_equal_plain_sequences(target):
         seen.append([[list(s.token_ids) for s in batch.seqs], draft.aux.tokens.clone()])
         return draft
 
-    def spy_on_verified(batch, num_accepted, aux_logits=None):
+    def spy_on_verified(batch, num_accepted, aux_logits=None, hidden=None):
         seen[-1].append(aux_logits.clone())
-        on_verified(batch, num_accepted, aux_logits)
+        on_verified(batch, num_accepted, aux_logits, hidden)
 
     drafter.propose, drafter.on_verified = spy_propose, spy_on_verified
     llm.generate(PROMPTS[:2], greedy(12))

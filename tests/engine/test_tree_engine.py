@@ -24,6 +24,8 @@ class OracleTreeDrafter:
     """Proposes random trees in which one random path follows the reference greedy
     continuation for a random number of steps; every other node is a wrong token."""
 
+    hidden_layers = ()
+
     def __init__(self, reference: dict[tuple, list[int]], seed: int, nodes: int) -> None:
         self.reference, self.rng, self.nodes = reference, torch.Generator().manual_seed(seed), nodes
         self.moved_paths = 0
@@ -32,13 +34,13 @@ class OracleTreeDrafter:
     def max_draft_tokens(self, num_tokens: int) -> int:
         return self.nodes - 1
 
-    def prefill(self, batch, rows) -> None:
+    def prefill(self, batch, rows, hidden=None) -> None:
         self.prompts += [tuple(batch.seqs[r].token_ids[: batch.seqs[r].num_prompt]) for r in rows]
 
     def select_rows(self, rows) -> None:
         self.prompts = [self.prompts[r] for r in rows]
 
-    def on_verified(self, batch, num_accepted, aux_logits=None) -> None:
+    def on_verified(self, batch, num_accepted, aux_logits=None, hidden=None) -> None:
         pass
 
     def _randint(self, high: int) -> int:

@@ -1,0 +1,196 @@
+"""What every learned drafter shares: its folder on disk, the trainer's contract, and
+the target features it is handed between rounds.
+
+Owns: `DraftNet` (the protocol of a trainable draft network, which `specdecode train`
+drives), `TrainBatch` (what one training step sees), `save_net` / `load_net` (an
+HF-style folder: ``config.json`` + ``model.safetensors``), `resolve_weights` (a given
+folder, else the weights shipped for this target under ``specdecode/weights``), and
+`PendingFeatures` (target features a drafter has been handed but not consumed yet).
+Does not own: any network (medusa.py, eagle.py, ... each own theirs) or the training
+loop (specdecode/train/).
+
+Only a net's own weights are saved: the token embedding, final norm and LM head it
+borrows from the target are not, so a drafter stays a few MB and follows the target.
+The folder records which target it was trained for, and loading refuses another one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import torch
+from torch import Tensor
+
+from specdecode.config import SpecDecodeError
+
+if TYPE_CHECKING:
+    from specdecode.engine.batch import Batch
+    from specdecode.model.loader import LoadedModel
+    from specdecode.model.transformer import Transformer
+
+WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"  # drafters shipped with the package
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+
+
+@dataclass
+class TrainBatch:
+    """One training step's data: a batch of corpus windows and the frozen target's view of them.
+
+    ``logits[b, t]`` is the target's distribution for token ``t + 1`` (as in decoding);
+    ``hidden[b, t]`` its features at token ``t`` (the net's ``hidden_layers``,
+    concatenated in that order). Padding (``mask`` False) sits at the right.
+    """
+
+    tokens: Tensor  # [B, T] int64
+    hidden: Tensor  # [B, T, F]
+    logits: Tensor  # [B, T, V] fp32 or bf16
+    mask: Tensor  # [B, T] bool
+    target: "Transformer"  # frozen: nets borrow its embedding, norm and LM head
+
+
+class DraftNet(Protocol):
+    """A trainable draft network (an ``nn.Module``). Its drafter class names it as ``Net``."""
+
+    Config: ClassVar[type]  # frozen dataclass: the net's shape; `specdecode train --net-config` sets it
+    method: ClassVar[str]  # the registry name it is saved under
+    config: Any
+    hidden_layers: tuple[int, ...]  # target layers it reads, resolved for this target (-1 = final normed)
+
+    @classmethod
+    def from_target(cls, config: Any, target: "Transformer") -> "DraftNet":
+        """A fresh net for ``target`` (initialised from the target's weights where the method says)."""
+        ...
+
+    def training_loss(self, batch: TrainBatch) -> tuple[Tensor, dict[str, float]]:
+        """The loss to minimise, and metrics for the progress bar and held-out evaluation.
+        Metrics include ``acc@k`` (the net's top-1 equals the target's at draft position k)
+        and ``alpha@1`` (expected acceptance of its first draft token, Σ min(p, q))."""
+        ...
+
+    def saved_state(self) -> dict[str, Tensor]:
+        """The tensors that make up the saved file: the net's own, not the target's it borrows."""
+        ...
+
+
+def target_fingerprint(target: "Transformer") -> dict[str, Any]:
+    """What must match between the target a net was trained on and the one it drafts for."""
+    c = target.config
+    return {
+        "architecture": c.architecture,
+        "hidden_size": c.hidden_size,
+        "num_layers": c.num_layers,
+        "vocab_size": c.vocab_size,
+    }
+
+
+def save_net(net: "DraftNet", target: "Transformer", out_dir: str | Path, extra: dict[str, Any] | None = None) -> Path:
+    """Write ``config.json`` (method, net config, target fingerprint, ``extra``) and weights."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "specdecode_method": net.method,
+        "net": asdict(net.config),
+        "target": target_fingerprint(target),
+        **(extra or {}),
+    }
+    (out / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    state = {k: v.detach().to("cpu").contiguous() for k, v in net.saved_state().items()}
+    save_file(state, str(out / WEIGHTS_FILE))
+    return out
+
+
+def read_net_config(path: str | Path) -> dict[str, Any]:
+    file = Path(path) / CONFIG_FILE
+    if not file.is_file():
+        raise SpecDecodeError(f"{path} is not a trained drafter folder (no {CONFIG_FILE})")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise SpecDecodeError(f"{file} is not valid JSON: {e}") from None
+
+
+def net_config(cls: type, values: dict[str, Any]) -> Any:
+    """``cls.Config`` from a JSON object, unknown keys refused by name (one line)."""
+    if not isinstance(values, dict):
+        raise SpecDecodeError(f"net config must be a JSON object, got {values!r}")
+    known = {f.name for f in fields(cls.Config)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise SpecDecodeError(f"unknown {cls.method} net key(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
+    try:
+        return cls.Config(**values)
+    except TypeError as e:
+        raise SpecDecodeError(f"bad {cls.method} net config: {e}") from None
+
+
+def load_net(cls: type, path: str | Path, target: "Transformer", dtype: torch.dtype, device: torch.device) -> Any:
+    """A trained net of class ``cls`` from ``path``, checked against ``target``."""
+    from safetensors.torch import load_file
+
+    meta = read_net_config(path)
+    if meta.get("specdecode_method") != cls.method:
+        raise SpecDecodeError(f"{path} holds a {meta.get('specdecode_method')!r} drafter, not {cls.method!r}")
+    want, got = target_fingerprint(target), meta.get("target")
+    if got != want:
+        raise SpecDecodeError(f"{path} was trained for a target with {got}, this target has {want}")
+    net = cls.from_target(net_config(cls, meta.get("net", {})), target)
+    state = load_file(str(Path(path) / WEIGHTS_FILE))
+    expected = set(net.saved_state())
+    if set(state) != expected:
+        missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+        raise SpecDecodeError(f"{path}: weights do not fit the net (missing {missing[:3]}, unexpected {extra[:3]})")
+    net.load_state_dict(state, strict=False)
+    return net.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def resolve_weights(method: str, model: str | None, target: "LoadedModel") -> str:
+    """``model`` if given, else the folder shipped for this target, else a one-line error."""
+    if model is not None:
+        if not Path(model).is_dir():
+            raise SpecDecodeError(f"{method} model {model!r} is not a folder; train one with `specdecode train --method {method}`")
+        return model
+    want = target_fingerprint(target.model)
+    for folder in sorted(WEIGHTS_DIR.glob("*")) if WEIGHTS_DIR.is_dir() else []:
+        meta = read_net_config(folder) if (folder / CONFIG_FILE).is_file() else {}
+        if meta.get("specdecode_method") == method and meta.get("target") == want:
+            return str(folder)
+    raise SpecDecodeError(
+        f'{method} needs "model": a folder written by `specdecode train --method {method}`; '
+        f"no {method} weights ship for {target.name}"
+    )
+
+
+class PendingFeatures:
+    """Per row, the target features handed to a drafter (prefill / on_verified) that it has
+    not consumed yet, and how many it has consumed before them (the row's feature count)."""
+
+    def __init__(self) -> None:
+        self.rows: list[Tensor] = []  # [n_b, F] each
+        self.consumed: list[int] = []
+
+    def add_rows(self, hidden: list[Tensor]) -> None:
+        """Rows joining at the end, with their prompt features."""
+        self.rows += list(hidden)
+        self.consumed += [0] * len(hidden)
+
+    def add_verified(self, hidden: Tensor, num_accepted: Tensor) -> None:
+        """hidden [B, W, F]: row b gained its first ``num_accepted[b] + 1`` features."""
+        for b, n in enumerate((num_accepted + 1).tolist()):
+            self.rows[b] = torch.cat([self.rows[b], hidden[b, :n]])
+
+    def take(self) -> tuple[list[Tensor], list[int]]:
+        """Each row's pending features and the index of its first one; the rows are emptied."""
+        taken, starts = self.rows, list(self.consumed)
+        self.consumed = [s + len(t) for s, t in zip(self.consumed, taken)]
+        self.rows = [t[:0] for t in taken]
+        return taken, starts
+
+    def select_rows(self, rows: list[int]) -> None:
+        self.rows = [self.rows[r] for r in rows]
+        self.consumed = [self.consumed[r] for r in rows]
+
