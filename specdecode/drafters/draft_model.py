@@ -128,11 +128,13 @@ class DraftModelDrafter:
         q_all = torch.stack(qs, dim=1) if qs else None  # [B, γ, V]
         return Draft(tokens=torch.stack(drafts, dim=1), q=q_all)
 
-    def _score_block(self, tokens: torch.Tensor, depths: torch.Tensor, mask: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    def _score_block(
+        self, tokens: torch.Tensor, depths: torch.Tensor, mask: torch.Tensor, at: torch.Tensor, _states: None
+    ) -> tuple[torch.Tensor, None]:
         """Logits [B, K, V] at ``at`` for a block of tree nodes (not committed: the next level re-runs them)."""
         assert self.cache is not None
         positions = self.cache.lengths[:, None] + depths - 1  # the root sits at lengths - 1
-        return self.model(tokens, positions, self.cache, block_mask=mask, logits_at=at)
+        return self.model(tokens, positions, self.cache, block_mask=mask, logits_at=at), None
 
     def _feed_one(self, token: torch.Tensor) -> torch.Tensor:
         assert self.cache is not None

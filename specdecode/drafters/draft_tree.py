@@ -23,10 +23,16 @@ import torch
 from specdecode.drafters.base import Draft
 from specdecode.tree import DraftTree, TreeBatch, TreeShape
 
-# score(tokens [B, T], depth [B, T], mask [B, T, T], at [B, K]) -> logits [B, K, V]:
+# score(tokens [B, T], depth [B, T], mask [B, T, T], at [B, K], parent_states [B, T, F] | None)
+#   -> (logits [B, K, V], states [B, K, F] | None):
 # the draft's next-token logits at block positions ``at``, for a block of tree nodes
-# (depth >= 1) that sees the committed history plus its ancestors in the block.
-ScoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (depth >= 1) that sees the committed history plus its ancestors in the block. A drafter
+# whose node input is its parent's output (EAGLE feeds the parent's predicted feature)
+# returns a state per ``at`` node and receives, per block node, its parent's state.
+ScoreFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"],
+    "tuple[torch.Tensor, torch.Tensor | None]",
+]
 
 
 @dataclass
@@ -35,6 +41,7 @@ class _Pool:
 
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
+    states: dict[int, torch.Tensor] = field(default_factory=dict)  # a scored node's output state
     scores: list[float] = field(default_factory=list)
     depths: list[int] = field(default_factory=list)
 
@@ -54,9 +61,11 @@ class _Pool:
 
 
 def grow_tree(
-    score: ScoreFn, root_logits: torch.Tensor, root_tokens: list[int], depth: int, topk: int, budget: int
-) -> Draft:
-    """A tree per row, at most ``depth`` deep and ``budget`` draft nodes. root_logits [B, V]."""
+    score: ScoreFn, root_logits: torch.Tensor, root_tokens: list[int], depth: int, topk: int, budget: int,
+    root_states: torch.Tensor | None = None,
+) -> Draft:  # fmt: skip
+    """A tree per row, at most ``depth`` deep and ``budget`` draft nodes. root_logits [B, V];
+    root_states [B, F]: the root's output state, for a drafter whose nodes take their parent's."""
     B, device = root_logits.shape[0], root_logits.device
     pools = [_Pool() for _ in range(B)]
     logq, tok = torch.log_softmax(root_logits.float(), dim=-1).topk(topk, dim=-1)  # [B, k]
@@ -68,16 +77,21 @@ def grow_tree(
         depths = torch.ones(B, T, dtype=torch.long)
         mask = torch.eye(T, dtype=torch.bool).repeat(B, 1, 1)  # padding sees only itself
         at = torch.zeros(B, topk, dtype=torch.long)
+        parent_states = None if root_states is None else root_states[:, None].repeat(1, T, 1)  # [B, T, F]
         for b, (p, nodes) in enumerate(zip(pools, block)):
             where = {n: i for i, n in enumerate(nodes)}
             for i, n in enumerate(nodes):
                 tokens[b, i], depths[b, i] = p.tokens[n], p.depths[n]
                 for a in p.path(n):
                     mask[b, i, where[a]] = True
+                if parent_states is not None and p.parents[n] >= 0:
+                    parent_states[b, i] = p.states[p.parents[n]]
             at[b, : len(frontier[b])] = torch.tensor([where[f] for f in frontier[b]])
-        logits = score(tokens.to(device), depths.to(device), mask.to(device), at.to(device))  # [B, k, V]
+        logits, states = score(tokens.to(device), depths.to(device), mask.to(device), at.to(device), parent_states)
         logq, tok = torch.log_softmax(logits.float(), dim=-1).topk(topk, dim=-1)  # [B, k, k]
         for b, p in enumerate(pools):
+            if states is not None:
+                p.states.update({f: states[b, i] for i, f in enumerate(frontier[b])})
             fresh = [
                 p.add(t, f, p.scores[f] + s)
                 for i, f in enumerate(frontier[b])
@@ -123,8 +137,8 @@ def fill_static_tree(score: ScoreFn, root_logits: torch.Tensor, root_tokens: lis
             block = [i for i in range(1, N) if shape.depth[i] < d]
             where = {n: k for k, n in enumerate(block)}
             at = torch.tensor([where[n] for n in above]).expand(B, -1)
-            logits = score(tokens[:, block], depth[block].expand(B, -1).to(device),
-                           mask[block][:, block].expand(B, -1, -1).to(device), at.to(device))  # fmt: skip
+            logits, _ = score(tokens[:, block], depth[block].expand(B, -1).to(device),
+                              mask[block][:, block].expand(B, -1, -1).to(device), at.to(device), None)  # fmt: skip
         ranked = logits.topk(width, dim=-1).indices  # [B, len(above), width]
         slot = {n: k for k, n in enumerate(above)}
         for i in level:

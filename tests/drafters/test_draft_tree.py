@@ -8,14 +8,14 @@ from specdecode.drafters.draft_tree import grow_tree
 V = 8
 
 
-def scripted_score(tokens, depths, mask, at):
+def scripted_score(tokens, depths, mask, at, parent_states=None):
     # next-token logits depend only on the node's own token: token t prefers t+1, then t+2, ...
     B, K = at.shape
     last = tokens.gather(1, at)  # [B, K]
     logits = torch.full((B, K, V), -10.0)
     for r in range(3):
         logits.scatter_(2, ((last + 1 + r) % V)[:, :, None], 3.0 - r)
-    return logits
+    return logits, None
 
 
 def root_logits(B):
@@ -74,3 +74,19 @@ def test_malformed_static_tree_is_one_line(tree, match):
     with pytest.raises(SpecDecodeError, match=match) as e:
         SpecConfig.parse({"method": "draft_model", "model": "x", "speculative_token_tree": tree})
     assert "\n" not in str(e.value)
+
+
+def test_parent_states_reach_children():
+    # A drafter whose node input is its parent's output (EAGLE): each scored node's state is
+    # its depth; every block node must receive its parent's state (the root's for depth 1).
+    seen = []
+
+    def score(tokens, depths, mask, at, parent_states):
+        seen.append((depths.clone(), parent_states.clone()))
+        logits, _ = scripted_score(tokens, depths, mask, at)
+        return logits, depths.gather(1, at)[:, :, None].float()
+
+    grow_tree(score, root_logits(1), [0], depth=3, topk=2, budget=6, root_states=torch.zeros(1, 1))
+    assert len(seen) == 2
+    for depths, parent_states in seen:
+        assert torch.equal(parent_states[..., 0], (depths - 1).float())
