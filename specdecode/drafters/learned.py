@@ -64,6 +64,11 @@ class DraftNet(Protocol):
         """A fresh net for ``target`` (initialised from the target's weights where the method says)."""
         ...
 
+    def prepare(self, token_counts: Tensor) -> None:
+        """Called once before training with the training corpus's token counts [V] (EAGLE-3
+        keeps a draft vocabulary of the most frequent tokens); a no-op for most nets."""
+        ...
+
     def training_loss(self, batch: TrainBatch) -> tuple[Tensor, dict[str, float]]:
         """The loss to minimise, and metrics for the progress bar and held-out evaluation.
         Metrics include ``acc@k`` (the net's top-1 equals the target's at draft position k)
@@ -99,7 +104,11 @@ def save_net(net: "DraftNet", target: "Transformer", out_dir: str | Path, extra:
         **(extra or {}),
     }
     (out / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-    state = {k: v.detach().to("cpu").contiguous() for k, v in net.saved_state().items()}
+    # bf16 on disk: half the size, and a drafter's rounding cannot change the output (it is verified)
+    state = {
+        k: (v.to(torch.bfloat16) if v.is_floating_point() else v).detach().to("cpu").contiguous()
+        for k, v in net.saved_state().items()
+    }
     save_file(state, str(out / WEIGHTS_FILE))
     return out
 

@@ -1,0 +1,146 @@
+"""`eagle`: feature-level autoregressive drafting (EAGLE-1, EAGLE-2 trees).
+
+Owns: drafting rounds with a `FeatureNet` (eagle_net.py): its KV cache, the target
+features it is owed, chains and dynamic trees. `eagle3` and `mtp` (eagle3.py, mtp.py)
+are this drafter with another net.
+
+Invariant between rounds: the net's cache holds one entry per target feature received
+(entry t = feature of token t + embedding of token t+1, see eagle_net.py); features
+arrive with ``prefill`` and ``on_verified`` and are fed at the next ``propose``. A round's
+draft entries are scratch: ``on_verified`` truncates them, and the accepted tokens are
+re-fed with the target's true features, as EAGLE does.
+
+Chains (``topk = 1``) sample d_k from q_k (the net's distribution over its draft
+vocabulary, after the target's temperature / top-k / top-p; 0 outside the vocabulary),
+which the verifier uses. Trees (``topk > 1``) grow EAGLE-2 style (draft_tree.grow_tree):
+each node's entry takes its parent's output feature; children are the top-k tokens, so
+q is one-hot and the tree verifier's multi-draft rule keeps it lossless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from specdecode.config import SpecConfig, SpecDecodeError
+from specdecode.drafters.base import Draft, DrafterContext
+from specdecode.drafters.draft_tree import grow_tree
+from specdecode.drafters.eagle_net import FeatureNet
+from specdecode.drafters.learned import PendingFeatures, load_net, resolve_weights
+from specdecode.engine.batch import Batch, pad_right
+from specdecode.kv_cache import ContiguousKVCache
+from specdecode.sampling import logits_to_probs, sample
+from specdecode.tree import check_node_budget
+
+
+@dataclass(frozen=True)
+class EagleOptions:
+    model: str | None = None  # folder from `specdecode train`; None = the weights shipped for this target
+    topk: int = 1  # children per expanded node; 1 = a chain
+    num_draft_tokens: int | None = None  # tree node budget; None = γ · topk
+
+    def __post_init__(self) -> None:
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise SpecDecodeError(f"model must be a folder path, got {self.model!r}")
+        if not isinstance(self.topk, int) or isinstance(self.topk, bool) or not 1 <= self.topk <= 16:
+            raise SpecDecodeError(f"topk must be an integer in [1, 16], got {self.topk!r}")
+        check_node_budget(self.num_draft_tokens)
+
+
+class EagleDrafter:
+    Options: ClassVar[type] = EagleOptions
+    Net: ClassVar[type[FeatureNet]] = FeatureNet
+    default_num_speculative_tokens: ClassVar[int] = 4
+
+    def __init__(self, spec: SpecConfig, ctx: DrafterContext) -> None:
+        path = resolve_weights(self.Net.method, spec.options.model, ctx.target)
+        self.net: FeatureNet = load_net(self.Net, path, ctx.target.model, ctx.dtype, ctx.device)
+        self.hidden_layers: tuple[int, ...] = self.net.hidden_layers
+        self.vocab_size = ctx.target.config.vocab_size
+        self.device = ctx.device
+        self.gamma = spec.num_speculative_tokens
+        self.topk: int = spec.options.topk
+        self.budget: int = spec.options.num_draft_tokens or self.gamma * self.topk
+        self.pending = PendingFeatures()
+        self.cache: ContiguousKVCache | None = None
+
+    def max_draft_tokens(self, num_tokens: int) -> int:
+        return num_tokens if self.topk == 1 else self.budget
+
+    def prefill(self, batch: Batch, rows: list[int], hidden: list[torch.Tensor] | None = None) -> None:
+        assert hidden is not None, "eagle reads the target's features"
+        room = max(self.gamma, self.topk * self.gamma, self.budget) + 2
+        body = self.net.body
+        joined = body.new_cache(len(rows), batch.capacity + room)
+        self.cache = joined if self.cache is None or self.cache.batch_size == 0 else self.cache.concat_rows(joined)
+        self.pending.add_rows(hidden)
+
+    def _feed_pending(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed every row's owed (feature, next token) entries and commit them; returns the
+        draft-vocabulary logits [B, Vd] and output feature [B, H] at each row's last entry."""
+        assert self.cache is not None
+        features, starts = self.pending.take()
+        lengths = [len(f) for f in features]
+        if min(lengths) < 1:
+            raise RuntimeError("eagle: propose called twice without on_verified")
+        net = self.net
+        states = torch.nn.utils.rnn.pad_sequence([net.fuse_features(f) for f in features], batch_first=True)
+        tokens, _ = pad_right(
+            [s.token_ids[start + 1 : start + 1 + n] for s, start, n in zip(batch.seqs, starts, lengths)], self.device
+        )
+        positions = self.cache.lengths[:, None] + torch.arange(tokens.shape[1], device=self.device)
+        at = torch.tensor(lengths, device=self.device)[:, None] - 1
+        logits, out = net(states.to(net.fc.weight.dtype), tokens, positions, self.cache, logits_at=at)
+        self.cache.commit(at[:, 0] + 1)
+        return logits[:, 0], out[:, 0]
+
+    def propose(self, batch: Batch, num_tokens: int) -> Draft:
+        assert self.cache is not None
+        logits, out = self._feed_pending(batch)
+        roots = [s.token_ids[-1] for s in batch.seqs]
+        if self.topk > 1:
+            full = self.net.full_logits(logits, self.vocab_size)
+            return grow_tree(self._score_block, full, roots, num_tokens, self.topk, self.budget, root_states=out)
+        drafts, qs = [], []
+        for k in range(num_tokens):
+            if batch.all_greedy:  # one-hot q: the verifier needs no distribution
+                token = self.net.vocab_ids[logits.argmax(dim=-1)]
+            else:
+                full = self.net.full_logits(logits, self.vocab_size)
+                q = logits_to_probs(full[:, None], batch.temperature, batch.top_k, batch.top_p)[:, 0]  # [B, V]
+                token = sample(q, batch.generators)
+                qs.append(q)
+            drafts.append(token)
+            if k + 1 < num_tokens:  # entry (own output, d_k): its output predicts d_{k+1}
+                positions = self.cache.lengths[:, None]
+                step_logits, step_out = self.net(out[:, None], token[:, None], positions, self.cache)
+                self.cache.commit(torch.ones_like(self.cache.lengths))
+                logits, out = step_logits[:, 0], step_out[:, 0]
+        q_all = torch.stack(qs, dim=1) if qs else None  # [B, γ, V]
+        return Draft(tokens=torch.stack(drafts, dim=1), q=q_all)
+
+    def _score_block(
+        self, tokens: torch.Tensor, depths: torch.Tensor, mask: torch.Tensor, at: torch.Tensor,
+        parent_states: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """A block of tree nodes, each fed its parent's output feature (not committed)."""
+        assert self.cache is not None and parent_states is not None
+        positions = self.cache.lengths[:, None] + depths - 1  # depth-1 nodes take the next free slot
+        logits, out = self.net(parent_states, tokens, positions, self.cache, block_mask=mask, logits_at=at)
+        return self.net.full_logits(logits, self.vocab_size), out
+
+    def on_verified(
+        self, batch: Batch, num_accepted: torch.Tensor, aux_logits: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
+        assert self.cache is not None and hidden is not None
+        # drop this round's draft entries: only entries with the target's features stay
+        self.cache.truncate(torch.tensor(self.pending.consumed, device=self.cache.lengths.device))
+        self.pending.add_verified(hidden, num_accepted)
+
+    def select_rows(self, rows: list[int]) -> None:
+        if self.cache is not None:
+            self.cache.select_rows(torch.tensor(rows, dtype=torch.long))
+        self.pending.select_rows(rows)

@@ -1,0 +1,234 @@
+"""The feature-level draft network shared by `eagle`, `eagle3` and `mtp`, and its training loss.
+
+Owns: `FeatureNet` (fc over [token embedding; feature] → a few decoder layers → norm →
+the target's LM head restricted to a draft vocabulary) and its `FeatureConfig`.
+Does not own: drafting rounds (eagle.py), the training loop (specdecode/train/).
+
+Autoregression in feature space (EAGLE). Entry ``t`` of a sequence pairs the feature
+``g_t`` of token t with the embedding of token t+1; its output ``o_t`` is a prediction of
+the target's feature at t+1, so ``head(norm(o_t))`` predicts token t+2. On committed
+tokens ``g_t`` is the target's own feature (EAGLE: the last layer's residual stream;
+EAGLE-3: three layers fused by a Linear; MTP: the last layer's, both inputs RMS-normed as
+DeepSeek-V3 does). Past the committed tokens the net feeds on its own outputs.
+
+Training-time test (EAGLE-3): with ``train_steps = K`` the loss unrolls K draft steps.
+Step k's entry at t takes the previous step's output and token t+k and predicts token
+t+k+1; it sees step 1's entries at positions ≤ t and its own earlier steps at t, exactly
+the keys a k-th draft step sees at inference.
+
+Draft vocabulary (EAGLE-3): the LM head keeps only the ``draft_vocab`` most frequent
+tokens of the training corpus (`prepare`), which makes a draft step several times
+cheaper; q is 0 outside it, so verification stays exact. The head's rows are the
+target's, rebuilt at load (not saved), so the saved file holds only the net's own layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specdecode.config import SpecDecodeError
+from specdecode.drafters.learned import TrainBatch
+from specdecode.kv_cache import KVCache, NoCache
+from specdecode.model.transformer import RMSNorm, Transformer
+
+_UNSAVED = ("body.lm_head.weight", "body.embed.weight")  # rebuilt from the target
+
+
+@dataclass(frozen=True)
+class FeatureConfig:
+    feature_layers: tuple[int, ...] | None = None  # target layers fused (None: the method's default)
+    num_layers: int = 1  # decoder layers of the target's shape
+    draft_vocab: int = 8192  # LM head rows kept (0, or more than the target has = the whole vocabulary)
+    norm_inputs: bool = False  # RMS-norm the feature and the embedding before fc (MTP)
+    feature_loss: float = 0.1  # weight of smooth-L1 from o_t to the target's feature at t+1 (EAGLE-1)
+    train_steps: int = 1  # training-time test: draft steps unrolled in the loss
+
+    def __post_init__(self) -> None:
+        if isinstance(self.feature_layers, list):
+            object.__setattr__(self, "feature_layers", tuple(self.feature_layers))
+        layers = self.feature_layers
+        if layers is not None and (not layers or not all(isinstance(i, int) for i in layers)):
+            raise SpecDecodeError(f"feature_layers must be a non-empty list of layer indices, got {layers!r}")
+        for name, lo in (("num_layers", 1), ("draft_vocab", 0), ("train_steps", 1)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise SpecDecodeError(f"{name} must be an integer >= {lo}, got {v!r}")
+        if not isinstance(self.feature_loss, (int, float)) or self.feature_loss < 0:
+            raise SpecDecodeError(f"feature_loss must be >= 0, got {self.feature_loss!r}")
+
+
+@dataclass(frozen=True)
+class _Borrowed:
+    """The target, held outside the module tree: its weights are neither trained, saved nor cast."""
+
+    target: Transformer
+
+
+class FeatureNet(nn.Module):
+    """EAGLE's draft network (the `DraftNet` of eagle / eagle3 / mtp)."""
+
+    Config: ClassVar[type] = FeatureConfig
+    method: ClassVar[str] = "eagle"
+
+    @staticmethod
+    def default_layers(num_layers: int) -> tuple[int, ...]:
+        return (num_layers - 1,)  # the last layer's residual stream (before the final norm)
+
+    @classmethod
+    def from_target(cls, config: FeatureConfig, target: Transformer) -> "FeatureNet":
+        return cls(config, target)
+
+    def __init__(self, config: FeatureConfig, target: Transformer) -> None:
+        super().__init__()
+        tc = target.config
+        layers = config.feature_layers or self.default_layers(tc.num_layers)
+        if not all(-1 <= i < tc.num_layers for i in layers):
+            raise SpecDecodeError(f"feature_layers {layers} outside the target's {tc.num_layers} layers")
+        vocab = min(config.draft_vocab or tc.vocab_size, tc.vocab_size)  # at most the whole vocabulary
+        self.config = replace(config, feature_layers=tuple(layers), draft_vocab=vocab)
+        self.hidden_layers: tuple[int, ...] = tuple(layers)
+        self.borrowed = _Borrowed(target)
+        H = tc.hidden_size
+        self.fuse = nn.Linear(len(layers) * H, H, bias=False) if len(layers) > 1 else nn.Identity()
+        self.fc = nn.Linear(2 * H, H, bias=False)
+        norm = lambda: RMSNorm(H, tc.rms_norm_eps, tc.norm_offset) if config.norm_inputs else nn.Identity()  # noqa: E731
+        self.embed_norm, self.feature_norm = norm(), norm()
+        body = replace(tc, vocab_size=1, num_layers=config.num_layers, layer_types=(), sliding_window=None,
+                       local_rope=None, tie_embeddings=False)  # fmt: skip
+        self.body = Transformer(body).to(target.norm.weight.device)
+        self.body.lm_head = nn.Linear(H, vocab, bias=False)
+        self.body.requires_grad_(True)
+        self.body.embed.requires_grad_(False)  # unused: the body is fed embeddings
+        self.body.lm_head.requires_grad_(False)
+        self.register_buffer("vocab_ids", torch.arange(vocab))  # draft vocabulary -> target token ids
+        self._init_from_target(target)
+
+    @torch.no_grad()
+    def _init_from_target(self, target: Transformer) -> None:
+        """Warm start: the decoder layers copy the target's last ones, the norm its final norm."""
+        for i, layer in enumerate(self.body.layers):
+            src = target.layers[len(target.layers) - len(self.body.layers) + i]
+            try:
+                layer.load_state_dict(src.state_dict())
+            except RuntimeError:  # a quantized target: keep the random init
+                pass
+        self.body.norm.load_state_dict(target.norm.state_dict())
+        H = target.config.hidden_size
+        eye = torch.eye(H, dtype=self.fc.weight.dtype, device=self.fc.weight.device)
+        self.fc.weight.copy_(torch.cat([0.5 * eye, 0.5 * eye], dim=1))  # start as the mean of the inputs
+        self._build_head()
+
+    @torch.no_grad()
+    def _build_head(self) -> None:
+        """The head's rows: the target's LM head rows of the draft vocabulary (any linear kind)."""
+        target = self.borrowed.target
+        H = target.config.hidden_size
+        eye = torch.eye(H, dtype=target.norm.weight.dtype, device=target.norm.weight.device)
+        rows = target.lm_head(eye).T[self.vocab_ids.to(eye.device)]  # [Vd, H]
+        self.body.lm_head.weight.copy_(rows.to(self.body.lm_head.weight))
+
+    @torch.no_grad()
+    def prepare(self, token_counts: Tensor) -> None:
+        """Keep the ``draft_vocab`` most frequent tokens of the training corpus (counts [V])."""
+        ids = token_counts.float().topk(self.config.draft_vocab).indices.sort().values
+        self.vocab_ids.copy_(ids.to(self.vocab_ids))
+        self._build_head()
+
+    def load_state_dict(self, state, strict: bool = True, assign: bool = False):  # type: ignore[override]
+        out = super().load_state_dict(state, strict=strict, assign=assign)
+        self._build_head()  # the vocabulary may have changed
+        return out
+
+    def saved_state(self) -> dict[str, Tensor]:
+        return {k: v for k, v in self.state_dict().items() if k not in _UNSAVED}
+
+    def fuse_features(self, hidden: Tensor) -> Tensor:
+        """[..., len(feature_layers) * H] target features -> [..., H] entry states."""
+        return self.fuse(hidden)
+
+    def forward(
+        self,
+        states: Tensor,
+        tokens: Tensor,
+        positions: Tensor,
+        cache: KVCache,
+        block_mask: Tensor | None = None,
+        logits_at: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Entries (state, token) [B, T, H], [B, T] -> draft-vocabulary logits [B, T or K, Vd]
+        and outputs [B, T or K, H] (each entry's predicted next feature)."""
+        target = self.borrowed.target
+        emb = target.embed(tokens)
+        if target.config.embed_scale != 1.0:
+            emb = emb * emb.new_tensor(target.config.embed_scale)
+        x = self.fc(torch.cat([self.embed_norm(emb.to(states.dtype)), self.feature_norm(states)], dim=-1))
+        last = len(self.body.layers) - 1
+        logits, (out,) = self.body(
+            None, positions, cache, block_mask=block_mask, logits_at=logits_at, hidden_layers=(last,), embeds=x
+        )
+        if logits_at is not None:
+            out = out.gather(1, logits_at[:, :, None].expand(-1, -1, out.shape[-1]))
+        return logits, out
+
+    def full_logits(self, logits: Tensor, vocab_size: int) -> Tensor:
+        """Draft-vocabulary logits [..., Vd] -> [..., V] with -inf outside the draft vocabulary."""
+        full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+        return full.scatter_(-1, self.vocab_ids.expand(*logits.shape[:-1], -1), logits)
+
+    # ---- training --------------------------------------------------------------------
+
+    def training_loss(self, batch: TrainBatch) -> tuple[Tensor, dict[str, float]]:
+        tokens, mask = batch.tokens, batch.mask
+        B, T = tokens.shape
+        K = min(self.config.train_steps, T - 1)
+        n = T - K  # entries t = 0 .. n-1 have a label at every step
+        g = self.fuse(batch.hidden[:, :n].to(self.fc.weight.dtype))  # [B, n, H]
+        losses, metrics = [], {}
+        states, steps_tokens, out = [], [], None
+        for k in range(1, K + 1):
+            states.append(g if k == 1 else out)
+            steps_tokens.append(tokens[:, k : k + n])
+            logits, out_all = self._unrolled(states, steps_tokens, n)
+            q_logits, out = logits[:, -n:], out_all[:, -n:]  # step k's entries
+            p = batch.logits[:, k : k + n].float().softmax(dim=-1)  # [B, n, V]: the target's for token t+k+1
+            valid = mask[:, k : k + n]
+            logq = q_logits.float().log_softmax(dim=-1)
+            ce = -(p[..., self.vocab_ids] * logq).sum(-1)
+            loss = (ce * valid).sum() / valid.sum().clamp(min=1)
+            if k == 1 and self.config.feature_loss > 0 and isinstance(self.fuse, nn.Identity):
+                f_next = batch.hidden[:, 1 : 1 + n].to(out.dtype)  # EAGLE-1: regress the next feature
+                reg = F.smooth_l1_loss(out, f_next, reduction="none").mean(-1)
+                loss = loss + self.config.feature_loss * (reg * valid).sum() / valid.sum().clamp(min=1)
+            losses.append(loss * 0.8 ** (k - 1))
+            with torch.no_grad():
+                hit = (self.vocab_ids[q_logits.argmax(-1)] == p.argmax(-1)).float()
+                metrics[f"acc@{k}"] = float((hit * valid).sum() / valid.sum().clamp(min=1))
+                if k == 1:
+                    overlap = torch.minimum(p[..., self.vocab_ids], logq.exp()).sum(-1)
+                    metrics["alpha@1"] = float((overlap * valid).sum() / valid.sum().clamp(min=1))
+        total = torch.stack(losses).sum()
+        metrics["loss"] = float(total.detach())
+        return total, metrics
+
+    def _unrolled(self, states: list[Tensor], tokens: list[Tensor], n: int) -> tuple[Tensor, Tensor]:
+        """One differentiable pass over steps 1..k's entries, laid out step after step."""
+        k = len(states)
+        device = tokens[0].device
+        t = torch.arange(n, device=device)
+        positions = torch.cat([t + j for j in range(k)])  # step j+1's entry at t sits at t + j
+        step = torch.arange(k, device=device).repeat_interleave(n)
+        col = t.repeat(k)
+        # step-1 entries causally; a later step's entry at t also sees its own earlier steps at t
+        sees_first = (step[None, :] == 0) & (col[None, :] <= col[:, None])
+        sees_own = (col[None, :] == col[:, None]) & (step[None, :] <= step[:, None])
+        mask = (sees_first | sees_own)[None].expand(tokens[0].shape[0], -1, -1)
+        B = tokens[0].shape[0]
+        return self(
+            torch.cat(states, dim=1), torch.cat(tokens, dim=1), positions[None].expand(B, -1), NoCache(B, device),
+            block_mask=mask,
+        )  # fmt: skip

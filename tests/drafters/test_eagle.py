@@ -1,0 +1,98 @@
+"""The feature net of eagle / eagle3 / mtp without the engine: training lowers the loss,
+training-time test matches what drafting computes, files hold only the net's own weights,
+and bad folders or configs get one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode import LLM
+from specdecode.config import SpecDecodeError
+from specdecode.drafters.eagle3 import Eagle3Net
+from specdecode.drafters.eagle_net import FeatureConfig, FeatureNet
+from specdecode.drafters.learned import load_net, net_config, save_net
+from specdecode.drafters.mtp import MtpNet
+from specdecode.model.loader import load_model
+from tests.learned import target_samples, train_batch, train_net
+from tests.tiny import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("t") / "target", "llama", seed=0)
+    return str(path), load_model(str(path), dtype=torch.float32, device="cpu").model
+
+
+@pytest.mark.parametrize("cls", [FeatureNet, Eagle3Net, MtpNet])
+def test_training_lowers_loss_and_raises_acceptance(target, cls):
+    _, model = target
+    net = cls.from_target(cls.Config(draft_vocab=0), model)
+    history = train_net(net, model, steps=30, seed=1)
+    assert history[-1]["loss"] < 0.7 * history[0]["loss"]
+    assert history[-1]["alpha@1"] > history[0]["alpha@1"]
+
+
+def test_eagle3_fuses_three_layers_and_unrolls_three_steps(target):
+    _, model = target
+    net = Eagle3Net.from_target(Eagle3Net.Config(), model)
+    assert len(net.hidden_layers) == 3 and net.config.train_steps == 3
+    _, metrics = net.training_loss(train_batch(model, target_samples(model, 2, 10), net.hidden_layers))
+    assert {"acc@1", "acc@2", "acc@3", "alpha@1"} <= set(metrics)
+
+
+def test_training_time_test_sees_what_drafting_sees(target):
+    """Step 2 of the unrolled loss equals a second draft step: the entry (own output, next
+    token) over the cached true entries."""
+    _, model = target
+    torch.manual_seed(0)
+    net = Eagle3Net.from_target(Eagle3Net.Config(train_steps=2, draft_vocab=0), model)
+    tokens = target_samples(model, 1, 9)
+    batch = train_batch(model, tokens, net.hidden_layers)
+    T, n = tokens.shape[1], tokens.shape[1] - 2
+    g = net.fuse_features(batch.hidden[:, :n])
+    with torch.no_grad():
+        _, out1 = net._unrolled([g], [tokens[:, 1 : 1 + n]], n)
+        logits2, _ = net._unrolled([g, out1], [tokens[:, 1 : 1 + n], tokens[:, 2 : 2 + n]], n)
+        for t in (0, 3, n - 1):  # drafting after the true entries 0..t
+            cache = net.body.new_cache(1, T + 2)
+            _, out = net(g[:, : t + 1], tokens[:, 1 : t + 2], torch.arange(t + 1)[None], cache)
+            cache.commit(torch.tensor([t + 1]))
+            step2, _ = net(out[:, t : t + 1], tokens[:, t + 2 : t + 3], torch.tensor([[t + 1]]), cache)
+            torch.testing.assert_close(step2[0, 0], logits2[0, n + t], rtol=1e-4, atol=1e-4)
+
+
+def test_saved_folder_holds_only_the_nets_weights(target, tmp_path):
+    _, model = target
+    net = FeatureNet.from_target(FeatureConfig(draft_vocab=50), model)
+    net.prepare(torch.arange(model.config.vocab_size))  # the 50 largest counts: ids 78..127
+    out = save_net(net, model, tmp_path / "eagle")
+    loaded = load_net(FeatureNet, out, model, torch.float32, torch.device("cpu"))
+    assert loaded.vocab_ids.tolist() == list(range(78, 128))
+    assert not any("embed" in k or "lm_head" in k for k in loaded.saved_state())
+    head = model.lm_head.weight[78:128]
+    torch.testing.assert_close(loaded.body.lm_head.weight, head)  # rebuilt from the target
+    assert model.embed.weight.dtype == torch.float32  # the borrowed target was not cast
+
+
+def test_bad_folders_and_configs_get_one_line(target, tmp_path):
+    path, model = target
+    net = MtpNet.from_target(MtpNet.Config(), model)
+    mtp_dir = save_net(net, model, tmp_path / "mtp")
+    cases = [
+        ({"method": "eagle", "model": str(mtp_dir)}, "holds a 'mtp' drafter"),
+        ({"method": "eagle", "model": str(tmp_path / "nowhere")}, "is not a folder"),
+        ({"method": "eagle"}, "no eagle weights ship"),
+        ({"method": "eagle", "topk": 0}, "topk must be"),
+    ]
+    for spec, words in cases:
+        with pytest.raises(SpecDecodeError, match=words):
+            LLM(model=path, speculative_config=spec, dtype="float32", device="cpu")
+    other = load_model(str(make_tiny_checkpoint(tmp_path / "other", "llama", hidden_size=32)), dtype=torch.float32,
+                       device="cpu").model  # fmt: skip
+    with pytest.raises(SpecDecodeError, match="trained for a target"):
+        load_net(MtpNet, mtp_dir, other, torch.float32, torch.device("cpu"))
+    with pytest.raises(SpecDecodeError, match="unknown eagle net key"):
+        net_config(FeatureNet, {"layers": 3})
+    with pytest.raises(SpecDecodeError, match="outside the target"):
+        FeatureNet.from_target(FeatureConfig(feature_layers=(7,)), model)
