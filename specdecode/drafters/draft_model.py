@@ -26,6 +26,7 @@ from specdecode.drafters.base import Draft, DrafterContext
 from specdecode.engine.batch import Batch, pad_right
 from specdecode.kv_cache import KVCache
 from specdecode.model.loader import load_model
+from specdecode.model.transformer import Transformer
 from specdecode.drafters.draft_tree import fill_static_tree, grow_tree
 from specdecode.sampling import logits_to_probs, sample
 from specdecode.tree import MAX_TREE_NODES, TreeShape, check_node_budget, parse_token_tree
@@ -41,6 +42,10 @@ class DraftModelOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise SpecDecodeError('draft_model needs "model": the path of a checkpoint with the target\'s tokenizer')
+        self.check_shape()
+
+    def check_shape(self) -> None:
+        """The chain / tree options (shared with layer_skip, which drafts the same way)."""
         if not isinstance(self.topk, int) or not 1 <= self.topk <= 16:
             raise SpecDecodeError(f"topk must be an integer in [1, 16], got {self.topk!r}")
         budget = self.num_draft_tokens
@@ -68,12 +73,10 @@ class DraftModelDrafter:
     Options: ClassVar[type] = DraftModelOptions
     default_num_speculative_tokens: ClassVar[int] = 4
     hidden_layers: tuple[int, ...] = ()
+    from specdecode.train.distill import DistillNet as Net  # the network `specdecode train` distils
 
     def __init__(self, spec: SpecConfig, ctx: DrafterContext) -> None:
-        path = spec.options.model
-        loaded = load_model(path, dtype=ctx.dtype, device=ctx.device, quantization=ctx.quantization)
-        check_same_vocab(ctx.target, loaded, path)
-        self.model = loaded.model
+        self.model = self.draft_network(spec, ctx)
         self.ctx = ctx
         self.gamma = spec.num_speculative_tokens
         self.topk: int = spec.options.topk
@@ -81,6 +84,13 @@ class DraftModelDrafter:
         tree = spec.options.speculative_token_tree
         self.static_tree: TreeShape | None = parse_token_tree(tree) if tree is not None else None
         self.cache: KVCache | None = None
+
+    def draft_network(self, spec: SpecConfig, ctx: DrafterContext) -> Transformer:
+        """The network that drafts: the checkpoint at ``model`` (layer_skip: the target's first layers)."""
+        path = spec.options.model
+        loaded = load_model(path, dtype=ctx.dtype, device=ctx.device, quantization=ctx.quantization)
+        check_same_vocab(ctx.target, loaded, path)
+        return loaded.model
 
     def max_draft_tokens(self, num_tokens: int) -> int:
         if self.static_tree is not None:

@@ -1,0 +1,51 @@
+"""`layer_skip` (early exit): exact greedy, the target's sampled distribution, shared
+weights, and one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdecode import LLM, SamplingParams
+from specdecode.config import SpecDecodeError
+from tests.engine.checks import assert_greedy_matches_plain, assert_target_distribution, exact_joint, joint_chisquare
+from tests.tiny import make_tiny_checkpoint
+
+PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4, 4, 6], [11], [2, 3, 2, 3, 2, 3, 2, 3, 2]]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("shape", [{}, {"exit_layer": 2, "topk": 2}])
+def test_greedy_equals_plain(tmp_path, arch, shape):
+    path = str(make_tiny_checkpoint(tmp_path / arch, arch, seed=0))
+    plain = LLM(model=path, dtype="float32", device="cpu")
+    spec = {"method": "layer_skip", "num_speculative_tokens": 3, **shape}
+    llm = LLM(model=path, speculative_config=spec, dtype="float32", device="cpu")
+    out = assert_greedy_matches_plain(llm, plain, PROMPTS, 25, (arch, shape))
+    assert sum(o.metrics.num_accepted_tokens for o in out) > 0
+    draft = llm.engine.drafter.model
+    assert draft.layers[0] is llm.target.model.layers[0] and len(draft.layers) == shape.get("exit_layer", 1)
+
+
+def test_sampled_joint_distribution_matches_target(tmp_path):
+    V, n, samples, temperature = 6, 3, 3000, 1.0
+    path = str(make_tiny_checkpoint(tmp_path / "t", "llama", seed=0, vocab_size=V))
+    llm = LLM(model=path, speculative_config={"method": "layer_skip", "num_speculative_tokens": 2}, dtype="float32",
+              device="cpu")  # fmt: skip
+    prompt = [1, 2, 3, 4, 1, 5, 1, 2, 0, 1]
+    want = exact_joint(llm, prompt, n, temperature, 0)
+    params = [SamplingParams(temperature=temperature, max_tokens=n, seed=s, ignore_eos=True) for s in range(samples)]
+    outs = llm.generate([prompt] * samples, params)
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+    test = joint_chisquare([o.token_ids for o in outs], want, V, n)
+    assert_target_distribution(test, llm, prompt, n, temperature, 0, want)
+
+
+@pytest.mark.parametrize(
+    "spec,words",
+    [({"exit_layer": 3}, "below the target's 3 layers"), ({"exit_layer": 0}, "exit_layer must be"),
+     ({"model": "x"}, "takes no \"model\""), ({"topk": 0}, "topk must be")],
+)
+def test_bad_options_get_one_line(tmp_path, spec, words):
+    path = str(make_tiny_checkpoint(tmp_path / "t", "llama", seed=0))
+    with pytest.raises(SpecDecodeError, match=words):
+        LLM(model=path, speculative_config={"method": "layer_skip", **spec}, dtype="float32", device="cpu")
