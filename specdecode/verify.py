@@ -5,7 +5,8 @@ drafter, with its probabilities q or with q = None for a deterministic drafter) 
 RNG-free special case for all-greedy batches (`greedy_verify`); the same two for draft
 trees (`tree_rejection_sample`, `tree_greedy_verify`), which also return the accepted
 path's node indices. All return, per row, the accepted draft tokens followed by one
-recovered or bonus token.
+recovered or bonus token. Also the one LOSSY opt-in, Medusa's typical acceptance of a
+chain (`typical_verify`), which the engine flags on every request it decides.
 Does not own: turning logits into p and q (sampling.py), proposing drafts (drafters/),
 tree shapes and masks (tree.py), or rolling back caches after a rejection (engine/).
 
@@ -316,3 +317,40 @@ def _per_row(generator: torch.Generator | Sequence[torch.Generator | None] | Non
     if len(generators) != B:
         raise ValueError(f"need one generator per row: {B} rows, {len(generators)} generators")
     return generators
+
+
+def typical_verify(
+    p: Tensor,
+    draft_tokens: Tensor,
+    threshold: float,
+    alpha: float,
+    generator: torch.Generator | Sequence[torch.Generator | None] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Medusa's typical acceptance of a chain (Cai et al. 2024). LOSSY: opt-in only.
+
+    p: [B, γ+1, V] target probabilities (after temperature / top-k / top-p);
+    draft_tokens: [B, γ] int64, -1 padded. Draft d_k is accepted while
+    ``p_k(d_k) > min(threshold, alpha · exp(-H(p_k)))`` (ε and δ in the paper); at the
+    first rejected position, or after the last draft, one token is sampled from p there.
+    Returns (output_tokens [B, γ+1] padded with -1, num_accepted [B]), as
+    `rejection_sample`. Unlike it, the output does *not* follow the target's
+    distribution (likely-enough drafts are kept more often than the target would emit
+    them); for a one-hot (greedy) p it equals `greedy_verify`. Row b consumes V
+    exponentials per call.
+    """
+    B, gamma_plus_1, _ = p.shape
+    gamma = gamma_plus_1 - 1
+    if draft_tokens.shape != (B, gamma):
+        raise ValueError(f"draft_tokens must be [B, γ] = [{B}, {gamma}], got {list(draft_tokens.shape)}")
+    generators = _per_row(generator, B)
+    rows = torch.arange(B, device=p.device)
+    p = p.float()
+    valid = (draft_tokens >= 0).cumprod(dim=1).bool()  # [B, γ]
+    p_draft = p[:, :gamma].gather(2, draft_tokens.clamp_min(0)[:, :, None])[:, :, 0]  # [B, γ] p_k(d_k)
+    entropy = torch.special.entr(p[:, :gamma]).sum(dim=-1)  # [B, γ] H(p_k) in nats
+    bound = torch.clamp(alpha * torch.exp(-entropy), max=threshold)  # [B, γ]
+    accept = (p_draft > bound) & valid  # [B, γ]
+    num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [B]
+    last = sample(p[rows, num_accepted], generators)  # [B] from the target at the stop position
+    positions = torch.arange(gamma + 1, device=p.device)  # [γ+1]
+    return _assemble(draft_tokens, num_accepted, last, positions), num_accepted

@@ -32,12 +32,17 @@ class Draft:
     committed token (``batch.seqs[b].token_ids[-1]``); ``tokens`` is then
     ``tree.tokens[:, 1:]`` and ``q``, if given, is [B, N, V] indexed by node (the
     distribution node n's token was drawn from). Siblings are tried in node order.
+
+    ``typical`` = (ε, δ) asks for Medusa's typical acceptance of a chain instead of
+    rejection sampling (`specdecode.verify.typical_verify`). It is LOSSY: the output no
+    longer follows the target's distribution, and the engine flags the requests ``lossy``.
     """
 
     tokens: torch.Tensor
     q: torch.Tensor | None = None
     tree: "TreeBatch | None" = None
     aux: "AuxBranch | None" = None  # extra nodes that ride along in the verify pass (needs a tree)
+    typical: tuple[float, float] | None = None  # LOSSY opt-in: (posterior_threshold ε, posterior_alpha δ)
 
     @staticmethod
     def from_tree(tree: "TreeBatch", q: torch.Tensor | None = None, aux: "AuxBranch | None" = None) -> "Draft":

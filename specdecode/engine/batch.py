@@ -23,6 +23,7 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    lossy: bool = False  # decoded with a lossy opt-in (typical acceptance): not the target's distribution
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         if num_draft == 0:

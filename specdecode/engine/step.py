@@ -32,7 +32,7 @@ from specdecode.kv_cache import KVCache
 from specdecode.model.loader import LoadedModel
 from specdecode.sampling import logits_to_probs
 from specdecode.tree import commit_paths
-from specdecode.verify import greedy_verify, rejection_sample, tree_greedy_verify, tree_rejection_sample
+from specdecode.verify import greedy_verify, rejection_sample, tree_greedy_verify, tree_rejection_sample, typical_verify
 
 
 @dataclass
@@ -129,8 +129,14 @@ class Engine:
         positions = cache.lengths[:, None] + torch.arange(1 + width, device=self.device)
         valid = torch.arange(1 + width, device=self.device)[None, :] <= num_draft[:, None]  # a row pays for its own drafts
         logits, hidden = self._target(tokens, positions, cache, valid=valid)  # [B, 1 + w, V], [B, 1 + w, F]
+        if draft.typical is not None:  # LOSSY opt-in (Medusa's typical acceptance): flag the requests
+            for seq in batch.seqs:
+                seq.stats.lossy = True
         if batch.all_greedy:
             out, num_accepted = greedy_verify(logits.argmax(dim=-1), draft_tokens)
+        elif draft.typical is not None:
+            p = logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p)
+            out, num_accepted = typical_verify(p, draft_tokens, *draft.typical, batch.generators)
         else:
             p = logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p)
             out, num_accepted = rejection_sample(p, q, draft_tokens, batch.generators)

@@ -221,6 +221,8 @@ def _print_stats(r: dict[str, Any], speculative: bool) -> None:
             f"mean accepted length τ: {m['mean_accepted_length']:.2f}  over {m['num_drafts']} rounds",
             f"acceptance by position: [{by_pos}]",
         ]
+        if m["lossy"]:
+            lines.append("LOSSY: typical acceptance; the output is not guaranteed to follow the target's distribution")
     lines.append(f"tokens/s: {r['tokens_per_s']:.1f}  ({m['num_generated_tokens']} tokens in {m['wall_time_s']:.2f} s)")
     lines.append(f"kernels: {r['kernels']}")
     if "speedup" in r:

@@ -59,6 +59,7 @@ class RequestMetrics(SpecStats):
             "first_token_time_s": self.first_token_time_s,
             "tokens_per_s": self.tokens_per_s,
             "decode_tokens_per_s": self.decode_tokens_per_s,
+            "lossy": self.lossy,
         }
 
 

@@ -1,0 +1,122 @@
+"""`medusa` end to end on tiny random targets with randomly initialised heads, in fp32:
+greedy equals plain greedy (chain, static tree; batch 1 and 4; served concurrently),
+sampling follows the target's distribution, and typical acceptance is flagged lossy."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from specdecode import LLM, SamplingParams
+from specdecode.config import SpecConfig
+from specdecode.drafters.learned import save_net
+from specdecode.engine import serving
+from specdecode.engine.serving import ServingEngine
+from specdecode.entrypoints.cli import _print_stats
+from tests.drafters.test_medusa import random_medusa
+from tests.engine.checks import (
+    assert_greedy_matches_plain,
+    assert_target_distribution,
+    exact_joint,
+    greedy,
+    joint_chisquare,
+    serve_all,
+)
+from tests.tiny import make_tiny_checkpoint
+
+PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4, 4, 6], [11], [2, 3, 2, 3, 2, 3, 2, 3, 2]]
+TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]]
+
+
+def medusa_folder(target_path, out, seed: int = 0) -> str:
+    target = LLM(model=str(target_path), dtype="float32", device="cpu").target.model
+    return str(save_net(random_medusa(target, seed=seed), target, out))
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("medusa_engine")
+    target = make_tiny_checkpoint(root / "target", "llama", seed=0)
+    return {"target": str(target), "medusa": medusa_folder(target, root / "medusa")}
+
+
+@pytest.fixture(scope="module")
+def plain(ckpts):
+    return LLM(model=ckpts["target"], dtype="float32", device="cpu")
+
+
+def specs(ckpts) -> dict[str, dict]:
+    return {
+        "chain": {"method": "medusa", "model": ckpts["medusa"], "num_speculative_tokens": 3},
+        "tree": {"method": "medusa", "model": ckpts["medusa"], "speculative_token_tree": TREE},
+        "default_tree": {"method": "medusa", "model": ckpts["medusa"], "speculative_token_tree": "default",
+                         "num_speculative_tokens": 2},
+        "typical": {"method": "medusa", "model": ckpts["medusa"], "acceptance": "typical"},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["chain", "tree", "default_tree"])
+def test_greedy_equals_plain(ckpts, plain, name):
+    llm = LLM(model=ckpts["target"], speculative_config=specs(ckpts)[name], dtype="float32", device="cpu")
+    for max_tokens in (1, 2, 17, 40):
+        batch = assert_greedy_matches_plain(llm, plain, PROMPTS, max_tokens, name)
+    assert batch[0].metrics.num_drafts > 0 and not batch[0].metrics.lossy
+
+
+@pytest.mark.parametrize("name", ["chain", "tree"])
+def test_served_concurrently_equals_alone(ckpts, plain, name):
+    lengths = [20, 7, 33, 25]
+    alone = [plain.generate([p], greedy(n))[0].token_ids for p, n in zip(PROMPTS, lengths)]
+    # max_num_seqs 2: rows join as others finish, so prefill / select_rows interleave with rounds
+    engine = ServingEngine(plain.target, SpecConfig.parse(specs(ckpts)[name]), max_model_len=64, max_num_seqs=2)
+    assert serve_all(engine, PROMPTS, [greedy(n) for n in lengths]) == alone
+
+
+@pytest.mark.parametrize("shape,temperature,top_k", [("chain", 1.0, 0), ("chain", 0.8, 3), ("tree", 0.9, 0)])
+def test_sampled_joint_distribution_matches_target(tmp_path, shape, temperature, top_k):
+    V, n, samples = 6, 3, 3000
+    target = make_tiny_checkpoint(tmp_path / "t", "llama", seed=0, vocab_size=V)
+    folder = medusa_folder(target, tmp_path / "m", seed=3)
+    spec = {"method": "medusa", "model": folder, "num_speculative_tokens": 2}
+    if shape == "tree":
+        spec["speculative_token_tree"] = [[0], [1], [0, 0], [0, 1], [2]]
+    llm = LLM(model=str(target), speculative_config=spec, dtype="float32", device="cpu")
+    prompt = [1, 2, 3, 4, 1, 5, 1, 2, 0, 1]
+    want = exact_joint(llm, prompt, n, temperature, top_k)
+    params = [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=n, seed=s, ignore_eos=True)
+              for s in range(samples)]  # fmt: skip
+    outs = llm.generate([prompt] * samples, params)
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+    assert not any(o.metrics.lossy for o in outs)
+    test = joint_chisquare([o.token_ids for o in outs], want, V, n)
+    assert_target_distribution(test, llm, prompt, n, temperature, top_k, want)
+
+
+@pytest.fixture
+def keep_typical(monkeypatch):
+    """`budget.apply_budgets` rebuilds a chain's Draft without its ``typical`` field; until it
+    keeps it, wrap it here so these tests reach the typical path (see the report of issue 4)."""
+    cut = serving.apply_budgets
+    monkeypatch.setattr(serving, "apply_budgets", lambda d, b: dataclasses.replace(cut(d, b), typical=d.typical))
+
+
+def test_typical_acceptance_is_flagged_lossy(ckpts, plain, keep_typical, capsys):
+    llm = LLM(model=ckpts["target"], speculative_config=specs(ckpts)["typical"], dtype="float32", device="cpu")
+    sampled = [SamplingParams(temperature=1.0, max_tokens=12, seed=s, ignore_eos=True) for s in range(4)]
+    outs = llm.generate(PROMPTS, sampled)
+    assert all(o.metrics.lossy and o.metrics.to_dict()["lossy"] for o in outs)
+    assert all(len(o.token_ids) == 12 for o in outs)
+    # greedy typical acceptance is greedy verification (still flagged: the option is lossy)
+    ref = plain.generate(PROMPTS, greedy(17))
+    got = llm.generate(PROMPTS, greedy(17))
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert all(o.metrics.lossy for o in got)
+    # the CLI's report says so; an exact run's does not
+    _print_stats({"metrics": outs[0].metrics.to_dict(), "tokens_per_s": 1.0, "kernels": "-"}, speculative=True)
+    exact = LLM(model=ckpts["target"], speculative_config=specs(ckpts)["chain"], dtype="float32", device="cpu")
+    out = exact.generate([PROMPTS[0]], sampled[0])[0]
+    _print_stats({"metrics": out.metrics.to_dict(), "tokens_per_s": 1.0, "kernels": "-"}, speculative=True)
+    report = capsys.readouterr().err.split("---")
+    assert "not guaranteed to follow the target's distribution" in report[1]
+    assert "LOSSY" not in report[2]
