@@ -18,6 +18,8 @@ request, down to 0; speculation is never switched off wholesale.
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -306,7 +308,7 @@ def apply_budgets(draft: Draft, budgets: torch.Tensor) -> Draft:
     is truncated; a tree loses its nodes deeper than the budget. q and aux nodes are kept."""
     if draft.tree is None:
         keep = torch.arange(draft.tokens.shape[1], device=draft.tokens.device)[None, :] < budgets[:, None]
-        return Draft(tokens=torch.where(keep, draft.tokens, -1), q=draft.q)
+        return dataclasses.replace(draft, tokens=torch.where(keep, draft.tokens, -1))  # q, typical kept
     tree = draft.tree
     if bool((tree.depth <= budgets[:, None]).all()):
         return draft

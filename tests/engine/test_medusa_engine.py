@@ -4,14 +4,12 @@ sampling follows the target's distribution, and typical acceptance is flagged lo
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 
 from specdecode import LLM, SamplingParams
 from specdecode.config import SpecConfig
 from specdecode.drafters.learned import save_net
-from specdecode.engine import serving
 from specdecode.engine.serving import ServingEngine
 from specdecode.entrypoints.cli import _print_stats
 from tests.drafters.test_medusa import random_medusa
@@ -93,15 +91,7 @@ def test_sampled_joint_distribution_matches_target(tmp_path, shape, temperature,
     assert_target_distribution(test, llm, prompt, n, temperature, top_k, want)
 
 
-@pytest.fixture
-def keep_typical(monkeypatch):
-    """`budget.apply_budgets` rebuilds a chain's Draft without its ``typical`` field; until it
-    keeps it, wrap it here so these tests reach the typical path (see the report of issue 4)."""
-    cut = serving.apply_budgets
-    monkeypatch.setattr(serving, "apply_budgets", lambda d, b: dataclasses.replace(cut(d, b), typical=d.typical))
-
-
-def test_typical_acceptance_is_flagged_lossy(ckpts, plain, keep_typical, capsys):
+def test_typical_acceptance_is_flagged_lossy(ckpts, plain, capsys):
     llm = LLM(model=ckpts["target"], speculative_config=specs(ckpts)["typical"], dtype="float32", device="cpu")
     sampled = [SamplingParams(temperature=1.0, max_tokens=12, seed=s, ignore_eos=True) for s in range(4)]
     outs = llm.generate(PROMPTS, sampled)
