@@ -1,0 +1,115 @@
+"""`dflash`: a block drafter that proposes γ tokens in one forward pass of a small net
+whose every layer reads the target's context through injected K/V (the net: dflash_net.py).
+
+Owns: the drafter's per-row context cache and the engine contract. Invariant between
+rounds: row b's cache holds the injected K/V of exactly the tokens whose target features
+it has been handed, ``token_ids[:-1]`` (prefill hands the prompt's, each ``on_verified``
+the round's root and accepted drafts), at slots = positions. It only ever holds
+committed tokens, so a rejection needs no rollback; the block a round drafts with
+writes its K/V past the row's length, as scratch the next write overwrites.
+Does not own: the network, its training loss or its weights' folder (dflash_net.py,
+learned.py).
+
+A round: the block ``[root, MASK × (S-1)]`` runs once; its first γ positions give the
+draft distributions q_1..q_γ, after the target's temperature / top-k / top-p. Draft
+token d_k is sampled from q_k (greedy rows: argmax, q one-hot), so the verifier's
+rejection sampling keeps the output exactly the target's. The draft tokens do not feed
+back into the block (they are drawn in parallel), which q_k accounts for: q_k is the
+distribution d_k was actually drawn from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from specdecode.config import SpecConfig, SpecDecodeError
+from specdecode.drafters.base import Draft, DrafterContext
+from specdecode.drafters.dflash_net import DFlashNet
+from specdecode.drafters.learned import load_net, resolve_weights
+from specdecode.engine.batch import Batch
+from specdecode.kv_cache import ContiguousKVCache
+from specdecode.sampling import logits_to_probs, sample
+
+
+@dataclass(frozen=True)
+class DFlashOptions:
+    # a folder written by `specdecode train --method dflash`; None = the weights shipped for the target
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise SpecDecodeError(
+                f'dflash "model" must be a folder path (or omitted for the shipped weights), got {self.model!r}'
+            )
+
+
+class DFlashDrafter:
+    Options: ClassVar[type] = DFlashOptions
+    Net: ClassVar[type] = DFlashNet
+    default_num_speculative_tokens: ClassVar[int] = 16  # the default block size: all of it in one pass
+
+    def __init__(self, spec: SpecConfig, ctx: DrafterContext) -> None:
+        path = resolve_weights("dflash", spec.options.model, ctx.target)
+        self.net: DFlashNet = load_net(DFlashNet, path, ctx.target.model, ctx.dtype, ctx.device)
+        self.gamma = spec.num_speculative_tokens
+        if self.gamma > self.net.block_size:
+            raise SpecDecodeError(
+                f"dflash drafts at most its block size of {self.net.block_size} tokens per pass; "
+                f"num_speculative_tokens is {self.gamma}"
+            )
+        self.hidden_layers: tuple[int, ...] = self.net.hidden_layers
+        self.ctx = ctx
+        self.cache: ContiguousKVCache | None = None
+
+    def max_draft_tokens(self, num_tokens: int) -> int:
+        return min(num_tokens, self.net.block_size)
+
+    def prefill(self, batch: Batch, rows: list[int], hidden: list[Tensor] | None = None) -> None:
+        assert hidden is not None, "dflash reads target features: the engine hands them with hidden_layers"
+        cfg = self.net.body.config
+        room = self.net.block_size + 1  # the block's scratch slots past the longest row
+        joined = ContiguousKVCache(
+            cfg.num_layers, len(rows), cfg.num_kv_heads, cfg.head_dim, batch.capacity + room,
+            self.ctx.dtype, self.ctx.device,
+        )  # fmt: skip
+        width = max(1, max(len(h) for h in hidden))
+        features = torch.stack([F.pad(h, (0, 0, 0, width - len(h))) for h in hidden])  # [R, N, F]
+        self._inject(joined, features, torch.tensor([len(h) for h in hidden], device=self.ctx.device))
+        self.cache = joined if self.cache is None or self.cache.batch_size == 0 else self.cache.concat_rows(joined)
+
+    def _inject(self, cache: ContiguousKVCache, features: Tensor, counts: Tensor) -> None:
+        """Write the injected K/V of row b's first ``counts[b]`` features [B, N, F] after its
+        context, and commit them. Padding features write past the row's length (scratch)."""
+        N = features.shape[1]
+        slots = cache.lengths[:, None] + torch.arange(N, device=features.device)  # [B, N] = positions
+        kv_len = int(cache.lengths.max()) + N
+        for layer, (k, v) in enumerate(self.net.context_kv(features, slots)):
+            cache.append(layer, k, v, slots, kv_len)
+        cache.commit(counts)
+
+    def propose(self, batch: Batch, num_tokens: int) -> Draft:
+        assert self.cache is not None
+        gamma = min(num_tokens, self.net.block_size)
+        roots = torch.tensor([s.token_ids[-1] for s in batch.seqs], dtype=torch.long, device=self.ctx.device)
+        at = torch.arange(gamma, device=roots.device).expand(len(batch), -1)  # [B, γ]
+        logits = self.net.block_logits(roots, self.cache, logits_at=at)  # [B, γ, V]
+        if batch.all_greedy:  # one-hot q: the verifier needs no distribution
+            return Draft(tokens=logits.argmax(dim=-1))
+        q = logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p)  # [B, γ, V]
+        tokens = torch.stack([sample(q[:, k], batch.generators) for k in range(gamma)], dim=1)  # [B, γ]
+        return Draft(tokens=tokens, q=q)
+
+    def on_verified(
+        self, batch: Batch, num_accepted: Tensor, aux_logits: Tensor | None = None, hidden: Tensor | None = None
+    ) -> None:
+        assert self.cache is not None and hidden is not None
+        self._inject(self.cache, hidden, num_accepted + 1)  # the root, then the accepted drafts
+
+    def select_rows(self, rows: list[int]) -> None:
+        assert self.cache is not None
+        self.cache.select_rows(torch.tensor(rows, dtype=torch.long))

@@ -1,0 +1,98 @@
+"""dflash end to end on tiny random targets with randomly initialised nets, in fp32:
+greedy equals plain greedy (batch 1 and 4, γ 4 and 8, several architectures), sampled
+output follows the target's exact joint distribution, and under continuous batching
+(requests joining, leaving, preempted) each request decodes as it would alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdecode import LLM, SamplingParams
+from specdecode.config import SpecConfig
+from specdecode.engine.serving import ServingEngine
+from tests.drafters.test_dflash import make_dflash
+from tests.engine.checks import (
+    assert_greedy_matches_plain,
+    assert_target_distribution,
+    exact_joint,
+    greedy,
+    joint_chisquare,
+)
+from tests.tiny import make_tiny_checkpoint
+
+PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4, 4, 6], [11], [2, 3, 2, 3, 2, 3, 2, 3, 2]]
+ARCH_OVERRIDES = {"llama": {"num_hidden_layers": 4}, "qwen2": {}, "gemma3": {}}  # gemma3: qk-norm, scaled embeddings
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dflash_engine")
+    out = {}
+    for arch, overrides in ARCH_OVERRIDES.items():
+        target = make_tiny_checkpoint(root / arch, arch, seed=0, **overrides)
+        out[arch] = (str(target), make_dflash(root / f"{arch}_net", target, seed=2))
+    return out
+
+
+def dflash(net: str, gamma: int) -> dict:
+    return {"method": "dflash", "model": net, "num_speculative_tokens": gamma}
+
+
+@pytest.mark.parametrize("arch,gamma", [("llama", 4), ("llama", 8), ("qwen2", 8), ("gemma3", 4)])
+def test_greedy_equals_plain(ckpts, arch, gamma):
+    target, net = ckpts[arch]
+    plain = LLM(model=target, dtype="float32", device="cpu")
+    llm = LLM(model=target, speculative_config=dflash(net, gamma), dtype="float32", device="cpu")
+    for max_tokens in (1, 17, 40):
+        batch = assert_greedy_matches_plain(llm, plain, PROMPTS, max_tokens, (arch, gamma))
+    assert batch[0].metrics.num_drafts > 0
+    assert batch[0].metrics.num_draft_tokens == gamma * batch[0].metrics.num_drafts  # the whole block each round
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.8, 3)])
+def test_sampled_joint_distribution_matches_target(tmp_path, temperature, top_k):
+    V, n, samples = 6, 3, 3000
+    target = make_tiny_checkpoint(tmp_path / "t", "llama", seed=0, vocab_size=V, num_hidden_layers=4)
+    net = make_dflash(tmp_path / "net", target, seed=5, block_size=4)
+    llm = LLM(model=str(target), speculative_config=dflash(net, 3), dtype="float32", device="cpu")
+    prompt = [1, 2, 3, 4, 1, 5, 1, 2, 0, 1]
+    want = exact_joint(llm, prompt, n, temperature, top_k)
+    params = [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=n, seed=s, ignore_eos=True)
+              for s in range(samples)]  # fmt: skip
+    outs = llm.generate([prompt] * samples, params)
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+    test = joint_chisquare([o.token_ids for o in outs], want, V, n)
+    assert_target_distribution(test, llm, prompt, n, temperature, top_k, want)
+
+
+def run_staggered(engine: ServingEngine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    """Requests join one per step while the others decode, and leave as they finish."""
+    out: list[list[int]] = [[] for _ in prompts]
+    pending = list(enumerate(prompts))
+    steps = 0
+    while pending or engine.has_unfinished():
+        if pending:
+            i, prompt = pending.pop(0)
+            engine.add_request(str(i), prompt, params[i])
+        if engine.has_unfinished():
+            for e in engine.step():
+                out[int(e.request_id)] += e.new_token_ids
+        steps += 1
+        assert steps < 500
+    return out
+
+
+@pytest.mark.parametrize("num_blocks", [None, 20])  # 20 blocks of 4: requests take turns, preempted and recomputed
+def test_served_concurrently_equals_alone(ckpts, num_blocks):
+    target_path, net = ckpts["llama"]
+    plain = LLM(model=target_path, dtype="float32", device="cpu")
+    prompts = PROMPTS + [[4, 4, 4, 4], [9, 8, 7, 6, 5, 4, 3]]
+    max_tokens = [20, 7, 33, 25, 12, 18]
+    alone = [plain.generate([p], greedy(m))[0].token_ids for p, m in zip(prompts, max_tokens)]
+    engine = ServingEngine(plain.target, SpecConfig.parse(dflash(net, 4)), max_model_len=64, max_num_seqs=6,
+                           block_size=4, num_blocks=num_blocks)  # fmt: skip
+    assert run_staggered(engine, prompts, [greedy(m) for m in max_tokens]) == alone
+    if num_blocks is not None:
+        assert engine.stats().num_preempted_total > 0
+    assert engine.stats().kv_blocks_used == 0
+    assert engine.drafter.cache.batch_size == 0  # every row left the drafter too
