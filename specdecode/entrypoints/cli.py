@@ -1,4 +1,4 @@
-"""The `specdecode` command: `generate`, `theory` and `serve` (and later `bench`, `train`).
+"""The `specdecode` command: `generate`, `theory`, `serve` and `train` (and later `bench`).
 
 Owns: argument parsing, streaming text to the terminal, printing statistics, and the
 error contract: bad input prints one line `error: ...` on stderr and exits with 2.
@@ -66,12 +66,19 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    from specdecode.train.config import add_train_arguments
+
+    add_train_arguments(sub.add_parser("train", help="train a learned drafter on a frozen target (self-distillation)"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_theory(sub)
     _add_serve(sub)
+    _add_train(sub)
     return parser
 
 
@@ -270,6 +277,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_theory(args)
         if args.command == "serve":
             return cmd_serve(args)
+        if args.command == "train":
+            from specdecode.train.trainer import cmd_train
+
+            return cmd_train(args)
         return cmd_generate(args)
     except SpecDecodeError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,0 +1,156 @@
+"""The training corpus: text files -> token windows, split into train and held-out.
+
+Owns: finding documents (files, or folders searched recursively for *.txt, *.md, *.py,
+*.rst and *.jsonl), reading them (a .jsonl line is one document: ``{"text": ...}`` or
+chat ``{"messages": [...]}`` rendered with the tokenizer's chat template), tokenizing
+with the target's tokenizer, the held-out split by document, and packing each side into
+windows of ``seq_len`` tokens. Files are read in a seeded shuffled order until
+``max_tokens``, so a capped corpus is a sample of the whole and the split is deterministic.
+Does not own: batching or the order windows are trained in (trainer.py).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from specdecode.config import SpecDecodeError
+
+SUFFIXES = (".txt", ".md", ".py", ".rst", ".jsonl")
+_TOKENIZE_CHUNK = 32  # documents per tokenizer call
+
+
+@dataclass(frozen=True)
+class Windows:
+    """Packed token windows: ``tokens`` [N, T] int64, ``mask`` [N, T] bool (False = padding, at the right)."""
+
+    tokens: Tensor
+    mask: Tensor
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.mask.sum())
+
+
+@dataclass(frozen=True)
+class Corpus:
+    train: Windows
+    heldout: Windows
+    num_documents: int
+    num_files: int
+
+
+def find_files(paths: tuple[str, ...]) -> list[Path]:
+    """Every corpus file under ``paths``, sorted; a missing path or no file at all is an error."""
+    files: set[Path] = set()
+    for p in map(Path, paths):
+        if not p.exists():
+            raise SpecDecodeError(f"data path not found: {p}")
+        if p.is_file():
+            files.add(p)
+        else:
+            files.update(f for f in p.rglob("*") if f.suffix in SUFFIXES and f.is_file())
+    if not files:
+        kinds = " ".join(f"*{s}" for s in SUFFIXES)
+        raise SpecDecodeError(f"no text found in {', '.join(paths)} (looked for {kinds})")
+    return sorted(files)
+
+
+def _documents(file: Path, tokenizer: Any) -> Iterator[str]:
+    text = file.read_text(encoding="utf-8", errors="replace")
+    if file.suffix != ".jsonl":
+        yield text
+        return
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SpecDecodeError(f"{file}:{number} is not valid JSON: {e}") from None
+        if isinstance(record, dict) and isinstance(record.get("text"), str):
+            yield record["text"]
+        elif isinstance(record, dict) and isinstance(record.get("messages"), list):
+            from jinja2 import TemplateError
+
+            try:
+                yield tokenizer.apply_chat_template(record["messages"], tokenize=False)
+            except (TemplateError, ValueError, TypeError, KeyError) as e:  # name the record, in one line
+                raise SpecDecodeError(f"{file}:{number}: cannot render messages: {str(e).splitlines()[0]}") from None
+        else:
+            raise SpecDecodeError(f'{file}:{number}: expected {{"text": ...}} or {{"messages": [...]}}')
+
+
+def read_corpus(
+    paths: tuple[str, ...], tokenizer: Any, seq_len: int, max_tokens: int, heldout: float, seed: int
+) -> Corpus:
+    """Tokenized documents (each followed by EOS) split by document and packed into windows.
+
+    The last ``heldout`` fraction of documents (at least one) is held out; a corpus of a
+    single document holds out the tail of its tokens instead.
+    """
+    if tokenizer is None:
+        raise SpecDecodeError("the target has no tokenizer: cannot tokenize a corpus")
+    files = find_files(paths)
+    random.Random(seed).shuffle(files)
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    docs: list[list[int]] = []
+    total, pending = 0, []
+
+    def flush() -> None:
+        nonlocal total
+        texts = [t for t in pending if t.strip()]
+        pending.clear()
+        if texts:
+            for ids in tokenizer(texts, add_special_tokens=True, verbose=False)["input_ids"]:
+                docs.append(list(ids) + eos)
+                total += len(docs[-1])
+
+    for file in files:
+        for text in _documents(file, tokenizer):
+            pending.append(text)
+            if len(pending) >= _TOKENIZE_CHUNK:
+                flush()
+        if total >= max_tokens:
+            break
+        flush()
+    flush()
+    if not docs:
+        raise SpecDecodeError(f"no text found in {', '.join(paths)}: the files are empty")
+    kept, n = [], 0
+    for d in docs:
+        if n >= max_tokens:
+            break
+        kept.append(d[: max_tokens - n])
+        n += len(kept[-1])
+    docs = kept
+    stream = [t for d in docs for t in d]
+    if len(docs) >= 2:
+        held = max(1, round(heldout * len(docs)))
+        cut = sum(len(d) for d in docs[:-held])
+    else:
+        cut = len(stream) - max(1, round(heldout * len(stream)))
+    train, test = stream[:cut], stream[cut:]
+    if len(train) < 2 or len(test) < 2:
+        raise SpecDecodeError(f"corpus too small: {len(stream)} tokens (raise --max-tokens or add text)")
+    return Corpus(pack(train, seq_len), pack(test, seq_len), len(docs), len(files))
+
+
+def pack(ids: list[int], seq_len: int) -> Windows:
+    """Consecutive windows of ``seq_len`` tokens; the last is padded with 0 (mask False)."""
+    n = -(-len(ids) // seq_len)
+    tokens = torch.zeros(n * seq_len, dtype=torch.long)
+    tokens[: len(ids)] = torch.tensor(ids, dtype=torch.long)
+    mask = torch.zeros(n * seq_len, dtype=torch.bool)
+    mask[: len(ids)] = True
+    return Windows(tokens.view(n, seq_len), mask.view(n, seq_len))

@@ -1,0 +1,243 @@
+"""The training loop of `specdecode train`: a frozen target teaches a drafter's net.
+
+Owns: resolving the method's net (its drafter's ``Net``), making each `TrainBatch` from
+the target (features at the net's ``hidden_layers`` and logits, under inference mode,
+copied out so that the net's autograd sees plain constants), AdamW with the config's schedule, held-out
+evaluation at the start, every ``eval_every`` steps and at the end, checkpoints
+(``checkpoint.pt``: the net's trainable tensors, optimizer, step, RNG and log; written
+every ``save_every`` steps and at the end) and resume from them, and writing the drafter
+folder and ``train_log.json``.
+Does not own: the nets and their losses (drafters/*, train/distill.py), the folder
+format (drafters/learned.py), reading the corpus (corpus.py).
+
+The batch at step s is a pure function of (seed, s): epoch e = s·B // N draws its own
+seeded permutation of the N windows. With the RNG state in the checkpoint, a resumed run
+therefore takes the same steps as an uninterrupted one. Target outputs are recomputed
+each step rather than cached: a cached distribution costs V floats per token (49k for
+SmolLM2), far more disk than the corpus is worth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from specdecode.config import SpecDecodeError
+from specdecode.drafters.learned import TrainBatch, net_config, save_net, target_fingerprint
+from specdecode.kv_cache import NoCache
+from specdecode.model.transformer import Transformer
+from specdecode.train.config import TrainConfig
+from specdecode.train.corpus import Windows, find_files, read_corpus
+from specdecode.train.distill import DistillNet
+
+CHECKPOINT_FILE, LOG_FILE = "checkpoint.pt", "train_log.json"
+
+
+def net_class(method: str) -> type:
+    """The ``Net`` of ``method``'s drafter class, or a one-line error."""
+    from specdecode.drafters.registry import drafter_class
+
+    try:
+        cls = drafter_class(method)
+    except ImportError as e:
+        raise SpecDecodeError(f"method {method!r} is not available: {e}") from None
+    net = getattr(cls, "Net", None)  # only learned drafters declare one
+    if net is None:
+        raise SpecDecodeError(
+            f"method {method!r} has no network to train; train medusa, eagle, eagle3, mtp, dflash or draft_model"
+        )
+    return net
+
+
+def target_batch(target: Transformer, tokens: Tensor, mask: Tensor, hidden_layers: tuple[int, ...]) -> TrainBatch:
+    """The frozen target's features (fp32) and logits for a batch of windows."""
+    device = target.embed.weight.device
+    tokens, mask = tokens.to(device), mask.to(device)
+    B, T = tokens.shape
+    positions = torch.arange(T, device=device).expand(B, T)
+    with torch.inference_mode():  # ~15% faster than no_grad on CPU
+        out = target(tokens, positions, NoCache(B, device), hidden_layers=hidden_layers)
+        if hidden_layers:
+            logits, hidden = out[0], torch.cat(out[1], dim=-1)
+        else:
+            logits, hidden = out, torch.zeros(B, T, 0, device=device)
+    # copies made outside inference mode are plain tensors, which autograd may read
+    logits, hidden = logits.clone(), hidden.float() if hidden.dtype != torch.float32 else hidden.clone()
+    return TrainBatch(tokens=tokens, hidden=hidden, logits=logits, mask=mask, target=target)
+
+
+def batch_rows(step: int, batch_size: int, num_windows: int, seed: int) -> Tensor:
+    """Window indices of step ``step``: sample i is window perm_e[i mod N] of epoch e = i // N."""
+    rows = []
+    for i in range(step * batch_size, (step + 1) * batch_size):
+        epoch, pos = divmod(i, num_windows)
+        perm = torch.randperm(num_windows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        rows.append(int(perm[pos]))
+    return torch.tensor(rows)
+
+
+def evaluate(net: Any, target: Transformer, windows: Windows, cfg: TrainConfig) -> dict[str, float]:
+    """Held-out loss and metrics, averaged over real tokens of the first ``eval_batches`` batches."""
+    net.eval()
+    sums: dict[str, float] = {}
+    total = 0
+    for start in range(0, min(len(windows), cfg.eval_batches * cfg.batch_size), cfg.batch_size):
+        end = start + cfg.batch_size
+        batch = target_batch(target, windows.tokens[start:end], windows.mask[start:end], net.hidden_layers)
+        with torch.no_grad():
+            loss, metrics = net.training_loss(batch)
+        n = int(batch.mask.sum())
+        for k, v in {"loss": float(loss.detach()), **metrics}.items():
+            sums[k] = sums.get(k, 0.0) + float(v) * n
+        total += n
+    return {k: v / total for k, v in sums.items()}
+
+
+def trainable_state(net: torch.nn.Module) -> dict[str, Tensor]:
+    """The net's state less the frozen parameters (the target's it borrows, frozen embeddings)."""
+    frozen = {n for n, p in net.named_parameters() if not p.requires_grad}
+    return {n: t.detach() for n, t in net.state_dict().items() if n not in frozen}
+
+
+def save_checkpoint(
+    cfg: TrainConfig, net: Any, opt: torch.optim.Optimizer, step: int, target: Transformer, log: dict
+) -> None:
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {
+        "method": cfg.method, "net_config": asdict(net.config), "target": target_fingerprint(target), "step": step,
+        "net": trainable_state(net), "optimizer": opt.state_dict(), "rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [], "log": log,
+    }  # fmt: skip
+    tmp = out / f".{CHECKPOINT_FILE}.{os.getpid()}.part"
+    torch.save(state, tmp)
+    os.replace(tmp, out / CHECKPOINT_FILE)
+
+
+def read_checkpoint(cfg: TrainConfig) -> dict[str, Any]:
+    path = Path(cfg.out) / CHECKPOINT_FILE
+    if not path.is_file():
+        raise SpecDecodeError(f"--resume: no {CHECKPOINT_FILE} in {cfg.out}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:  # truncated or foreign
+        raise SpecDecodeError(f"--resume: cannot read {path}: {str(e).splitlines()[0]}") from None
+    if not isinstance(ckpt, dict):
+        raise SpecDecodeError(f"--resume: {path} is not a specdecode training checkpoint")
+    if ckpt.get("method") != cfg.method:
+        raise SpecDecodeError(f"--resume: {cfg.out} holds a {ckpt.get('method')!r} checkpoint, not {cfg.method!r}")
+    return ckpt
+
+
+def write_drafter(net: Any, loaded: Any, out: str, extra: dict[str, Any]) -> Path:
+    """The folder ``speculative_config {"method": M, "model": out}`` loads."""
+    if isinstance(net, DistillNet):  # a whole model: an HF checkpoint that load_model reads
+        return net.save_pretrained(out, loaded, extra)
+    return save_net(net, loaded.model, out, extra)
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Run (or resume) training; returns the log also written to ``out/train_log.json``."""
+    from tqdm import tqdm
+
+    from specdecode.model.loader import load_model
+
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    cls = net_class(cfg.method)
+    ckpt = read_checkpoint(cfg) if cfg.resume else None
+    net_cfg = net_config(cls, ckpt["net_config"] if ckpt else cfg.net_config)
+    if ckpt and cfg.net_config and net_config(cls, cfg.net_config) != net_cfg:
+        raise SpecDecodeError(f"--resume: --net-config differs from the checkpoint's {asdict(net_cfg)}")
+    find_files(cfg.data)  # a bad corpus path fails before the target loads
+    loaded = load_model(cfg.target, dtype=cfg.dtype, device=cfg.device, progress=cfg.progress)
+    target = loaded.model
+    if ckpt and ckpt["target"] != target_fingerprint(target):
+        raise SpecDecodeError(f"--resume: {cfg.out} was trained for a target with {ckpt['target']}")
+    corpus = read_corpus(cfg.data, loaded.tokenizer, cfg.seq_len, cfg.max_tokens, cfg.heldout, cfg.seed)
+    torch.manual_seed(cfg.seed)
+    net = cls.from_target(net_cfg, target).to(target.embed.weight.device)
+    counts = torch.bincount(corpus.train.tokens[corpus.train.mask], minlength=target.config.vocab_size)
+    net.prepare(counts[: target.config.vocab_size].to(target.embed.weight.device))
+    params = [p for p in net.parameters() if p.requires_grad]
+    if not params:
+        raise SpecDecodeError(f"the {cfg.method} net has no trainable parameters")
+    for p in params:  # trained in fp32 whatever the target's dtype
+        p.data = p.data.float()
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    log: dict[str, Any] = {
+        "method": cfg.method, "target": loaded.name, "net": asdict(net_cfg), "config": asdict(cfg),
+        "corpus": {"files": corpus.num_files, "documents": corpus.num_documents,
+                   "train_tokens": corpus.train.num_tokens, "heldout_tokens": corpus.heldout.num_tokens},
+        "evals": [], "train_loss": [],
+    }  # fmt: skip
+    step = 0
+    if ckpt:
+        if set(ckpt["net"]) != set(trainable_state(net)):
+            raise SpecDecodeError(f"--resume: the checkpoint's tensors do not fit the {cfg.method} net")
+        net.load_state_dict(ckpt["net"], strict=False)
+        opt.load_state_dict(ckpt["optimizer"])
+        torch.set_rng_state(ckpt["rng"])
+        if ckpt["cuda_rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(ckpt["cuda_rng"])
+        step, log = ckpt["step"], {**ckpt["log"], "config": asdict(cfg)}
+    else:
+        log["start"] = {"step": 0, **evaluate(net, target, corpus.heldout, cfg)}
+        log["evals"].append(log["start"])
+    bar = tqdm(total=cfg.steps, initial=step, disable=not cfg.progress, desc=f"train {cfg.method}", unit="step")
+    tokens, t0 = 0, time.perf_counter()
+    while step < cfg.steps:
+        rows = batch_rows(step, cfg.batch_size, len(corpus.train), cfg.seed)
+        batch = target_batch(target, corpus.train.tokens[rows], corpus.train.mask[rows], net.hidden_layers)
+        for group in opt.param_groups:
+            group["lr"] = cfg.learning_rate(step)
+        net.train()
+        loss, metrics = net.training_loss(batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        tokens += int(batch.mask.sum())
+        log["train_loss"].append(float(loss.detach()))
+        rate = tokens / (time.perf_counter() - t0)
+        bar.set_postfix({"loss": f"{log['train_loss'][-1]:.3f}", **{k: f"{v:.3f}" for k, v in metrics.items() if "@1" in k},
+                         "tok/s": f"{rate:.0f}"})  # fmt: skip
+        bar.update(1)
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+            log["evals"].append({"step": step, **evaluate(net, target, corpus.heldout, cfg)})
+        if step % cfg.save_every == 0 and step < cfg.steps:
+            save_checkpoint(cfg, net, opt, step, target, log)
+    bar.close()
+    elapsed = time.perf_counter() - t0
+    log["train_tokens_per_s"] = tokens / elapsed if tokens else None
+    if not log["evals"] or log["evals"][-1]["step"] != step:
+        log["evals"].append({"step": step, **evaluate(net, target, corpus.heldout, cfg)})
+    log["end"] = log["evals"][-1]
+    save_checkpoint(cfg, net, opt, step, target, log)
+    write_drafter(net, loaded, cfg.out, {"trained": {"steps": step, "heldout": log["end"]}})
+    (Path(cfg.out) / LOG_FILE).write_text(json.dumps(log, indent=2) + "\n")
+    return log
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """`specdecode train`: train, then print the held-out metrics at the start and the end."""
+    log = train(TrainConfig.from_args(args))
+    start, end = log.get("start", {}), log["end"]
+    for label, ev in (("start", start), ("end", end)):
+        if ev:
+            print(
+                f"held-out {label} (step {ev['step']}): "
+                + "  ".join(f"{k} {v:.4f}" for k, v in ev.items() if k != "step")
+            )
+    print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,77 @@
+"""`specdecode train` bad input: one line `error: ...` on stderr, exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdecode.entrypoints.cli import main
+from specdecode.train.trainer import CHECKPOINT_FILE
+
+
+def run_train(capsys, *argv: str) -> tuple[int, str]:
+    code = main(["train", *argv])
+    _, err = capsys.readouterr()
+    return code, err
+
+
+@pytest.fixture
+def folders(tmp_path, tiny_target, corpus):
+    empty_text = tmp_path / "empty_text"
+    empty_text.mkdir()
+    (empty_text / "blank.txt").write_text("   \n")
+    no_text = tmp_path / "no_text"
+    no_text.mkdir()
+    (no_text / "data.bin").write_bytes(b"\x00\x01")
+    other = tmp_path / "other_method"
+    other.mkdir()
+    torch.save({"method": "eagle", "step": 3}, other / CHECKPOINT_FILE)
+    bad_jsonl = tmp_path / "bad.jsonl"
+    bad_jsonl.write_text('{"text": "fine"}\n{"neither": 1}\n')
+    return {"target": tiny_target, "corpus": corpus, "empty_text": str(empty_text), "no_text": str(no_text),
+            "other": str(other), "bad_jsonl": str(bad_jsonl), "out": str(tmp_path / "out")}  # fmt: skip
+
+
+# per case: the flags it changes (None = left out) and what the error line must say
+CASES = {
+    "unknown method": ({"--method": "nope"}, "unknown speculative method 'nope'"),
+    "method without a net": ({"--method": "ngram"}, "has no network to train"),
+    "missing method": ({"--method": None}, "--method is required"),
+    "missing data": ({"--data": None}, "--data needs at least one"),
+    "data path not found": ({"--data": "/no/such/path"}, "data path not found: /no/such/path"),
+    "no text files": ({"--data": "@no_text"}, "no text found"),
+    "only blank text": ({"--data": "@empty_text"}, "no text found"),
+    "bad jsonl record": ({"--data": "@bad_jsonl"}, 'bad.jsonl:2: expected {"text"'),
+    "bad net-config JSON": ({"--net-config": "{num_layers: 2"}, "--net-config is not valid JSON"),
+    "unknown net key": ({"--net-config": '{"depth": 2}'}, "unknown draft_model net key(s) depth"),
+    "bad steps": ({"--steps": "0"}, "--steps must be an integer >= 1"),
+    "resume another method": ({"--out": "@other", "--resume": ""}, "holds a 'eagle' checkpoint, not 'draft_model'"),
+    "resume without checkpoint": ({"--resume": ""}, "--resume: no checkpoint.pt"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_is_one_line_exit_2(capsys, folders, case):
+    changes, message = CASES[case]
+    flags = {"--method": "draft_model", "--target": "@target", "--data": "@corpus", "--out": "@out",
+             "--dtype": "float32", "--device": "cpu", "--steps": "1", **changes}  # fmt: skip
+    argv = ["--quiet"]
+    for flag, value in flags.items():
+        if value is not None:
+            argv += [flag] + ([folders[value[1:]] if value.startswith("@") else value] if value else [])
+    code, err = run_train(capsys, *argv)
+    assert code == 2, err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+    assert "Traceback" not in err
+
+
+def test_cli_trains_and_prints_heldout_metrics(capsys, folders):
+    code = main(["train", "--method", "draft_model", "--target", folders["target"], "--data", folders["corpus"],
+                 "--out", folders["out"], "--net-config", json.dumps({"num_layers": 1}), "--steps", "4",
+                 "--batch-size", "2", "--seq-len", "32", "--eval-batches", "1", "--dtype", "float32",
+                 "--device", "cpu", "--quiet"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "held-out start (step 0)" in out and "held-out end (step 4)" in out and "alpha@1" in out
