@@ -46,6 +46,8 @@ class ServerMetrics:
         )  # fmt: skip
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
+        self.lossy_requests = counter("specdecode:lossy_requests",
+                                      "Requests decoded with a lossy opt-in (typical acceptance).")  # fmt: skip
         self.preemptions = counter("vllm:num_preemptions", "Requests preempted (to be recomputed) for lack of KV blocks.")
         self._success = Counter("vllm:request_success", "Finished requests, by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)  # fmt: skip
@@ -102,8 +104,10 @@ class ServerMetrics:
     def observe_admitted(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
 
-    def observe_finished(self, finish_reason: str, latency_s: float) -> None:
+    def observe_finished(self, finish_reason: str, latency_s: float, lossy: bool = False) -> None:
         self._success.labels(self.model_name, finish_reason).inc()
+        if lossy:
+            self.lossy_requests.inc()
         self.e2e_latency.observe(latency_s)
 
     def render(self) -> bytes:

@@ -97,10 +97,12 @@ class DFlashDrafter:
         gamma = min(num_tokens, self.net.block_size)
         roots = torch.tensor([s.token_ids[-1] for s in batch.seqs], dtype=torch.long, device=self.ctx.device)
         at = torch.arange(gamma, device=roots.device).expand(len(batch), -1)  # [B, γ]
-        logits = self.net.block_logits(roots, self.cache, logits_at=at)  # [B, γ, V]
+        logits = self.net.block_logits(roots, self.cache, logits_at=at)  # [B, γ, Vd] over the draft vocabulary
+        head = self.net.head
         if batch.all_greedy:  # one-hot q: the verifier needs no distribution
-            return Draft(tokens=logits.argmax(dim=-1))
-        q = logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p)  # [B, γ, V]
+            return Draft(tokens=head.vocab_ids[logits.argmax(dim=-1)])
+        full = head.full(logits, self.ctx.target.config.vocab_size)  # [B, γ, V]
+        q = logits_to_probs(full, batch.temperature, batch.top_k, batch.top_p)  # [B, γ, V]
         tokens = torch.stack([sample(q[:, k], batch.generators) for k in range(gamma)], dim=1)  # [B, γ]
         return Draft(tokens=tokens, q=q)
 

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdecode.config import SpecDecodeError
+from specdecode.drafters.draft_vocab import DraftVocabHead
 from specdecode.drafters.learned import TrainBatch
 from specdecode.kv_cache import KVCache
 from specdecode.model.masks import FULL
@@ -60,10 +61,13 @@ class DFlashNetConfig:
     block_size: int = 16  # S: draft tokens one pass can propose (γ ≤ S)
     intermediate_size: int | None = None  # MLP width; None = a third of the target's
     num_target_layers: int = 3  # target layers fused into the context features, spread low to high
+    draft_vocab: int = 8192  # LM head rows kept (draft_vocab.py); 0 = the whole vocabulary
     anchors_per_window: int = 8  # training: blocks per corpus window in one forward
     position_decay: float | None = 7.0  # training: weight exp(-j / decay) at block position j; None = uniform
 
     def __post_init__(self) -> None:
+        if not isinstance(self.draft_vocab, int) or isinstance(self.draft_vocab, bool) or self.draft_vocab < 0:
+            raise SpecDecodeError(f"dflash net draft_vocab must be an integer >= 0, got {self.draft_vocab!r}")
         for name in ("num_layers", "block_size", "num_target_layers", "anchors_per_window"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -116,24 +120,12 @@ class ContextKV(KVCache):
         raise RuntimeError("ContextKV is a training forward's; it keeps nothing")
 
 
-class TargetHead(nn.Module):
-    """The target's LM head (borrowed, frozen), fed in the target's activation dtype: the
-    net may train in fp32 over a bf16 target, and the head may be a quantized linear."""
-
-    def __init__(self, target: Transformer) -> None:
-        super().__init__()
-        self.head, self.embed = target.lm_head, target.embed  # the embedding tells the activation dtype
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.head(x.to(self.embed.weight.dtype))
-
-
 class DFlashNet(nn.Module):
     """The block drafter (see the module docstring). Build with `from_target`."""
 
     Config: ClassVar[type] = DFlashNetConfig
     method: ClassVar[str] = "dflash"
-    BORROWED: ClassVar[tuple[str, ...]] = ("body.embed.", "body.lm_head.")  # the target's, not saved
+    BORROWED: ClassVar[tuple[str, ...]] = ("body.embed.", "body.lm_head.linear.")  # the target's, not saved
 
     def __init__(self, config: DFlashNetConfig, target: Transformer) -> None:
         super().__init__()
@@ -155,10 +147,9 @@ class DFlashNet(nn.Module):
             body = Transformer(body_cfg)
         body.layers.to_empty(device=device).to(dtype)
         body.norm.to_empty(device=device).to(dtype)
-        body.embed, body.lm_head = target.embed, TargetHead(target)
+        body.embed, body.lm_head = target.embed, DraftVocabHead(target, config.draft_vocab)
         body.to(device)  # the RoPE tables
         target.embed.requires_grad_(False)
-        target.lm_head.requires_grad_(False)
         self.body = body
         self.fc = nn.Linear(len(self.hidden_layers) * H, H, bias=False, device=device, dtype=dtype)
         self.context_norm = RMSNorm(H, tcfg.rms_norm_eps, tcfg.norm_offset).to(device=device, dtype=dtype)
@@ -185,8 +176,13 @@ class DFlashNet(nn.Module):
     def block_size(self) -> int:
         return self.config.block_size
 
+    @property
+    def head(self) -> DraftVocabHead:
+        return self.body.lm_head
+
     def prepare(self, token_counts: Tensor) -> None:
-        """Nothing to prepare: the net drafts over the target's whole vocabulary."""
+        """Keep the ``draft_vocab`` most frequent tokens of the training corpus (counts [V])."""
+        self.head.prepare(token_counts)
 
     def saved_state(self) -> dict[str, Tensor]:
         return {k: v for k, v in self.state_dict().items() if not k.startswith(self.BORROWED)}
@@ -254,7 +250,7 @@ class DFlashNet(nn.Module):
         at = anchors[:, None] + torch.arange(S, device=device)  # [R, S]
         valid = (at < T) & mask[rows[:, None], at.clamp(max=T - 1)]  # [R, S]
         p_logits = batch.logits[rows[:, None], at.clamp(max=T - 1)].float()  # [R, S, V]
-        p = torch.softmax(p_logits, dim=-1)
+        p = self.head.restrict(torch.softmax(p_logits, dim=-1))  # [R, S, Vd]
         log_q = torch.log_softmax(logits, dim=-1)
         ce = -(p * log_q).sum(dim=-1)  # [R, S]
         decay = self.config.position_decay
@@ -279,14 +275,15 @@ class DFlashNet(nn.Module):
         """acc@k (top-1 agreement at block position k), alpha@1 (Σ min(p, q) at the first),
         tau_greedy (1 + the leading agreements: tokens per round under greedy, were S drafted)."""
         S = valid.shape[1]
-        agree = (p_logits.argmax(-1) == q_logits.argmax(-1)) & valid  # [R, S]
+        agree = (p_logits.argmax(-1) == self.head.vocab_ids[q_logits.argmax(-1)]) & valid  # [R, S]
         metrics: dict[str, float] = {}
         for k in ACC_POSITIONS:
             if k <= S:
                 n = valid[:, k - 1].sum().clamp_min(1)
                 metrics[f"acc@{k}"] = float(agree[:, k - 1].sum() / n)
         first = valid[:, 0]
-        overlap = torch.minimum(torch.softmax(p_logits[:, 0], -1), torch.softmax(q_logits[:, 0], -1)).sum(-1)  # [R]
+        p_first = self.head.restrict(torch.softmax(p_logits[:, 0], -1))
+        overlap = torch.minimum(p_first, torch.softmax(q_logits[:, 0], -1)).sum(-1)  # [R]
         metrics["alpha@1"] = float((overlap * first).sum() / first.sum().clamp_min(1))
         leading = agree.long().cumprod(dim=1).sum(dim=1).float()  # [R]
         metrics["tau_greedy"] = 1.0 + float(leading.mean())

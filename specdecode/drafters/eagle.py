@@ -101,14 +101,14 @@ class EagleDrafter:
         logits, out = self._feed_pending(batch)
         roots = [s.token_ids[-1] for s in batch.seqs]
         if self.topk > 1:
-            full = self.net.full_logits(logits, self.vocab_size)
+            full = self.net.head.full(logits, self.vocab_size)
             return grow_tree(self._score_block, full, roots, num_tokens, self.topk, self.budget, root_states=out)
         drafts, qs = [], []
         for k in range(num_tokens):
             if batch.all_greedy:  # one-hot q: the verifier needs no distribution
-                token = self.net.vocab_ids[logits.argmax(dim=-1)]
+                token = self.net.head.vocab_ids[logits.argmax(dim=-1)]
             else:
-                full = self.net.full_logits(logits, self.vocab_size)
+                full = self.net.head.full(logits, self.vocab_size)
                 q = logits_to_probs(full[:, None], batch.temperature, batch.top_k, batch.top_p)[:, 0]  # [B, V]
                 token = sample(q, batch.generators)
                 qs.append(q)
@@ -129,7 +129,7 @@ class EagleDrafter:
         assert self.cache is not None and parent_states is not None
         positions = self.cache.lengths[:, None] + depths - 1  # depth-1 nodes take the next free slot
         logits, out = self.net(parent_states, tokens, positions, self.cache, block_mask=mask, logits_at=at)
-        return self.net.full_logits(logits, self.vocab_size), out
+        return self.net.head.full(logits, self.vocab_size), out
 
     def on_verified(
         self, batch: Batch, num_accepted: torch.Tensor, aux_logits: torch.Tensor | None = None,

@@ -32,11 +32,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdecode.config import SpecDecodeError
+from specdecode.drafters.draft_vocab import Borrowed, DraftVocabHead
 from specdecode.drafters.learned import TrainBatch
 from specdecode.kv_cache import KVCache, NoCache
 from specdecode.model.transformer import RMSNorm, Transformer
 
-_UNSAVED = ("body.lm_head.weight", "body.embed.weight")  # rebuilt from the target
+_UNSAVED = ("body.lm_head.linear.weight", "body.embed.weight")  # rebuilt from the target / unused
 
 
 @dataclass(frozen=True)
@@ -62,13 +63,6 @@ class FeatureConfig:
             raise SpecDecodeError(f"feature_loss must be >= 0, got {self.feature_loss!r}")
 
 
-@dataclass(frozen=True)
-class _Borrowed:
-    """The target, held outside the module tree: its weights are neither trained, saved nor cast."""
-
-    target: Transformer
-
-
 class FeatureNet(nn.Module):
     """EAGLE's draft network (the `DraftNet` of eagle / eagle3 / mtp)."""
 
@@ -89,10 +83,8 @@ class FeatureNet(nn.Module):
         layers = config.feature_layers or self.default_layers(tc.num_layers)
         if not all(-1 <= i < tc.num_layers for i in layers):
             raise SpecDecodeError(f"feature_layers {layers} outside the target's {tc.num_layers} layers")
-        vocab = min(config.draft_vocab or tc.vocab_size, tc.vocab_size)  # at most the whole vocabulary
-        self.config = replace(config, feature_layers=tuple(layers), draft_vocab=vocab)
         self.hidden_layers: tuple[int, ...] = tuple(layers)
-        self.borrowed = _Borrowed(target)
+        self.borrowed = Borrowed(target)
         H = tc.hidden_size
         self.fuse = nn.Linear(len(layers) * H, H, bias=False) if len(layers) > 1 else nn.Identity()
         self.fc = nn.Linear(2 * H, H, bias=False)
@@ -101,12 +93,14 @@ class FeatureNet(nn.Module):
         body = replace(tc, vocab_size=1, num_layers=config.num_layers, layer_types=(), sliding_window=None,
                        local_rope=None, tie_embeddings=False)  # fmt: skip
         self.body = Transformer(body).to(target.norm.weight.device)
-        self.body.lm_head = nn.Linear(H, vocab, bias=False)
-        self.body.requires_grad_(True)
         self.body.embed.requires_grad_(False)  # unused: the body is fed embeddings
-        self.body.lm_head.requires_grad_(False)
-        self.register_buffer("vocab_ids", torch.arange(vocab))  # draft vocabulary -> target token ids
+        self.body.lm_head = DraftVocabHead(target, config.draft_vocab)
+        self.config = replace(config, feature_layers=tuple(layers), draft_vocab=self.head.size)
         self._init_from_target(target)
+
+    @property
+    def head(self) -> DraftVocabHead:
+        return self.body.lm_head
 
     @torch.no_grad()
     def _init_from_target(self, target: Transformer) -> None:
@@ -121,28 +115,10 @@ class FeatureNet(nn.Module):
         H = target.config.hidden_size
         eye = torch.eye(H, dtype=self.fc.weight.dtype, device=self.fc.weight.device)
         self.fc.weight.copy_(torch.cat([0.5 * eye, 0.5 * eye], dim=1))  # start as the mean of the inputs
-        self._build_head()
 
-    @torch.no_grad()
-    def _build_head(self) -> None:
-        """The head's rows: the target's LM head rows of the draft vocabulary (any linear kind)."""
-        target = self.borrowed.target
-        H = target.config.hidden_size
-        eye = torch.eye(H, dtype=target.norm.weight.dtype, device=target.norm.weight.device)
-        rows = target.lm_head(eye).T[self.vocab_ids.to(eye.device)]  # [Vd, H]
-        self.body.lm_head.weight.copy_(rows.to(self.body.lm_head.weight))
-
-    @torch.no_grad()
     def prepare(self, token_counts: Tensor) -> None:
         """Keep the ``draft_vocab`` most frequent tokens of the training corpus (counts [V])."""
-        ids = token_counts.float().topk(self.config.draft_vocab).indices.sort().values
-        self.vocab_ids.copy_(ids.to(self.vocab_ids))
-        self._build_head()
-
-    def load_state_dict(self, state, strict: bool = True, assign: bool = False):  # type: ignore[override]
-        out = super().load_state_dict(state, strict=strict, assign=assign)
-        self._build_head()  # the vocabulary may have changed
-        return out
+        self.head.prepare(token_counts)
 
     def saved_state(self) -> dict[str, Tensor]:
         return {k: v for k, v in self.state_dict().items() if k not in _UNSAVED}
@@ -175,11 +151,6 @@ class FeatureNet(nn.Module):
             out = out.gather(1, logits_at[:, :, None].expand(-1, -1, out.shape[-1]))
         return logits, out
 
-    def full_logits(self, logits: Tensor, vocab_size: int) -> Tensor:
-        """Draft-vocabulary logits [..., Vd] -> [..., V] with -inf outside the draft vocabulary."""
-        full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
-        return full.scatter_(-1, self.vocab_ids.expand(*logits.shape[:-1], -1), logits)
-
     # ---- training --------------------------------------------------------------------
 
     def training_loss(self, batch: TrainBatch) -> tuple[Tensor, dict[str, float]]:
@@ -198,7 +169,7 @@ class FeatureNet(nn.Module):
             p = batch.logits[:, k : k + n].float().softmax(dim=-1)  # [B, n, V]: the target's for token t+k+1
             valid = mask[:, k : k + n]
             logq = q_logits.float().log_softmax(dim=-1)
-            ce = -(p[..., self.vocab_ids] * logq).sum(-1)
+            ce = -(self.head.restrict(p) * logq).sum(-1)
             loss = (ce * valid).sum() / valid.sum().clamp(min=1)
             if k == 1 and self.config.feature_loss > 0 and isinstance(self.fuse, nn.Identity):
                 f_next = batch.hidden[:, 1 : 1 + n].to(out.dtype)  # EAGLE-1: regress the next feature
@@ -206,10 +177,10 @@ class FeatureNet(nn.Module):
                 loss = loss + self.config.feature_loss * (reg * valid).sum() / valid.sum().clamp(min=1)
             losses.append(loss * 0.8 ** (k - 1))
             with torch.no_grad():
-                hit = (self.vocab_ids[q_logits.argmax(-1)] == p.argmax(-1)).float()
+                hit = (self.head.vocab_ids[q_logits.argmax(-1)] == p.argmax(-1)).float()
                 metrics[f"acc@{k}"] = float((hit * valid).sum() / valid.sum().clamp(min=1))
                 if k == 1:
-                    overlap = torch.minimum(p[..., self.vocab_ids], logq.exp()).sum(-1)
+                    overlap = torch.minimum(self.head.restrict(p), logq.exp()).sum(-1)
                     metrics["alpha@1"] = float((overlap * valid).sum() / valid.sum().clamp(min=1))
         total = torch.stack(losses).sum()
         metrics["loss"] = float(total.detach())

@@ -194,4 +194,5 @@ def usage(stats: SpecStats, num_prompt_tokens: int, num_output_tokens: int) -> d
         "num_draft_tokens": m.num_draft_tokens,
         "num_accepted_tokens": m.num_accepted_tokens,
         "accepted_per_position": m.accepted_per_position,
+        "lossy": stats.lossy,  # typical acceptance: the output need not follow the model's distribution
     }

@@ -65,7 +65,7 @@ class _Output:
         self.ids += item.new_token_ids
         if item.finish_reason is not None:
             self.finish = item.finish_reason
-            self.app.metrics.observe_finished(item.finish_reason, now - self.arrival)
+            self.app.metrics.observe_finished(item.finish_reason, now - self.arrival, item.stats.lossy)
         return self._delta()
 
     def _delta(self) -> str:

@@ -68,10 +68,10 @@ def test_saved_folder_holds_only_the_nets_weights(target, tmp_path):
     net.prepare(torch.arange(model.config.vocab_size))  # the 50 largest counts: ids 78..127
     out = save_net(net, model, tmp_path / "eagle")
     loaded = load_net(FeatureNet, out, model, torch.float32, torch.device("cpu"))
-    assert loaded.vocab_ids.tolist() == list(range(78, 128))
-    assert not any("embed" in k or "lm_head" in k for k in loaded.saved_state())
+    assert loaded.head.vocab_ids.tolist() == list(range(78, 128))
+    assert [k for k in loaded.saved_state() if "embed" in k or "lm_head" in k] == ["body.lm_head.vocab_ids"]
     head = model.lm_head.weight[78:128]
-    torch.testing.assert_close(loaded.body.lm_head.weight, head)  # rebuilt from the target
+    torch.testing.assert_close(loaded.head.linear.weight, head)  # rebuilt from the target
     assert model.embed.weight.dtype == torch.float32  # the borrowed target was not cast
 
 

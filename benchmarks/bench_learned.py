@@ -1,0 +1,164 @@
+"""Learned drafters against plain decoding and the early-exit baseline (issue 4).
+
+For each method: α, τ, acceptance by position, tokens per round, the cost ratio c and the
+decode speedup against our plain decoding of the same model, beside Leviathan's
+prediction (1 − α^(γ+1)) / ((1 − α)(γc + 1)). Default model, CPU, batch 1, 128 new
+tokens, greedy and temperature 0.7, on chat, code and summarisation prompts that are not
+in the training data (benchmarks/prompts_learned.json). Every method runs right after
+plain decoding of the same prompt, in one process.
+
+    python benchmarks/bench_learned.py --threads 2 --json learned.json --plot docs/learned_acceptance.png
+
+Methods are given as NAME=JSON (a speculative_config) or as a name from METHODS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+from timing import Timer
+
+from specdecode import LLM, SamplingParams
+from specdecode.theory import expected_speedup
+
+HERE = Path(__file__).resolve().parent
+METHODS = {
+    "layer_skip": {"method": "layer_skip", "num_speculative_tokens": 3, "exit_layer": 8},
+    "eagle": {"method": "eagle", "num_speculative_tokens": 4},
+    "eagle_tree": {"method": "eagle", "num_speculative_tokens": 5, "topk": 4, "num_draft_tokens": 12},
+    "eagle3": {"method": "eagle3", "num_speculative_tokens": 4},
+    "mtp": {"method": "mtp", "num_speculative_tokens": 1},
+    "mtp_chain3": {"method": "mtp", "num_speculative_tokens": 3},
+    "medusa": {"method": "medusa", "num_speculative_tokens": 4},
+    "dflash": {"method": "dflash", "num_speculative_tokens": 16},
+    "eagle_g8": {"method": "eagle", "num_speculative_tokens": 8},
+}
+
+
+def parse_method(arg: str) -> tuple[str, dict]:
+    if "=" in arg:
+        name, spec = arg.split("=", 1)
+        return name, json.loads(spec)
+    if arg not in METHODS:
+        raise SystemExit(f"unknown method {arg!r}; give NAME=JSON or one of {', '.join(METHODS)}")
+    return arg, METHODS[arg]
+
+
+def geomean(xs: list[float]) -> float:
+    xs = [x for x in xs if x > 0]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else 0.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--methods", nargs="+", default=["layer_skip", "eagle", "eagle3", "mtp", "medusa", "dflash"])
+    ap.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 0.7])
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--prompts", default=str(HERE / "prompts_learned.json"))
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None, help="PNG of acceptance by position (greedy), one line per method")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompts = json.loads(Path(args.prompts).read_text())
+    plain = LLM(model=args.model, dtype=args.dtype, device="cpu")
+    methods = [parse_method(m) for m in args.methods]
+    llms, timers = {}, {}
+    for name, spec in methods:
+        llms[name] = LLM(model=args.model, speculative_config=spec, dtype=args.dtype, device="cpu")
+        # draft cost per round (propose, plus on_verified where a drafter feeds features)
+        timers[name] = (Timer(llms[name].engine.drafter, "propose"), Timer(llms[name].engine.drafter, "on_verified"))
+    warm = plain.encode_chat("Hi")
+    for llm in [plain, *llms.values()]:
+        llm.generate([warm], SamplingParams(temperature=0.0, max_tokens=8))
+
+    rows = []
+    for temperature in args.temperatures:
+        for kind, texts in prompts.items():
+            for i, text in enumerate(texts):
+                ids = plain.encode_chat(text)
+                params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, seed=i)
+                base = plain.generate([ids], params)[0]
+                step_s = 1.0 / base.metrics.decode_tokens_per_s
+                for name, spec in methods:
+                    propose, verified = timers[name]
+                    for t in (propose, verified):
+                        t.seconds, t.calls = 0.0, 0
+                    out = llms[name].generate([ids], params)[0]
+                    m = out.metrics
+                    gamma = llms[name].engine.gamma
+                    rounds = max(verified.calls, 1)
+                    c = (propose.seconds + verified.seconds) / max(propose.calls, 1) / gamma / step_s
+                    alpha = m.acceptance_rate
+                    rows.append({
+                        "temperature": temperature, "kind": kind, "prompt": text[:36].replace("\n", " "),
+                        "method": name, "gamma": gamma, "alpha": alpha, "tau": m.mean_accepted_length,
+                        "accepted_per_position": [n / max(m.num_drafts, 1) for n in m.accepted_per_position],
+                        "tokens_per_round": len(out.token_ids) / rounds, "c": c,
+                        "plain_tps": base.metrics.decode_tokens_per_s, "tps": m.decode_tokens_per_s,
+                        "speedup": m.decode_tokens_per_s / base.metrics.decode_tokens_per_s,
+                        "predicted": expected_speedup(alpha, gamma, c),
+                        "latency_s": m.wall_time_s, "plain_latency_s": base.metrics.wall_time_s,
+                        "lossy": m.lossy,
+                    })  # fmt: skip
+                    r = rows[-1]
+                    print(f"T={temperature} [{kind}] {r['prompt']!r} {name}: α={alpha:.2f} τ={r['tau']:.2f} "
+                          f"c={c:.3f} speedup {r['speedup']:.2f}x (formula {r['predicted']:.2f}x)", flush=True)
+    print_summary(rows, [n for n, _ in methods], args)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    if args.plot:
+        plot(rows, [n for n, _ in methods], args.plot)
+
+
+def print_summary(rows: list[dict], names: list[str], args: argparse.Namespace) -> None:
+    print(f"\n### {args.dtype}, {args.max_tokens} new tokens, batch 1, threads={args.threads}\n")
+    print("| T | kind | method | γ | α | τ | tokens/round | c | speedup | formula | acceptance by position |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for temperature in args.temperatures:
+        for kind in dict.fromkeys(r["kind"] for r in rows):
+            for name in names:
+                sel = [r for r in rows if r["temperature"] == temperature and r["kind"] == kind and r["method"] == name]
+                if not sel:
+                    continue
+                mean = lambda k: sum(r[k] for r in sel) / len(sel)  # noqa: E731
+                pos = [sum(r["accepted_per_position"][k] for r in sel) / len(sel) for k in range(sel[0]["gamma"])]
+                print(f"| {temperature} | {kind} | {name}{' (lossy)' if sel[0]['lossy'] else ''} | {sel[0]['gamma']} | "
+                      f"{mean('alpha'):.2f} | {mean('tau'):.2f} | {mean('tokens_per_round'):.2f} | {mean('c'):.3f} | "
+                      f"{geomean([r['speedup'] for r in sel]):.2f}x | {geomean([r['predicted'] for r in sel]):.2f}x | "
+                      f"{' '.join(f'{p:.2f}' for p in pos[:8])} |")
+
+
+def plot(rows: list[dict], names: list[str], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name in names:
+        sel = [r for r in rows if r["method"] == name and r["temperature"] == 0.0]
+        if not sel:
+            continue
+        pos = [sum(r["accepted_per_position"][k] for r in sel) / len(sel) for k in range(sel[0]["gamma"])]
+        ax.plot(range(1, len(pos) + 1), pos, marker="o", label=f"{name} (γ={sel[0]['gamma']})")
+    ax.set_xlabel("draft position k")
+    ax.set_ylabel("fraction of rounds accepting position k")
+    ax.set_title("Acceptance by position, greedy, SmolLM2-135M-Instruct (CPU)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""The target's LM head restricted to a draft vocabulary (EAGLE-3's reduced head), shared
+by the learned drafters whose draft step would otherwise be dominated by the full head.
+
+Owns: `DraftVocabHead`: which target tokens a net may draft (``vocab_ids``, chosen from
+the training corpus's token counts by `prepare`, saved with the net) and the head rows
+for them, rebuilt from the target's LM head whenever the ids change (never saved).
+For SmolLM2 (V = 49,152, hidden 576) an 8,192-token head costs a sixth of the full one.
+A drafter's q is 0 outside the draft vocabulary, so verification stays exact: those
+tokens are never drafted, only emitted by the target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from specdecode.model.transformer import Transformer
+
+
+@dataclass(frozen=True)
+class Borrowed:
+    """The target, held outside the module tree: its weights are neither trained, saved nor cast."""
+
+    target: Transformer
+
+
+class DraftVocabHead(nn.Module):
+    """x [..., H] -> draft-vocabulary logits [..., Vd]; ``full`` maps them onto the whole vocabulary."""
+
+    def __init__(self, target: Transformer, size: int) -> None:
+        super().__init__()
+        V, H = target.config.vocab_size, target.config.hidden_size
+        size = min(size or V, V)  # 0, or more than the target has: the whole vocabulary
+        self.borrowed = Borrowed(target)
+        self.register_buffer("vocab_ids", torch.arange(size, device=target.norm.weight.device))
+        dtype = target.norm.weight.dtype
+        self.linear = nn.Linear(H, size, bias=False, device=target.norm.weight.device, dtype=dtype)
+        self.linear.requires_grad_(False)
+        self.register_load_state_dict_post_hook(lambda module, _keys: module.rebuild())
+        self.rebuild()
+
+    @property
+    def size(self) -> int:
+        return int(self.vocab_ids.shape[0])
+
+    @torch.no_grad()
+    def rebuild(self) -> None:
+        """The rows of ``vocab_ids`` from the target's LM head, whatever kind of linear it is."""
+        head = self.borrowed.target.lm_head
+        eye = torch.eye(self.linear.in_features, dtype=self.borrowed.target.norm.weight.dtype,
+                        device=self.vocab_ids.device)  # fmt: skip
+        rows = head(eye).T[self.vocab_ids]  # [Vd, H]
+        self.linear.weight.copy_(rows.to(self.linear.weight))
+
+    @torch.no_grad()
+    def prepare(self, token_counts: Tensor) -> None:
+        """Keep the most frequent tokens (counts [V] over the training corpus)."""
+        ids = token_counts.float().topk(self.size).indices.sort().values
+        self.vocab_ids.copy_(ids.to(self.vocab_ids))
+        self.rebuild()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x.to(self.linear.weight.dtype))
+
+    def restrict(self, p: Tensor) -> Tensor:
+        """[..., V] target probabilities or logits -> [..., Vd] at the draft vocabulary."""
+        return p[..., self.vocab_ids]
+
+    def full(self, logits: Tensor, vocab_size: int) -> Tensor:
+        """[..., Vd] -> [..., V], -inf outside the draft vocabulary."""
+        if self.size == vocab_size:
+            return logits  # vocab_ids is then a permutation of all ids; prepare keeps them sorted
+        out = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+        return out.scatter_(-1, self.vocab_ids.expand(*logits.shape[:-1], -1), logits)
