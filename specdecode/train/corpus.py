@@ -47,7 +47,7 @@ class Corpus:
     train: Windows
     heldout: Windows
     num_documents: int
-    num_files: int
+    num_files: int  # files read (the cap may stop before the last)
 
 
 def find_files(paths: tuple[str, ...]) -> list[Path]:
@@ -116,7 +116,9 @@ def read_corpus(
                 docs.append(list(ids) + eos)
                 total += len(docs[-1])
 
+    num_files = 0
     for file in files:
+        num_files += 1
         for text in _documents(file, tokenizer):
             pending.append(text)
             if len(pending) >= _TOKENIZE_CHUNK:
@@ -143,7 +145,7 @@ def read_corpus(
     train, test = stream[:cut], stream[cut:]
     if len(train) < 2 or len(test) < 2:
         raise SpecDecodeError(f"corpus too small: {len(stream)} tokens (raise --max-tokens or add text)")
-    return Corpus(pack(train, seq_len), pack(test, seq_len), len(docs), len(files))
+    return Corpus(pack(train, seq_len), pack(test, seq_len), len(docs), num_files)
 
 
 def pack(ids: list[int], seq_len: int) -> Windows:

@@ -51,7 +51,7 @@ def net_class(method: str) -> type:
     except ImportError as e:
         raise SpecDecodeError(f"method {method!r} is not available: {e}") from None
     net = getattr(cls, "Net", None)  # only learned drafters declare one
-    if net is None:
+    if net is None or net.method != method:  # (layer_skip inherits draft_model's, untrained)
         raise SpecDecodeError(
             f"method {method!r} has no network to train; train medusa, eagle, eagle3, mtp, dflash or draft_model"
         )
@@ -104,7 +104,7 @@ def evaluate(net: Any, target: Transformer, windows: Windows, cfg: TrainConfig) 
 
 def trainable_state(net: torch.nn.Module) -> dict[str, Tensor]:
     """The net's state less the frozen parameters (the target's it borrows, frozen embeddings)."""
-    frozen = {n for n, p in net.named_parameters() if not p.requires_grad}
+    frozen = {n for n, p in net.named_parameters(remove_duplicate=False) if not p.requires_grad}  # tied too
     return {n: t.detach() for n, t in net.state_dict().items() if n not in frozen}
 
 

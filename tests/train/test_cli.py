@@ -38,6 +38,7 @@ def folders(tmp_path, tiny_target, corpus):
 CASES = {
     "unknown method": ({"--method": "nope"}, "unknown speculative method 'nope'"),
     "method without a net": ({"--method": "ngram"}, "has no network to train"),
+    "method inheriting a net": ({"--method": "layer_skip"}, "has no network to train"),
     "missing method": ({"--method": None}, "--method is required"),
     "missing data": ({"--data": None}, "--data needs at least one"),
     "data path not found": ({"--data": "/no/such/path"}, "data path not found: /no/such/path"),

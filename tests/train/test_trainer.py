@@ -76,6 +76,7 @@ def test_resume_ends_identical_to_an_uninterrupted_run(tiny_target, corpus, tmp_
     a = torch.load(tmp_path / "whole" / CHECKPOINT_FILE, weights_only=True)
     b = torch.load(tmp_path / "cut" / CHECKPOINT_FILE, weights_only=True)
     assert b["step"] == 20 and a["net"].keys() == b["net"].keys()
+    assert not any("embed" in k or "lm_head" in k for k in b["net"])  # frozen (and tied) tensors stay out
     assert all(torch.equal(a["net"][k], b["net"][k]) for k in a["net"])
 
 
