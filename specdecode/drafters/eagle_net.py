@@ -166,10 +166,12 @@ class FeatureNet(nn.Module):
             steps_tokens.append(tokens[:, k : k + n])
             logits, out_all = self._unrolled(states, steps_tokens, n)
             q_logits, out = logits[:, -n:], out_all[:, -n:]  # step k's entries
-            p = batch.logits[:, k : k + n].float().softmax(dim=-1)  # [B, n, V]: the target's for token t+k+1
+            p_logits = batch.logits[:, k : k + n]  # [B, n, V]: the target's for token t+k+1
+            # p at the draft vocabulary only, without materialising the full softmax
+            p = (self.head.restrict(p_logits).float() - p_logits.float().logsumexp(-1, keepdim=True)).exp()
             valid = mask[:, k : k + n]
             logq = q_logits.float().log_softmax(dim=-1)
-            ce = -(self.head.restrict(p) * logq).sum(-1)
+            ce = -(p * logq).sum(-1)
             loss = (ce * valid).sum() / valid.sum().clamp(min=1)
             if k == 1 and self.config.feature_loss > 0 and isinstance(self.fuse, nn.Identity):
                 f_next = batch.hidden[:, 1 : 1 + n].to(out.dtype)  # EAGLE-1: regress the next feature
@@ -177,10 +179,10 @@ class FeatureNet(nn.Module):
                 loss = loss + self.config.feature_loss * (reg * valid).sum() / valid.sum().clamp(min=1)
             losses.append(loss * 0.8 ** (k - 1))
             with torch.no_grad():
-                hit = (self.head.vocab_ids[q_logits.argmax(-1)] == p.argmax(-1)).float()
+                hit = (self.head.vocab_ids[q_logits.argmax(-1)] == p_logits.argmax(-1)).float()
                 metrics[f"acc@{k}"] = float((hit * valid).sum() / valid.sum().clamp(min=1))
                 if k == 1:
-                    overlap = torch.minimum(self.head.restrict(p), logq.exp()).sum(-1)
+                    overlap = torch.minimum(p, logq.exp()).sum(-1)
                     metrics["alpha@1"] = float((overlap * valid).sum() / valid.sum().clamp(min=1))
         total = torch.stack(losses).sum()
         metrics["loss"] = float(total.detach())
