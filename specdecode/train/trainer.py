@@ -138,6 +138,30 @@ def read_checkpoint(cfg: TrainConfig) -> dict[str, Any]:
     return ckpt
 
 
+def restore(ckpt: dict[str, Any], net: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Net tensors, optimizer state and RNG state from a checkpoint of the same method and net config."""
+    if set(ckpt["net"]) != set(trainable_state(net)):
+        raise SpecDecodeError(f"--resume: the checkpoint's tensors do not fit the {ckpt['method']} net")
+    net.load_state_dict(ckpt["net"], strict=False)
+    opt.load_state_dict(ckpt["optimizer"])
+    torch.set_rng_state(ckpt["rng"])
+    if ckpt["cuda_rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(ckpt["cuda_rng"])
+
+
+def train_step(net: Any, opt: torch.optim.Optimizer, batch: TrainBatch, lr: float) -> tuple[float, dict[str, float]]:
+    """One AdamW step at rate ``lr`` (gradients clipped to norm 1); the loss and the net's metrics."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+    net.train()
+    loss, metrics = net.training_loss(batch)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 1.0)
+    opt.step()
+    return float(loss.detach()), metrics
+
+
 def write_drafter(net: Any, loaded: Any, out: str, extra: dict[str, Any]) -> Path:
     """The folder ``speculative_config {"method": M, "model": out}`` loads."""
     if isinstance(net, DistillNet):  # a whole model: an HF checkpoint that load_model reads
@@ -182,13 +206,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     }  # fmt: skip
     step = 0
     if ckpt:
-        if set(ckpt["net"]) != set(trainable_state(net)):
-            raise SpecDecodeError(f"--resume: the checkpoint's tensors do not fit the {cfg.method} net")
-        net.load_state_dict(ckpt["net"], strict=False)
-        opt.load_state_dict(ckpt["optimizer"])
-        torch.set_rng_state(ckpt["rng"])
-        if ckpt["cuda_rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(ckpt["cuda_rng"])
+        restore(ckpt, net, opt)
         step, log = ckpt["step"], {**ckpt["log"], "config": asdict(cfg)}
     else:
         log["start"] = {"step": 0, **evaluate(net, target, corpus.heldout, cfg)}
@@ -198,19 +216,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     while step < cfg.steps:
         rows = batch_rows(step, cfg.batch_size, len(corpus.train), cfg.seed)
         batch = target_batch(target, corpus.train.tokens[rows], corpus.train.mask[rows], net.hidden_layers)
-        for group in opt.param_groups:
-            group["lr"] = cfg.learning_rate(step)
-        net.train()
-        loss, metrics = net.training_loss(batch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        loss, metrics = train_step(net, opt, batch, cfg.learning_rate(step))
         step += 1
         tokens += int(batch.mask.sum())
-        log["train_loss"].append(float(loss.detach()))
+        log["train_loss"].append(loss)
         rate = tokens / (time.perf_counter() - t0)
-        bar.set_postfix({"loss": f"{log['train_loss'][-1]:.3f}", **{k: f"{v:.3f}" for k, v in metrics.items() if "@1" in k},
+        bar.set_postfix({"loss": f"{loss:.3f}", **{k: f"{v:.3f}" for k, v in metrics.items() if "@1" in k},
                          "tok/s": f"{rate:.0f}"})  # fmt: skip
         bar.update(1)
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
