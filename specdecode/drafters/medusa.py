@@ -32,6 +32,7 @@ from torch.nn import functional as F
 
 from specdecode.config import SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Draft, DrafterContext
+from specdecode.drafters.draft_vocab import DraftVocabHead
 from specdecode.drafters.learned import TrainBatch, load_net, resolve_weights
 from specdecode.engine.batch import Batch
 from specdecode.model.transformer import Transformer
@@ -55,8 +56,11 @@ MC_SIM_7B_63 = (
 class MedusaConfig:
     num_heads: int = 4  # K: head k predicts the token k past the target's own next token
     num_layers: int = 1  # ResBlocks per head
+    draft_vocab: int = 8192  # LM head rows kept (draft_vocab.py); 0 = the whole vocabulary
 
     def __post_init__(self) -> None:
+        if not isinstance(self.draft_vocab, int) or isinstance(self.draft_vocab, bool) or self.draft_vocab < 0:
+            raise SpecDecodeError(f"medusa draft_vocab must be an integer >= 0, got {self.draft_vocab!r}")
         for name in ("num_heads", "num_layers"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 64:
@@ -75,34 +79,39 @@ class ResBlock(nn.Module):
         return h + F.silu(self.linear(h))
 
 
-def lm_logits(target: Transformer, h: Tensor) -> Tensor:
-    """The target's LM head on features h [..., H] -> fp32 logits [..., V], as the target applies it."""
-    logits = target.lm_head(h).float()
-    cap = target.config.final_logit_softcap
-    return torch.tanh(logits / cap) * cap if cap is not None else logits
-
-
 class MedusaNet(nn.Module):
-    """The K heads (without the LM head, which the caller borrows from the target)."""
+    """The K heads, then the target's LM head restricted to the draft vocabulary (not saved)."""
 
     Config: ClassVar[type] = MedusaConfig
     method: ClassVar[str] = "medusa"
     hidden_layers: tuple[int, ...] = (-1,)
 
-    def __init__(self, config: MedusaConfig, hidden_size: int) -> None:
+    def __init__(self, config: MedusaConfig, target: Transformer) -> None:
         super().__init__()
         self.config = config
+        hidden_size = target.config.hidden_size
+        self.head = DraftVocabHead(target, config.draft_vocab)
+        self.softcap = target.config.final_logit_softcap
         self.heads = nn.ModuleList(
             nn.Sequential(*[ResBlock(hidden_size) for _ in range(config.num_layers)]) for _ in range(config.num_heads)
         )
 
     @classmethod
     def from_target(cls, config: MedusaConfig, target: Transformer) -> MedusaNet:
-        return cls(config, target.config.hidden_size)
+        return cls(config, target)
+
+    def prepare(self, token_counts: Tensor) -> None:
+        """Keep the ``draft_vocab`` most frequent tokens of the training corpus (counts [V])."""
+        self.head.prepare(token_counts)
 
     def forward(self, h: Tensor, num_heads: int) -> Tensor:
         """h [..., H] -> the first ``num_heads`` heads' features [..., K, H]."""
         return torch.stack([head(h) for head in self.heads[:num_heads]], dim=-2)
+
+    def logits(self, features: Tensor) -> Tensor:
+        """Head features [..., H] -> fp32 draft-vocabulary logits [..., Vd], as the target's head applies."""
+        logits = self.head(features).float()
+        return torch.tanh(logits / self.softcap) * self.softcap if self.softcap is not None else logits
 
     def training_loss(self, batch: TrainBatch) -> tuple[Tensor, dict[str, float]]:
         """Head k at token t learns the target's distribution for token t + 1 + k, i.e.
@@ -112,13 +121,14 @@ class MedusaNet(nn.Module):
         losses: list[Tensor] = []
         metrics: dict[str, float] = {}
         for k in range(1, min(self.config.num_heads, T - 1) + 1):
-            logq = torch.log_softmax(lm_logits(batch.target, self.heads[k - 1](h[:, : T - k])), dim=-1)  # [B, T-k, V]
-            p = torch.softmax(batch.logits[:, k:].float(), dim=-1)  # [B, T-k, V]
+            logq = torch.log_softmax(self.logits(self.heads[k - 1](h[:, : T - k])), dim=-1)  # [B, T-k, Vd]
+            p_logits = batch.logits[:, k:].float()  # [B, T-k, V]
+            p = (self.head.restrict(p_logits) - p_logits.logsumexp(-1, keepdim=True)).exp()  # [B, T-k, Vd]
             mask = (batch.mask[:, : T - k] & batch.mask[:, k:]).float()  # [B, T-k]
             count = mask.sum().clamp(min=1.0)
             losses.append((-(p * logq).sum(dim=-1) * mask).sum() / count)
             with torch.no_grad():
-                hit = (logq.argmax(dim=-1) == p.argmax(dim=-1)).float()  # [B, T-k]
+                hit = (self.head.vocab_ids[logq.argmax(dim=-1)] == p_logits.argmax(dim=-1)).float()  # [B, T-k]
                 metrics[f"acc@{k}"] = float((hit * mask).sum() / count)
                 if k == 1:
                     overlap = torch.minimum(p, logq.exp()).sum(dim=-1)  # [B, T-1] Σ_v min(p, q)
@@ -128,7 +138,7 @@ class MedusaNet(nn.Module):
         return torch.stack(losses).mean(), metrics
 
     def saved_state(self) -> dict[str, Tensor]:
-        return dict(self.state_dict())  # the heads only: the LM head is not a submodule
+        return {k: v for k, v in self.state_dict().items() if k != "head.linear.weight"}  # rebuilt at load
 
 
 @dataclass(frozen=True)
@@ -169,7 +179,7 @@ class MedusaDrafter:
         self.net: MedusaNet = load_net(MedusaNet, path, self.target, ctx.dtype, ctx.device)
         gamma = spec.num_speculative_tokens
         tree = opts.speculative_token_tree
-        vocab = self.target.config.vocab_size
+        vocab = self.net.head.size  # drafts come from the draft vocabulary
         if tree == DEFAULT_TREE:
             tree = [c for c in MC_SIM_7B_63 if len(c) <= gamma and max(c) < vocab]
         self.tree: TreeShape | None = parse_token_tree(tree) if tree is not None else None
@@ -195,12 +205,14 @@ class MedusaDrafter:
 
     def propose(self, batch: Batch, num_tokens: int) -> Draft:
         K = self.depth if self.tree is not None else min(num_tokens, self.depth)
-        logits = lm_logits(self.target, self.net(self.last, K))  # [B, K, V]: head k at index k - 1
+        logits = self.net.logits(self.net(self.last, K))  # [B, K, Vd]: head k at index k - 1
         if self.tree is not None:
             return self._fill_tree(batch, logits)
         if batch.all_greedy or self.typical is not None:
-            return Draft(tokens=logits.argmax(dim=-1), typical=self.typical)  # [B, K], q one-hot
-        q = logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p)  # [B, K, V]
+            tokens = self.net.head.vocab_ids[logits.argmax(dim=-1)]  # [B, K], q one-hot
+            return Draft(tokens=tokens, typical=self.typical)
+        full = self.net.head.full(logits, self.target.config.vocab_size)  # [B, K, V]
+        q = logits_to_probs(full, batch.temperature, batch.top_k, batch.top_p)  # [B, K, V]
         tokens = torch.stack([sample(q[:, k], batch.generators) for k in range(K)], dim=1)  # [B, K]
         return Draft(tokens=tokens, q=q)
 
@@ -209,7 +221,7 @@ class MedusaDrafter:
         head's logits do not depend on the node's ancestors, so every parent at one depth
         gets the same ranked children). Deterministic: q is one-hot."""
         shape = self.tree
-        ranked = logits.topk(max(shape.rank) + 1, dim=-1).indices  # [B, K, width]
+        ranked = self.net.head.vocab_ids[logits.topk(max(shape.rank) + 1, dim=-1).indices]  # [B, K, width]
         depth = torch.tensor(shape.depth[1:], device=logits.device) - 1  # [N-1] head index
         rank = torch.tensor(shape.rank[1:], device=logits.device)  # [N-1]
         roots = batch.last_tokens().to(logits.device)  # [B, 1]

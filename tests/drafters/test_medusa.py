@@ -11,7 +11,8 @@ import torch
 from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError
 from specdecode.drafters.base import DrafterContext
 from specdecode.drafters.learned import TrainBatch, save_net
-from specdecode.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaNet, lm_logits
+from specdecode.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaNet
+from specdecode.model.transformer import ModelConfig, Transformer
 from specdecode.engine.batch import Batch
 from specdecode.kv_cache import NoCache
 from specdecode.model.loader import load_model
@@ -24,7 +25,7 @@ def random_medusa(target, num_heads: int = 4, num_layers: int = 1, seed: int = 0
     net = MedusaNet.from_target(MedusaConfig(num_heads=num_heads, num_layers=num_layers), target)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in net.parameters():
+        for p in net.heads.parameters():
             p.copy_(scale * torch.randn(p.shape, generator=gen))
     return net
 
@@ -43,10 +44,17 @@ def make_drafter(target, spec: dict) -> MedusaDrafter:
 
 
 def test_net_is_small_and_saves_only_its_heads():
-    net = MedusaNet(MedusaConfig(), hidden_size=576)  # SmolLM2-135M
+    # SmolLM2-135M's shape on the meta device: nothing is allocated
+    cfg = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                      num_kv_heads=3, head_dim=64, max_position_embeddings=8192, tie_embeddings=True)  # fmt: skip
+    with torch.device("meta"):
+        net = MedusaNet(MedusaConfig(), Transformer(cfg))
     state = net.saved_state()
-    assert all(k.startswith("heads.") for k in state)
+    assert all(k.startswith("heads.") for k in state if k != "head.vocab_ids")
     assert sum(t.numel() for t in state.values()) * 2 <= 10e6  # bf16 bytes
+    small = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                        head_dim=8, max_position_embeddings=64)  # fmt: skip
+    net = MedusaNet(MedusaConfig(), Transformer(small))
     assert all(not b.linear.weight.any() for head in net.heads for b in head)  # Medusa's init
 
 
@@ -68,7 +76,8 @@ def test_features_follow_rows(setup):
     draft = drafter.propose(batch, 3)
     assert draft.tokens.shape == (3, 3) and draft.q is None
     # head k on the newest feature, through the target's LM head
-    want = lm_logits(target.model, drafter.net(feats[1][-1], 3)).argmax(dim=-1)
+    net = drafter.net
+    want = net.head.vocab_ids[net.logits(net(feats[1][-1], 3)).argmax(dim=-1)]
     assert torch.equal(draft.tokens[1], want)
     hidden = torch.randn(3, 4, H)  # root + up to 3 accepted drafts
     drafter.on_verified(batch, torch.tensor([0, 3, 1]), None, hidden)
@@ -88,7 +97,8 @@ def test_static_tree_takes_each_heads_top_k(setup):
     feat = torch.randn(2, target.config.hidden_size)
     drafter.prefill(batch, [0], [feat])
     draft = drafter.propose(batch, 4)
-    ranked = lm_logits(target.model, drafter.net(feat[-1], 3)).topk(2, dim=-1).indices  # [3, 2]
+    net = drafter.net
+    ranked = net.head.vocab_ids[net.logits(net(feat[-1], 3)).topk(2, dim=-1).indices]  # [3, 2]
     want = [3, ranked[0, 0], ranked[0, 1], ranked[1, 0], ranked[1, 1], ranked[1, 0], ranked[2, 0]]
     assert draft.tree.tokens[0].tolist() == [int(t) for t in want]
     assert draft.tree.parents[0].tolist() == [-1, 0, 0, 1, 1, 2, 3]
