@@ -29,6 +29,7 @@ from specdecode.model.loader import load_model
 from specdecode.model.transformer import Transformer
 from specdecode.drafters.draft_tree import fill_static_tree, grow_tree
 from specdecode.sampling import logits_to_probs, sample
+from specdecode.train.distill import DistillNet
 from specdecode.tree import MAX_TREE_NODES, TreeShape, check_node_budget, parse_token_tree
 
 
@@ -73,7 +74,7 @@ class DraftModelDrafter:
     Options: ClassVar[type] = DraftModelOptions
     default_num_speculative_tokens: ClassVar[int] = 4
     hidden_layers: tuple[int, ...] = ()
-    from specdecode.train.distill import DistillNet as Net  # the network `specdecode train` distils
+    Net: ClassVar[type] = DistillNet  # the network `specdecode train --method draft_model` distils
 
     def __init__(self, spec: SpecConfig, ctx: DrafterContext) -> None:
         self.model = self.draft_network(spec, ctx)

@@ -42,6 +42,9 @@ class TrainConfig:
     device: str = "auto"
     resume: bool = False
     progress: bool = True
+    cache_topk: int = 0  # > 0: keep each training window's target outputs in memory after its first
+    #   epoch (features in bf16, the top-k logits), so later epochs skip the target
+
 
     def __post_init__(self) -> None:
         if not self.method:
@@ -53,7 +56,7 @@ class TrainConfig:
                 raise SpecDecodeError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
         if self.seq_len < 2:
             raise SpecDecodeError(f"--seq-len must be >= 2, got {self.seq_len}")
-        for name, value in {"warmup": self.warmup, "eval_every": self.eval_every}.items():
+        for name, value in {"warmup": self.warmup, "eval_every": self.eval_every, "cache_topk": self.cache_topk}.items():
             if not isinstance(value, int) or value < 0:
                 raise SpecDecodeError(f"--{name.replace('_', '-')} must be an integer >= 0, got {value!r}")
         if not (isinstance(self.lr, (int, float)) and self.lr > 0 and math.isfinite(self.lr)):
@@ -96,7 +99,7 @@ class TrainConfig:
             weight_decay=args.weight_decay, eval_every=args.eval_every, eval_batches=args.eval_batches,
             save_every=args.save_every, max_tokens=args.max_tokens, heldout=args.heldout, seed=args.seed,
             threads=args.threads, dtype=args.dtype, device=args.device, resume=args.resume,
-            progress=not args.quiet,
+            progress=not args.quiet, cache_topk=args.cache_topk,
         )  # fmt: skip
 
 
@@ -132,3 +135,6 @@ def add_train_arguments(t: argparse.ArgumentParser) -> None:
     t.add_argument("--device", default=d.device, help="auto, cpu, cuda")
     t.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--cache-topk", type=int, default=d.cache_topk,
+                   help="K > 0: after a window's first use, keep its target features and top-K logits in memory "
+                        "(the soft labels keep the top K tokens); later epochs skip the target. 0 = recompute")

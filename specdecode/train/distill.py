@@ -52,7 +52,8 @@ def distill_loss(logits: Tensor, target_logits: Tensor, mask: Tensor) -> tuple[T
     with torch.no_grad():
         logp = F.log_softmax(target_logits.float(), dim=-1)
         p = logp.exp()
-    kl = (p * (logp - logq)).sum(dim=-1)  # [B, T]
+    # xlogy-style: tokens the target gives probability 0 (a top-k cache) contribute 0, not 0 · -inf
+    kl = (p * torch.where(p > 0, logp - logq, 0.0)).sum(dim=-1)  # [B, T]
     loss = (kl * m).sum() / n
     with torch.no_grad():
         acc = ((logq.argmax(dim=-1) == logp.argmax(dim=-1)).to(m) * m).sum() / n

@@ -117,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     llm = LLM(model=args.target)
     prompts = instructions(args.num, args.seed)
+    fits = [p for p in prompts if len(llm.encode_chat(p)) + args.max_tokens <= llm.max_model_len]
+    if len(fits) < len(prompts):
+        print(f"skipped {len(prompts) - len(fits)} instructions too long for the context", file=sys.stderr)
+    prompts = fits
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w") as f, tqdm(total=len(prompts), desc="answering", unit="prompt") as bar:

@@ -13,8 +13,10 @@ format (drafters/learned.py), reading the corpus (corpus.py).
 The batch at step s is a pure function of (seed, s): epoch e = s·B // N draws its own
 seeded permutation of the N windows. With the RNG state in the checkpoint, a resumed run
 therefore takes the same steps as an uninterrupted one. Target outputs are recomputed
-each step rather than cached: a cached distribution costs V floats per token (49k for
-SmolLM2), far more disk than the corpus is worth.
+each step unless ``cache_topk`` > 0: a whole distribution costs V floats per token (49k
+for SmolLM2), so `TargetCache` keeps only the features (bf16) and the top-k logits of
+each training window in memory; the soft labels are then the target's distribution
+renormalised over its top k tokens. The target runs the first epoch, the net alone after.
 """
 
 from __future__ import annotations
@@ -73,6 +75,29 @@ def target_batch(target: Transformer, tokens: Tensor, mask: Tensor, hidden_layer
     # copies made outside inference mode are plain tensors, which autograd may read
     logits, hidden = logits.clone(), hidden.float() if hidden.dtype != torch.float32 else hidden.clone()
     return TrainBatch(tokens=tokens, hidden=hidden, logits=logits, mask=mask, target=target)
+
+
+class TargetCache:
+    """Each training window's target outputs after its first use: features (bf16), top-k logits."""
+
+    def __init__(self, topk: int) -> None:
+        self.topk = topk
+        self.rows: dict[int, tuple[Tensor, Tensor, Tensor]] = {}  # window -> hidden, values, indices
+
+    def batch(self, target: Transformer, windows: Windows, rows: Tensor, hidden_layers: tuple[int, ...]) -> TrainBatch:
+        missing = [int(r) for r in rows if int(r) not in self.rows]
+        if missing:
+            idx = torch.tensor(missing)
+            fresh = target_batch(target, windows.tokens[idx], windows.mask[idx], hidden_layers)
+            values, indices = fresh.logits.topk(self.topk, dim=-1)  # [n, T, K]
+            for i, r in enumerate(missing):
+                self.rows[r] = (fresh.hidden[i].to(torch.bfloat16), values[i], indices[i].to(torch.int32))
+        hidden, values, indices = (torch.stack(t) for t in zip(*(self.rows[int(r)] for r in rows)))
+        V = target.config.vocab_size
+        logits = values.new_full((*values.shape[:2], V), float("-inf")).scatter_(-1, indices.long(), values)
+        device = target.embed.weight.device
+        return TrainBatch(tokens=windows.tokens[rows].to(device), hidden=hidden.float(), logits=logits,
+                          mask=windows.mask[rows].to(device), target=target)  # fmt: skip
 
 
 def batch_rows(step: int, batch_size: int, num_windows: int, seed: int) -> Tensor:
@@ -211,11 +236,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     else:
         log["start"] = {"step": 0, **evaluate(net, target, corpus.heldout, cfg)}
         log["evals"].append(log["start"])
+    cache = TargetCache(cfg.cache_topk) if cfg.cache_topk else None
     bar = tqdm(total=cfg.steps, initial=step, disable=not cfg.progress, desc=f"train {cfg.method}", unit="step")
     tokens, t0 = 0, time.perf_counter()
     while step < cfg.steps:
         rows = batch_rows(step, cfg.batch_size, len(corpus.train), cfg.seed)
-        batch = target_batch(target, corpus.train.tokens[rows], corpus.train.mask[rows], net.hidden_layers)
+        if cache is not None:
+            batch = cache.batch(target, corpus.train, rows, net.hidden_layers)
+        else:
+            batch = target_batch(target, corpus.train.tokens[rows], corpus.train.mask[rows], net.hidden_layers)
         loss, metrics = train_step(net, opt, batch, cfg.learning_rate(step))
         step += 1
         tokens += int(batch.mask.sum())

@@ -5,6 +5,7 @@ model loads as a `draft_model` drafter whose greedy output equals plain greedy."
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from specdecode.config import SamplingParams, SpecDecodeError
+from specdecode.model.loader import load_model
 from specdecode.train import trainer
 from specdecode.train.config import TrainConfig
 from specdecode.train.trainer import CHECKPOINT_FILE, LOG_FILE, net_class, train
@@ -89,3 +91,15 @@ def test_distilled_draft_model_loads_and_is_lossless(tiny_target, corpus, tmp_pa
     plain = llm.generate(prompts, params, speculative=False)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert sum(o.metrics.num_accepted_tokens for o in spec) > 0
+
+
+@pytest.mark.parametrize("method", TINY_NETS)
+def test_cached_target_outputs_train_every_net(tiny_target, corpus, tmp_path, method):
+    """--cache-topk: later epochs reuse the first epoch's target outputs; with K = V the
+    labels are the target's own, so the run equals an uncached one."""
+    V = load_model(tiny_target, dtype="float32", device="cpu").config.vocab_size
+    plain = train(config(tiny_target, corpus, tmp_path / "plain", method, steps=12, eval_every=0))
+    cached = train(config(tiny_target, corpus, tmp_path / "cached", method, steps=12, eval_every=0, cache_topk=V))
+    assert cached["end"]["loss"] == pytest.approx(plain["end"]["loss"], rel=1e-3)
+    top4 = train(config(tiny_target, corpus, tmp_path / "top4", method, steps=12, eval_every=0, cache_topk=4))
+    assert all(math.isfinite(x) for x in top4["train_loss"]) and top4["end"]["loss"] < top4["start"]["loss"]
