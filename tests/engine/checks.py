@@ -77,6 +77,25 @@ def assert_target_distribution(test: JointChiSquare, llm: LLM, prompt: list[int]
         assert test.pvalue_if(wrong) < 1e-3
 
 
+SAMPLING_PROMPT = [1, 2, 3, 4, 1, 5, 1, 2, 0, 1]  # for V = 6: repeats, so every drafter finds something
+
+
+def assert_samples_follow_target(llm: LLM, n: int, temperature: float, top_k: int, samples: int = 3000,
+                                 prompt: list[int] = SAMPLING_PROMPT) -> list:  # fmt: skip
+    """Sample ``samples`` continuations of n tokens (seeds 0..samples-1); some drafts must be
+    accepted, and the joint distribution must pass the chi-square test with its power check.
+    Returns the outputs."""
+    V = llm.target.config.vocab_size
+    want = exact_joint(llm, prompt, n, temperature, top_k)
+    params = [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=n, seed=s, ignore_eos=True)
+              for s in range(samples)]  # fmt: skip
+    outs = llm.generate([prompt] * samples, params)
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+    test = joint_chisquare([o.token_ids for o in outs], want, V, n)
+    assert_target_distribution(test, llm, prompt, n, temperature, top_k, want)
+    return outs
+
+
 def assert_greedy_matches_plain(llm: LLM, plain: LLM, prompts: list[list[int]], max_tokens: int, label: object) -> list:
     """Each prompt alone and all together give exactly plain greedy's tokens; returns the batch outputs."""
     params = greedy(max_tokens)

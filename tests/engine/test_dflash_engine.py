@@ -13,10 +13,8 @@ from specdecode.engine.serving import ServingEngine
 from tests.drafters.test_dflash import make_dflash
 from tests.engine.checks import (
     assert_greedy_matches_plain,
-    assert_target_distribution,
-    exact_joint,
+    assert_samples_follow_target,
     greedy,
-    joint_chisquare,
 )
 from tests.tiny import make_tiny_checkpoint
 
@@ -55,14 +53,7 @@ def test_sampled_joint_distribution_matches_target(tmp_path, temperature, top_k)
     target = make_tiny_checkpoint(tmp_path / "t", "llama", seed=0, vocab_size=V, num_hidden_layers=4)
     net = make_dflash(tmp_path / "net", target, seed=5, block_size=4)
     llm = LLM(model=str(target), speculative_config=dflash(net, 3), dtype="float32", device="cpu")
-    prompt = [1, 2, 3, 4, 1, 5, 1, 2, 0, 1]
-    want = exact_joint(llm, prompt, n, temperature, top_k)
-    params = [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=n, seed=s, ignore_eos=True)
-              for s in range(samples)]  # fmt: skip
-    outs = llm.generate([prompt] * samples, params)
-    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
-    test = joint_chisquare([o.token_ids for o in outs], want, V, n)
-    assert_target_distribution(test, llm, prompt, n, temperature, top_k, want)
+    outs = assert_samples_follow_target(llm, n, temperature, top_k, samples)
 
 
 def run_staggered(engine: ServingEngine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:

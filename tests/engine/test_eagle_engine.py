@@ -17,9 +17,7 @@ from specdecode.engine.serving import ServingEngine
 from specdecode.model.loader import load_model
 from tests.engine.checks import (
     assert_greedy_matches_plain,
-    assert_target_distribution,
-    exact_joint,
-    joint_chisquare,
+    assert_samples_follow_target,
     serve_all,
 )
 from tests.learned import trained_folder
@@ -69,14 +67,7 @@ def test_sampled_joint_distribution_matches_target(tmp_path, method, shape, temp
     net = trained_folder(NETS[method], model, tmp_path / "net", steps=20, draft_vocab=5)  # q = 0 on one token
     spec = {"method": method, "model": str(net), "num_speculative_tokens": 2, **shape}
     llm = LLM(model=str(target), speculative_config=spec, dtype="float32", device="cpu")
-    prompt = [1, 2, 3, 4, 1, 5, 1, 2, 0, 1]
-    want = exact_joint(llm, prompt, n, temperature, top_k)
-    params = [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=n, seed=s, ignore_eos=True)
-              for s in range(samples)]  # fmt: skip
-    outs = llm.generate([prompt] * samples, params)
-    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
-    test = joint_chisquare([o.token_ids for o in outs], want, V, n)
-    assert_target_distribution(test, llm, prompt, n, temperature, top_k, want)
+    outs = assert_samples_follow_target(llm, n, temperature, top_k, samples)
 
 
 @pytest.mark.parametrize("shape", [{}, {"topk": 2, "num_draft_tokens": 6}])
