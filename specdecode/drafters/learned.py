@@ -27,7 +27,6 @@ from torch import Tensor
 from specdecode.config import SpecDecodeError
 
 if TYPE_CHECKING:
-    from specdecode.engine.batch import Batch
     from specdecode.model.loader import LoadedModel
     from specdecode.model.transformer import Transformer
 

@@ -53,7 +53,7 @@ def test_sampled_joint_distribution_matches_target(tmp_path, temperature, top_k)
     target = make_tiny_checkpoint(tmp_path / "t", "llama", seed=0, vocab_size=V, num_hidden_layers=4)
     net = make_dflash(tmp_path / "net", target, seed=5, block_size=4)
     llm = LLM(model=str(target), speculative_config=dflash(net, 3), dtype="float32", device="cpu")
-    outs = assert_samples_follow_target(llm, n, temperature, top_k, samples)
+    assert_samples_follow_target(llm, n, temperature, top_k, samples)
 
 
 def run_staggered(engine: ServingEngine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:

@@ -67,7 +67,7 @@ def test_sampled_joint_distribution_matches_target(tmp_path, method, shape, temp
     net = trained_folder(NETS[method], model, tmp_path / "net", steps=20, draft_vocab=5)  # q = 0 on one token
     spec = {"method": method, "model": str(net), "num_speculative_tokens": 2, **shape}
     llm = LLM(model=str(target), speculative_config=spec, dtype="float32", device="cpu")
-    outs = assert_samples_follow_target(llm, n, temperature, top_k, samples)
+    assert_samples_follow_target(llm, n, temperature, top_k, samples)
 
 
 @pytest.mark.parametrize("shape", [{}, {"topk": 2, "num_draft_tokens": 6}])

@@ -112,4 +112,4 @@ def test_sampled_joint_distribution_matches_target(tmp_path, temperature, top_k)
     V, n, samples = 6, 3, 3000
     target = make_tiny_checkpoint(tmp_path / "t", "llama", seed=0, vocab_size=V)
     llm = lookahead(str(target), lookahead_window=2, lookahead_ngram=3, lookahead_guess=3)
-    outs = assert_samples_follow_target(llm, n, temperature, top_k, samples)
+    assert_samples_follow_target(llm, n, temperature, top_k, samples)

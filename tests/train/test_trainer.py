@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdecode.config import SamplingParams, SpecDecodeError
+from specdecode.config import SamplingParams
 from specdecode.model.loader import load_model
 from specdecode.train import trainer
 from specdecode.train.config import TrainConfig
-from specdecode.train.trainer import CHECKPOINT_FILE, LOG_FILE, net_class, train
+from specdecode.train.trainer import CHECKPOINT_FILE, LOG_FILE, train
 
 # the smallest net of each method for the tiny target (vocabulary 128, 3 layers)
 TINY_NETS = {
