@@ -205,8 +205,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     cls = net_class(cfg.method)
     ckpt = read_checkpoint(cfg) if cfg.resume else None
     net_cfg = net_config(cls, ckpt["net_config"] if ckpt else cfg.net_config)
-    if ckpt and cfg.net_config and net_config(cls, cfg.net_config) != net_cfg:
-        raise SpecDecodeError(f"--resume: --net-config differs from the checkpoint's {asdict(net_cfg)}")
     find_files(cfg.data)  # a bad corpus path fails before the target loads
     loaded = load_model(cfg.target, dtype=cfg.dtype, device=cfg.device, progress=cfg.progress)
     target = loaded.model
@@ -215,6 +213,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     corpus = read_corpus(cfg.data, loaded.tokenizer, cfg.seq_len, cfg.max_tokens, cfg.heldout, cfg.seed)
     torch.manual_seed(cfg.seed)
     net = cls.from_target(net_cfg, target).to(target.embed.weight.device)
+    if ckpt and cfg.net_config:  # compared as the nets resolve them (eagle fills in its feature layers)
+        given = cls.from_target(net_config(cls, cfg.net_config), target).config
+        if given != net.config:
+            raise SpecDecodeError(f"--resume: --net-config differs from the checkpoint's {asdict(net.config)}")
     counts = torch.bincount(corpus.train.tokens[corpus.train.mask], minlength=target.config.vocab_size)
     net.prepare(counts[: target.config.vocab_size].to(target.embed.weight.device))
     params = [p for p in net.parameters() if p.requires_grad]

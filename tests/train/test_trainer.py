@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdecode.config import SamplingParams
+from specdecode.config import SamplingParams, SpecDecodeError
 from specdecode.model.loader import load_model
 from specdecode.train import trainer
 from specdecode.train.config import TrainConfig
@@ -103,3 +103,14 @@ def test_cached_target_outputs_train_every_net(tiny_target, corpus, tmp_path, me
     assert cached["end"]["loss"] == pytest.approx(plain["end"]["loss"], rel=1e-3)
     top4 = train(config(tiny_target, corpus, tmp_path / "top4", method, steps=12, eval_every=0, cache_topk=4))
     assert all(math.isfinite(x) for x in top4["train_loss"]) and top4["end"]["loss"] < top4["start"]["loss"]
+
+
+def test_resume_accepts_the_same_partial_net_config(tiny_target, corpus, tmp_path):
+    """The checkpoint stores the resolved config (eagle's feature layers filled in); the
+    keys given again must match it, and a changed key is refused."""
+    cfg = config(tiny_target, corpus, tmp_path / "e", "eagle", steps=4, eval_every=0, save_every=2)
+    train(cfg)
+    log = train(replace(cfg, steps=6, resume=True))
+    assert log["end"]["step"] == 6
+    with pytest.raises(SpecDecodeError, match="differs from the checkpoint"):
+        train(replace(cfg, steps=8, resume=True, net_config={"draft_vocab": 5}))
