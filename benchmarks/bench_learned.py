@@ -27,17 +27,15 @@ from specdecode.theory import expected_speedup
 
 HERE = Path(__file__).resolve().parent
 METHODS = {
-    "layer_skip": {"method": "layer_skip", "num_speculative_tokens": 3, "exit_layer": 8},
-    "eagle": {"method": "eagle", "num_speculative_tokens": 4},
-    "eagle_tree": {"method": "eagle", "num_speculative_tokens": 5, "topk": 4, "num_draft_tokens": 12},
-    "eagle3": {"method": "eagle3", "num_speculative_tokens": 4},
-    "mtp": {"method": "mtp", "num_speculative_tokens": 1},
-    "mtp_chain3": {"method": "mtp", "num_speculative_tokens": 3},
-    "medusa": {"method": "medusa", "num_speculative_tokens": 4},
-    "dflash": {"method": "dflash", "num_speculative_tokens": 16},
+    "layer_skip": {"method": "layer_skip", "num_speculative_tokens": 3},
+    "eagle": {"method": "eagle", "num_speculative_tokens": 2},
+    "eagle_tree": {"method": "eagle", "num_speculative_tokens": 3, "topk": 4, "num_draft_tokens": 8},
     "eagle_g8": {"method": "eagle", "num_speculative_tokens": 8},
+    "eagle3": {"method": "eagle3", "num_speculative_tokens": 3},
+    "mtp": {"method": "mtp", "num_speculative_tokens": 1},
+    "medusa": {"method": "medusa", "num_speculative_tokens": 3},
+    "dflash": {"method": "dflash", "num_speculative_tokens": 16},
 }
-
 
 def parse_method(arg: str) -> tuple[str, dict]:
     if "=" in arg:
@@ -57,7 +55,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--methods", nargs="+", default=["layer_skip", "eagle", "eagle3", "mtp", "medusa", "dflash"])
+    ap.add_argument("--methods", nargs="+",
+                    default=["layer_skip", "eagle", "eagle_tree", "eagle_g8", "mtp", "medusa", "dflash"])
     ap.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 0.7])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
@@ -101,7 +100,7 @@ def main() -> None:
                         "temperature": temperature, "kind": kind, "prompt": text[:36].replace("\n", " "),
                         "method": name, "gamma": gamma, "alpha": alpha, "tau": m.mean_accepted_length,
                         "accepted_per_position": [n / max(m.num_drafts, 1) for n in m.accepted_per_position],
-                        "tokens_per_round": len(out.token_ids) / rounds, "c": c,
+                        "tokens_per_round": (len(out.token_ids) - 1) / rounds, "c": c,  # the first comes from prefill
                         "plain_tps": base.metrics.decode_tokens_per_s, "tps": m.decode_tokens_per_s,
                         "speedup": m.decode_tokens_per_s / base.metrics.decode_tokens_per_s,
                         "predicted": expected_speedup(alpha, gamma, c),
@@ -120,8 +119,8 @@ def main() -> None:
 
 def print_summary(rows: list[dict], names: list[str], args: argparse.Namespace) -> None:
     print(f"\n### {args.dtype}, {args.max_tokens} new tokens, batch 1, threads={args.threads}\n")
-    print("| T | kind | method | γ | α | τ | tokens/round | c | speedup | formula | acceptance by position |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| T | kind | method | γ | α | τ | tokens/round | c | latency s (plain) | speedup | formula | acceptance by position |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for temperature in args.temperatures:
         for kind in dict.fromkeys(r["kind"] for r in rows):
             for name in names:
@@ -132,6 +131,7 @@ def print_summary(rows: list[dict], names: list[str], args: argparse.Namespace) 
                 pos = [sum(r["accepted_per_position"][k] for r in sel) / len(sel) for k in range(sel[0]["gamma"])]
                 print(f"| {temperature} | {kind} | {name}{' (lossy)' if sel[0]['lossy'] else ''} | {sel[0]['gamma']} | "
                       f"{mean('alpha'):.2f} | {mean('tau'):.2f} | {mean('tokens_per_round'):.2f} | {mean('c'):.3f} | "
+                      f"{mean('latency_s'):.2f} ({mean('plain_latency_s'):.2f}) | "
                       f"{geomean([r['speedup'] for r in sel]):.2f}x | {geomean([r['predicted'] for r in sel]):.2f}x | "
                       f"{' '.join(f'{p:.2f}' for p in pos[:8])} |")
 
