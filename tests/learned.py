@@ -42,7 +42,11 @@ def train_net(net: torch.nn.Module, target: Transformer, steps: int, seed: int =
     torch.manual_seed(seed)
     data = target_samples(target, 32, 24, seed)
     net.prepare(torch.bincount(data.flatten(), minlength=target.config.vocab_size))
-    batch = train_batch(target, data, net.hidden_layers)
+    return [metrics for _, metrics in fit(net, train_batch(target, data, net.hidden_layers), steps, lr)]
+
+
+def fit(net: torch.nn.Module, batch: TrainBatch, steps: int, lr: float = 3e-3) -> list[tuple[float, dict]]:
+    """Adam on one fixed batch; (loss, metrics) of each step."""
     opt = torch.optim.Adam([p for p in net.parameters() if p.requires_grad], lr=lr)
     history = []
     for _ in range(steps):
@@ -50,7 +54,7 @@ def train_net(net: torch.nn.Module, target: Transformer, steps: int, seed: int =
         opt.zero_grad()
         loss.backward()
         opt.step()
-        history.append(metrics)
+        history.append((float(loss.detach()), metrics))
     return history
 
 

@@ -22,6 +22,7 @@ from specdecode.engine.serving import ServingEngine
 from specdecode.kv_cache import ContiguousKVCache
 from specdecode.model.loader import load_model
 from specdecode.model.transformer import ModelConfig, Transformer
+from tests.learned import fit
 from tests.tiny import make_tiny_checkpoint
 
 TINY_NET = {"num_layers": 2, "block_size": 8, "intermediate_size": 48, "num_target_layers": 2}
@@ -158,14 +159,8 @@ def test_training_loss_decreases(ckpts):
         logits, hidden = target(tokens, torch.arange(24).expand(2, -1), target.new_cache(2, 24),
                                 hidden_layers=net.hidden_layers)  # fmt: skip
     batch = TrainBatch(tokens, torch.cat(hidden, dim=-1), logits, mask, target)
-    opt = torch.optim.Adam([p for p in net.parameters() if p.requires_grad], lr=3e-3)
-    losses = []
-    for _ in range(25):
-        loss, metrics = net.training_loss(batch)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
+    history = fit(net, batch, steps=25)
+    losses, metrics = [loss for loss, _ in history], history[-1][1]
     assert losses[-1] < 0.8 * losses[0], losses
     assert {"acc@1", "acc@8", "alpha@1", "tau_greedy"} <= set(metrics)
     assert 0 <= metrics["alpha@1"] <= 1 and 1 <= metrics["tau_greedy"] <= 1 + net.block_size

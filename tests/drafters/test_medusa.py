@@ -17,6 +17,7 @@ from specdecode.engine.batch import Batch
 from specdecode.kv_cache import NoCache
 from specdecode.model.loader import load_model
 from specdecode.verify import greedy_verify, typical_verify
+from tests.learned import fit
 from tests.tiny import make_tiny_checkpoint
 
 
@@ -148,14 +149,8 @@ def test_training_loss_decreases(setup):
         logits, (hidden,) = model(tokens, positions, NoCache(4, "cpu"), hidden_layers=(-1,))
     batch = TrainBatch(tokens=tokens, hidden=hidden, logits=logits, mask=mask, target=model)
     net = MedusaNet.from_target(MedusaConfig(num_heads=3), model)
-    opt = torch.optim.Adam(net.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(15):
-        loss, metrics = net.training_loss(batch)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    history = fit(net, batch, steps=15)
+    losses, metrics = [loss for loss, _ in history], history[-1][1]
     assert losses[-1] < 0.9 * losses[0]
     assert set(metrics) == {"acc@1", "acc@2", "acc@3", "alpha@1"}
     assert 0 <= metrics["alpha@1"] <= 1
