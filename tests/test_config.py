@@ -7,7 +7,7 @@ from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError
     "value,match",
     [
         ("{not json", "not valid JSON"),
-        ('{"method": "banana"}', "unknown speculative method 'banana'; valid: draft_model"),
+        ('{"method": "banana"}', "unknown speculative method 'banana'; valid: dflash, draft_model, eagle"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', r"\[1, 32\]"),
         ('{"method": "ngram", "num_speculative_tokens": 33}', r"\[1, 32\]"),
         ('{"num_speculative_tokens": 3}', 'needs a "method"'),

@@ -71,7 +71,7 @@ def test_generate_streams_text_then_stats(capsys, tiny):
     "extra,match",
     [
         (["--speculative-config", "{bad json"], "not valid JSON"),
-        (["--speculative-config", '{"method": "nope"}'], "unknown speculative method 'nope'; valid: draft_model"),
+        (["--speculative-config", '{"method": "nope"}'], "unknown speculative method 'nope'; valid: dflash, draft_model, eagle"),
         (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'], "num_speculative_tokens"),
         (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 33}'], "num_speculative_tokens"),
         (["--temperature", "-1"], "temperature"),

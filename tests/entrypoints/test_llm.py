@@ -75,7 +75,7 @@ def test_generation_stops_at_context_end(llm):
 
 
 def test_bad_config_fails_before_loading(tmp_path):
-    with pytest.raises(SpecDecodeError, match="unknown speculative method 'eagle9'; valid: draft_model"):
+    with pytest.raises(SpecDecodeError, match="unknown speculative method 'eagle9'; valid: dflash, draft_model, eagle"):
         LLM(model=str(tmp_path / "missing"), speculative_config={"method": "eagle9"})
     with pytest.raises(SpecDecodeError, match="model path not found"):
         LLM(model=str(tmp_path / "missing"))
