@@ -52,7 +52,8 @@ class EagleOptions:
 class EagleDrafter:
     Options: ClassVar[type] = EagleOptions
     Net: ClassVar[type[FeatureNet]] = FeatureNet
-    default_num_speculative_tokens: ClassVar[int] = 4
+    # the shipped nets rarely get a third token accepted (docs/benchmarks.md, issue 4): γ = 2 measured best
+    default_num_speculative_tokens: ClassVar[int] = 2
 
     def __init__(self, spec: SpecConfig, ctx: DrafterContext) -> None:
         path = resolve_weights(self.Net.method, spec.options.model, ctx.target)
