@@ -71,12 +71,8 @@ class DFlashDrafter:
 
     def prefill(self, batch: Batch, rows: list[int], hidden: list[Tensor] | None = None) -> None:
         assert hidden is not None, "dflash reads target features: the engine hands them with hidden_layers"
-        cfg = self.net.body.config
         room = self.net.block_size + 1  # the block's scratch slots past the longest row
-        joined = ContiguousKVCache(
-            cfg.num_layers, len(rows), cfg.num_kv_heads, cfg.head_dim, batch.capacity + room,
-            self.ctx.dtype, self.ctx.device,
-        )  # fmt: skip
+        joined = self.net.body.new_cache(len(rows), batch.capacity + room)
         width = max(1, max(len(h) for h in hidden))
         features = torch.stack([F.pad(h, (0, 0, 0, width - len(h))) for h in hidden])  # [R, N, F]
         self._inject(joined, features, torch.tensor([len(h) for h in hidden], device=self.ctx.device))

@@ -87,7 +87,7 @@ class EagleDrafter:
         if min(lengths) < 1:
             raise RuntimeError("eagle: propose called twice without on_verified")
         net = self.net
-        states = torch.nn.utils.rnn.pad_sequence([net.fuse_features(f) for f in features], batch_first=True)
+        states = torch.nn.utils.rnn.pad_sequence([net.fuse(f) for f in features], batch_first=True)
         tokens, _ = pad_right(
             [s.token_ids[start + 1 : start + 1 + n] for s, start, n in zip(batch.seqs, starts, lengths)], self.device
         )

@@ -86,6 +86,7 @@ class FeatureNet(nn.Module):
         self.hidden_layers: tuple[int, ...] = tuple(layers)
         self.borrowed = Borrowed(target)
         H = tc.hidden_size
+        # [..., len(layers) * H] target features -> [..., H] entry states (EAGLE-3 fuses three layers)
         self.fuse = nn.Linear(len(layers) * H, H, bias=False) if len(layers) > 1 else nn.Identity()
         self.fc = nn.Linear(2 * H, H, bias=False)
         norm = lambda: RMSNorm(H, tc.rms_norm_eps, tc.norm_offset) if config.norm_inputs else nn.Identity()  # noqa: E731
@@ -122,10 +123,6 @@ class FeatureNet(nn.Module):
 
     def saved_state(self) -> dict[str, Tensor]:
         return {k: v for k, v in self.state_dict().items() if k not in _UNSAVED}
-
-    def fuse_features(self, hidden: Tensor) -> Tensor:
-        """[..., len(feature_layers) * H] target features -> [..., H] entry states."""
-        return self.fuse(hidden)
 
     def forward(
         self,

@@ -50,7 +50,7 @@ def test_training_time_test_sees_what_drafting_sees(target):
     tokens = target_samples(model, 1, 9)
     batch = train_batch(model, tokens, net.hidden_layers)
     T, n = tokens.shape[1], tokens.shape[1] - 2
-    g = net.fuse_features(batch.hidden[:, :n])
+    g = net.fuse(batch.hidden[:, :n])
     with torch.no_grad():
         _, out1 = net._unrolled([g], [tokens[:, 1 : 1 + n]], n)
         logits2, _ = net._unrolled([g, out1], [tokens[:, 1 : 1 + n], tokens[:, 2 : 2 + n]], n)
