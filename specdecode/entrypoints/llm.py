@@ -95,7 +95,9 @@ class LLM:
     passes: with row-invariant linears (int4 / gguf on our CPU kernel) speculative greedy
     output then equals plain greedy bit for bit; it costs one attention call per position.
     Prompts run through the continuous-batching `ServingEngine` the server uses, at most
-    ``max_num_seqs`` at a time; the rest queue.
+    ``max_num_seqs`` at a time; the rest queue. ``num_blocks`` sizes each engine's paged KV
+    pool in blocks of 16 tokens (vLLM's ``num_gpu_blocks_override``; default: 256 MiB, at
+    least one full sequence): raise it to keep many long sequences resident.
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class LLM:
         quantization: str | None = None,
         batch_invariant: bool = False,
         max_num_seqs: int = 16,
+        num_blocks: int | None = None,
     ) -> None:
         from specdecode.model.loader import load_model
         from specdecode.model.quant import describe_kernels, parse_quantization
@@ -122,7 +125,8 @@ class LLM:
         self.max_model_len = max_model_len or context
         self.tokenizer = self.target.tokenizer
         self.spec = spec
-        engine_args = dict(max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, batch_invariant=batch_invariant)
+        engine_args = dict(max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, num_blocks=num_blocks,
+                           batch_invariant=batch_invariant)  # fmt: skip
         self.engine = ServingEngine(self.target, spec, quantization=quantization, **engine_args)
         # plain decoding of the same model, for baselines: its own engine, so no drafter work is timed
         self._plain = ServingEngine(self.target, None, **engine_args) if spec is not None else self.engine

@@ -44,6 +44,8 @@ class TrainConfig:
     progress: bool = True
     cache_topk: int = 0  # > 0: keep each training window's target outputs in memory after its first
     #   epoch (features in bf16, the top-k logits), so later epochs skip the target
+    time_limit: float | None = None  # seconds of training; the run ends at --steps or here, whichever
+    #   comes first, and the schedule follows whichever is further along
 
 
     def __post_init__(self) -> None:
@@ -61,6 +63,10 @@ class TrainConfig:
                 raise SpecDecodeError(f"--{name.replace('_', '-')} must be an integer >= 0, got {value!r}")
         if not (isinstance(self.lr, (int, float)) and self.lr > 0 and math.isfinite(self.lr)):
             raise SpecDecodeError(f"--lr must be a positive number, got {self.lr!r}")
+        if self.time_limit is not None and not (
+            isinstance(self.time_limit, (int, float)) and self.time_limit > 0 and math.isfinite(self.time_limit)
+        ):
+            raise SpecDecodeError(f"--time-limit must be a positive number of seconds, got {self.time_limit!r}")
         if not 0 <= self.weight_decay < 1:
             raise SpecDecodeError(f"--weight-decay must be in [0, 1), got {self.weight_decay}")
         if not 0 < self.heldout < 1:
@@ -79,13 +85,20 @@ class TrainConfig:
         if not isinstance(self.net_config, dict):
             raise SpecDecodeError(f"--net-config must be a JSON object, got {self.net_config!r}")
 
-    def learning_rate(self, step: int) -> float:
-        """The rate for optimizer step ``step`` (0-based): linear warmup, then cosine to lr / 10."""
+    def learning_rate(self, step: int, elapsed: float = 0.0) -> float:
+        """The rate for optimizer step ``step`` (0-based) after ``elapsed`` seconds of training:
+        linear warmup over steps, then cosine to lr / 10 over the run's progress (by steps, or by
+        time under ``time_limit`` where that is further along)."""
         warmup = min(self.warmup, self.steps // 5)
         if step < warmup:
             return self.lr * (step + 1) / warmup
         progress = (step - warmup) / max(1, self.steps - warmup)
+        if self.time_limit:
+            progress = max(progress, elapsed / self.time_limit)
         return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+    def out_of_time(self, elapsed: float) -> bool:
+        return self.time_limit is not None and elapsed >= self.time_limit
 
     @staticmethod
     def from_args(args: argparse.Namespace) -> TrainConfig:
@@ -99,7 +112,7 @@ class TrainConfig:
             weight_decay=args.weight_decay, eval_every=args.eval_every, eval_batches=args.eval_batches,
             save_every=args.save_every, max_tokens=args.max_tokens, heldout=args.heldout, seed=args.seed,
             threads=args.threads, dtype=args.dtype, device=args.device, resume=args.resume,
-            progress=not args.quiet, cache_topk=args.cache_topk,
+            progress=not args.quiet, cache_topk=args.cache_topk, time_limit=args.time_limit,
         )  # fmt: skip
 
 
@@ -135,6 +148,9 @@ def add_train_arguments(t: argparse.ArgumentParser) -> None:
     t.add_argument("--device", default=d.device, help="auto, cpu, cuda")
     t.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--time-limit", type=float, default=None,
+                   help="seconds of training: stop at --steps or here, whichever comes first (the learning-rate "
+                        "schedule follows whichever is further along)")
     t.add_argument("--cache-topk", type=int, default=d.cache_topk,
                    help="K > 0: after a window's first use, keep its target features and top-K logits in memory "
                         "(the soft labels keep the top K tokens); later epochs skip the target. 0 = recompute")

@@ -106,8 +106,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = the target's greedy answers")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--batch", type=int, default=16, help="instructions answered together")
+    ap.add_argument("--batch", type=int, default=16, help="instructions answered together (the engine's max_num_seqs)")
+    ap.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer instructions")
+    ap.add_argument("--shard", default="0/1", help="K/N: answer every N-th instruction from the K-th (parallel runs)")
     args = ap.parse_args(argv)
+    try:
+        shard, num_shards = (int(x) for x in args.shard.split("/"))
+        assert 0 <= shard < num_shards
+    except (ValueError, AssertionError):
+        ap.error(f"--shard must be K/N with 0 <= K < N, got {args.shard!r}")
     import torch
     from tqdm import tqdm
 
@@ -115,11 +122,15 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm = LLM(model=args.target)
-    prompts = instructions(args.num, args.seed)
-    fits = [p for p in prompts if len(llm.encode_chat(p)) + args.max_tokens <= llm.max_model_len]
+    # sequences end within max_model_len; KV for a whole batch of them, so nothing is preempted
+    max_len = args.max_prompt_tokens + args.max_tokens
+    llm = LLM(model=args.target, max_model_len=max_len, max_num_seqs=args.batch,
+              num_blocks=args.batch * -(-(max_len + 32) // 16))  # fmt: skip
+    prompts = instructions(args.num, args.seed)[shard::num_shards]
+    limit = args.max_prompt_tokens
+    fits = [p for p in prompts if len(llm.encode_chat(p)) <= limit]
     if len(fits) < len(prompts):
-        print(f"skipped {len(prompts) - len(fits)} instructions too long for the context", file=sys.stderr)
+        print(f"skipped {len(prompts) - len(fits)} instructions longer than {limit} tokens", file=sys.stderr)
     prompts = fits
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -131,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             for prompt, res in zip(chunk, llm.generate([llm.encode_chat(p) for p in chunk], params)):
                 messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": res.text}]
                 f.write(json.dumps({"messages": messages}) + "\n")
-            f.flush()
+                f.flush()  # whole records only, should the run be stopped
             bar.update(len(chunk))
     print(f"wrote {len(prompts)} chat records to {out}", file=sys.stderr)
     return 0

@@ -241,13 +241,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     cache = TargetCache(cfg.cache_topk) if cfg.cache_topk else None
     bar = tqdm(total=cfg.steps, initial=step, disable=not cfg.progress, desc=f"train {cfg.method}", unit="step")
     tokens, t0 = 0, time.perf_counter()
-    while step < cfg.steps:
+    before = log.get("train_seconds", 0.0)  # training time of earlier runs of a resumed checkpoint
+    while step < cfg.steps and not cfg.out_of_time(before + time.perf_counter() - t0):
         rows = batch_rows(step, cfg.batch_size, len(corpus.train), cfg.seed)
         if cache is not None:
             batch = cache.batch(target, corpus.train, rows, net.hidden_layers)
         else:
             batch = target_batch(target, corpus.train.tokens[rows], corpus.train.mask[rows], net.hidden_layers)
-        loss, metrics = train_step(net, opt, batch, cfg.learning_rate(step))
+        loss, metrics = train_step(net, opt, batch, cfg.learning_rate(step, before + time.perf_counter() - t0))
         step += 1
         tokens += int(batch.mask.sum())
         log["train_loss"].append(loss)
@@ -258,10 +259,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
             log["evals"].append({"step": step, **evaluate(net, target, corpus.heldout, cfg)})
         if step % cfg.save_every == 0 and step < cfg.steps:
+            log["train_seconds"] = before + time.perf_counter() - t0
             save_checkpoint(cfg, net, opt, step, target, log)
     bar.close()
     elapsed = time.perf_counter() - t0
     log["train_tokens_per_s"] = tokens / elapsed if tokens else None
+    log["train_seconds"] = before + elapsed
     if not log["evals"] or log["evals"][-1]["step"] != step:
         log["evals"].append({"step": step, **evaluate(net, target, corpus.heldout, cfg)})
     log["end"] = log["evals"][-1]

@@ -18,7 +18,15 @@ def test_instructions_are_seeded_and_mixed():
 def test_answers_are_written_as_chat_records(tmp_path):
     target = make_tiny_checkpoint(tmp_path / "t", "llama", seed=0, max_position_embeddings=4096)
     out = tmp_path / "data.jsonl"
-    assert main(["--target", str(target), "--out", str(out), "--num", "3", "--max-tokens", "4", "--batch", "2"]) == 0
+    common = ["--target", str(target), "--num", "3", "--max-tokens", "4", "--batch", "2", "--max-prompt-tokens", "2000"]
+    assert main([*common, "--out", str(out)]) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 3
     assert all([m["role"] for m in r["messages"]] == ["user", "assistant"] for r in records)
+    # shards split the same instructions between parallel runs
+    halves = []
+    for k in range(2):
+        assert main([*common, "--out", str(tmp_path / f"s{k}.jsonl"), "--shard", f"{k}/2"]) == 0
+        halves += [json.loads(line) for line in (tmp_path / f"s{k}.jsonl").read_text().splitlines()]
+    prompts = sorted(r["messages"][0]["content"] for r in records)
+    assert sorted(r["messages"][0]["content"] for r in halves) == prompts

@@ -114,3 +114,14 @@ def test_resume_accepts_the_same_partial_net_config(tiny_target, corpus, tmp_pat
     assert log["end"]["step"] == 6
     with pytest.raises(SpecDecodeError, match="differs from the checkpoint"):
         train(replace(cfg, steps=8, resume=True, net_config={"draft_vocab": 5}))
+
+
+def test_time_limit_ends_the_run_and_its_schedule(tiny_target, corpus, tmp_path):
+    cfg = config(tiny_target, corpus, tmp_path / "out", method="medusa", steps=10**6, time_limit=0.5)
+    assert cfg.learning_rate(50, elapsed=0.0) > 0.99 * cfg.lr  # early on both counts: near the peak
+    assert cfg.learning_rate(50, elapsed=0.5) == pytest.approx(cfg.lr / 10)  # time is up: the floor
+    log = train(cfg)
+    assert 0 < log["end"]["step"] < 10**6 and log["train_seconds"] >= 0.5
+    assert json.loads((tmp_path / "out" / LOG_FILE).read_text())["end"]["step"] == log["end"]["step"]
+    with pytest.raises(SpecDecodeError, match="--time-limit"):
+        replace(cfg, time_limit=0)

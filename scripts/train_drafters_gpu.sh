@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Rebuild the default model's shipped drafters on one CUDA GPU, as run on an H200:
+#   1. self-distillation data: the target's greedy answers (and a sampled pass at T = 0.8)
+#      to instructions built from offline text, in 4 parallel shards each;
+#   2. every method trained at once on that data plus 18 standard-library modules, each
+#      for a fixed wall-clock time (--time-limit; the schedule follows the time).
+# usage: scripts/train_drafters_gpu.sh TARGET OUT   (TARGET: .gguf, HF folder or alias)
+# Knobs (environment): TRAIN_S (seconds per method, 200), REGEN_S (seconds of data generation,
+# 120), NUM_GREEDY (3000), NUM_SAMPLED (1200), BATCH (128 answered at once), MAX_NEW (256),
+# TRAIN_BATCH (16 windows of SEQ 512 tokens), METHODS.
+set -euo pipefail
+TARGET=${1:?usage: $0 TARGET OUT}
+OUT=${2:?usage: $0 TARGET OUT}
+TRAIN_S=${TRAIN_S:-200}; REGEN_S=${REGEN_S:-120}; NUM_GREEDY=${NUM_GREEDY:-3000}; NUM_SAMPLED=${NUM_SAMPLED:-1200}
+BATCH=${BATCH:-128}; MAX_NEW=${MAX_NEW:-256}; TRAIN_BATCH=${TRAIN_BATCH:-16}; SEQ=${SEQ:-512}; METHODS=${METHODS:-"eagle eagle3 mtp medusa dflash"}
+mkdir -p "$OUT/data" "$OUT/code" "$OUT/logs"
+STDLIB=$(python -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
+for f in cgitb compileall crypt dataclasses gettext glob heapq imp nntplib opcode secrets smtplib sndhdr \
+    socketserver symtable token tracemalloc uuid; do
+  if [ -f "$STDLIB/$f.py" ]; then cp "$STDLIB/$f.py" "$OUT/code/"; fi  # some left Python 3.13's stdlib
+done
+python -c "from specdecode.model.loader import load_model; load_model('$TARGET')"  # converts a .gguf once
+
+for k in 0 1 2 3; do
+  timeout "$REGEN_S" python -m specdecode.train.regenerate --target "$TARGET" --out "$OUT/data/greedy$k.jsonl" \
+    --num "$NUM_GREEDY" --seed 21 --batch "$BATCH" --max-tokens "$MAX_NEW" --shard $k/4 --threads 2 \
+    > "$OUT/logs/regen_greedy$k.log" 2>&1 &
+  timeout "$REGEN_S" python -m specdecode.train.regenerate --target "$TARGET" --out "$OUT/data/sampled$k.jsonl" \
+    --num "$NUM_SAMPLED" --seed 22 --temperature 0.8 --batch "$BATCH" --max-tokens "$MAX_NEW" --shard $k/4 \
+    --threads 2 > "$OUT/logs/regen_sampled$k.log" 2>&1 &
+done
+wait
+echo "self-distillation records: $(cat "$OUT"/data/*.jsonl 2>/dev/null | wc -l)"
+
+for m in $METHODS; do
+  case $m in eagle) net='{"train_steps":2}'; lr=2e-3 ;; eagle3) net='{}'; lr=2e-3 ;; *) net='{}'; lr=1e-3 ;; esac
+  python -m specdecode.entrypoints.cli train --method "$m" --target "$TARGET" --data "$OUT/data" "$OUT/code" \
+    --net-config "$net" --lr $lr --batch-size $TRAIN_BATCH --seq-len $SEQ --warmup 100 --steps 1000000 --time-limit "$TRAIN_S" \
+    --eval-every 0 --eval-batches 16 --save-every 1000000 --max-tokens 4000000 --cache-topk 64 --threads 2 \
+    --out "$OUT/$m" > "$OUT/logs/train_$m.log" 2>&1 &
+done
+wait
+for m in $METHODS; do echo "== $m"; tail -3 "$OUT/logs/train_$m.log"; done
