@@ -31,7 +31,7 @@ METHODS = {
     "eagle": {"method": "eagle", "num_speculative_tokens": 2},
     "eagle_tree": {"method": "eagle", "num_speculative_tokens": 3, "topk": 4, "num_draft_tokens": 8},
     "eagle_g8": {"method": "eagle", "num_speculative_tokens": 8},
-    "eagle3": {"method": "eagle3", "num_speculative_tokens": 3},
+    "eagle3": {"method": "eagle3", "num_speculative_tokens": 2},
     "mtp": {"method": "mtp", "num_speculative_tokens": 1},
     "medusa": {"method": "medusa", "num_speculative_tokens": 3},
     "dflash": {"method": "dflash", "num_speculative_tokens": 16},
@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--methods", nargs="+",
-                    default=["layer_skip", "eagle", "eagle_tree", "eagle_g8", "mtp", "medusa", "dflash"])
+                    default=["layer_skip", "eagle", "eagle_tree", "eagle_g8", "eagle3", "mtp", "medusa", "dflash"])
     ap.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 0.7])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)

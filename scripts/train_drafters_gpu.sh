@@ -4,10 +4,14 @@
 #      to instructions built from offline text, in 4 parallel shards each;
 #   2. every method trained at once on that data plus 18 standard-library modules, each
 #      for a fixed wall-clock time (--time-limit; the schedule follows the time).
+#   3. optionally (RESUME_S), every method resumed until RESUME_S seconds of training in all:
+#      a warm restart, since the schedule's progress drops back to TRAIN_S / RESUME_S.
+# Training is bounded by time, so the steps reached (in each train_log.json) depend on the GPU.
 # usage: scripts/train_drafters_gpu.sh TARGET OUT   (TARGET: .gguf, HF folder or alias)
+# The shipped weights: TRAIN_S=210 REGEN_S=110 RESUME_S=430 on one H200.
 # Knobs (environment): TRAIN_S (seconds per method, 200), REGEN_S (seconds of data generation,
 # 120), NUM_GREEDY (3000), NUM_SAMPLED (1200), BATCH (128 answered at once), MAX_NEW (256),
-# TRAIN_BATCH (16 windows of SEQ 512 tokens), METHODS.
+# TRAIN_BATCH (16 windows of SEQ 512 tokens), RESUME_S (unset: no second stage), METHODS.
 set -euo pipefail
 TARGET=${1:?usage: $0 TARGET OUT}
 OUT=${2:?usage: $0 TARGET OUT}
@@ -32,12 +36,17 @@ done
 wait
 echo "self-distillation records: $(cat "$OUT"/data/*.jsonl 2>/dev/null | wc -l)"
 
-for m in $METHODS; do
-  case $m in eagle) net='{"train_steps":2}'; lr=2e-3 ;; eagle3) net='{}'; lr=2e-3 ;; *) net='{}'; lr=1e-3 ;; esac
-  python -m specdecode.entrypoints.cli train --method "$m" --target "$TARGET" --data "$OUT/data" "$OUT/code" \
-    --net-config "$net" --lr $lr --batch-size $TRAIN_BATCH --seq-len $SEQ --warmup 100 --steps 1000000 --time-limit "$TRAIN_S" \
-    --eval-every 0 --eval-batches 16 --save-every 1000000 --max-tokens 4000000 --cache-topk 64 --threads 2 \
-    --out "$OUT/$m" > "$OUT/logs/train_$m.log" 2>&1 &
-done
-wait
-for m in $METHODS; do echo "== $m"; tail -3 "$OUT/logs/train_$m.log"; done
+train_all() {  # $1: the time limit; further arguments go to every run
+  local limit=$1; shift
+  for m in $METHODS; do
+    case $m in eagle) net='{"train_steps":2}'; lr=2e-3 ;; eagle3) net='{}'; lr=2e-3 ;; *) net='{}'; lr=1e-3 ;; esac
+    python -m specdecode.entrypoints.cli train --method "$m" --target "$TARGET" --data "$OUT/data" "$OUT/code" \
+      --net-config "$net" --lr $lr --batch-size $TRAIN_BATCH --seq-len $SEQ --warmup 100 --steps 1000000 \
+      --time-limit "$limit" --eval-every 0 --eval-batches 16 --save-every 1000000 --max-tokens 4000000 \
+      --cache-topk 64 --threads 2 "$@" --out "$OUT/$m" > "$OUT/logs/train_$m.$limit.log" 2>&1 &
+  done
+  wait
+  for m in $METHODS; do echo "== $m"; tail -3 "$OUT/logs/train_$m.$limit.log"; done
+}
+train_all "$TRAIN_S"
+if [ -n "${RESUME_S:-}" ]; then train_all "$RESUME_S" --resume; fi
