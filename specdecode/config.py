@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+AUTO_MAX_SPECULATIVE_TOKENS = 8  # "auto": the most draft tokens a step may choose (unless a method's default is more)
 MAX_SPECULATIVE_TOKENS = 32
 
 
@@ -121,11 +122,19 @@ class SpecConfig:
             raise SpecDecodeError(f"speculative config needs a \"method\"; valid: {', '.join(method_names())}")
         cls = drafter_class(method)  # raises with the valid names
         gamma = raw.pop("num_speculative_tokens", cls.default_num_speculative_tokens)
+        fixed_given = raw.get("verify_budget") == "fixed"
+        budget = BudgetOptions.pop_from(raw)
+        if gamma == "auto":  # at most AUTO_MAX, each step's length chosen from the measured verify cost
+            if fixed_given:
+                raise SpecDecodeError(
+                    'num_speculative_tokens "auto" chooses γ with the adaptive budget; drop verify_budget "fixed"'
+                )
+            gamma = max(cls.default_num_speculative_tokens, AUTO_MAX_SPECULATIVE_TOKENS)
+            budget = dataclasses.replace(budget, verify_budget="adaptive")
         if not isinstance(gamma, int) or isinstance(gamma, bool) or not 1 <= gamma <= MAX_SPECULATIVE_TOKENS:
             raise SpecDecodeError(
-                f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {gamma!r}"
+                f'num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}] or "auto", got {gamma!r}'
             )
-        budget = BudgetOptions.pop_from(raw)
         options = parse_options(cls.Options, raw, f"method {method!r}")
         return SpecConfig(method=method, num_speculative_tokens=gamma, options=options, budget=budget)
 

@@ -33,6 +33,10 @@ if TYPE_CHECKING:
     from specdecode.engine.serving import ServingEngine
 
 PRIOR_STRENGTH = 4.0  # pseudo-rounds of the shared estimate behind a request's own counts
+# After this many steps in a row without drafts, one step drafts a token per row: estimates
+# only move when drafts are tried, so a policy that stopped on a few early rejections would
+# otherwise stay stopped (speculation switched off for good).
+PROBE_EVERY = 16
 
 
 class BudgetPolicy(Protocol):
@@ -42,10 +46,11 @@ class BudgetPolicy(Protocol):
         ...
 
     def observe(
-        self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor, seconds: float, draft_seconds: float
-    ) -> None:
+        self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor, seconds: float, draft_seconds: float,
+        draft_depth: int = 1,
+    ) -> None:  # fmt: skip
         """What the step's verification accepted, per row, how long its target pass took, and how
-        long proposing took (0 when the step did not draft)."""
+        long proposing ``draft_depth`` tokens deep took (0 seconds when the step did not draft)."""
         ...
 
 
@@ -63,8 +68,9 @@ class FixedBudget:
         return limits.clamp(max=share)
 
     def observe(
-        self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor, seconds: float, draft_seconds: float
-    ) -> None:
+        self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor, seconds: float, draft_seconds: float,
+        draft_depth: int = 1,
+    ) -> None:  # fmt: skip
         pass
 
 
@@ -178,7 +184,8 @@ class AdaptiveBudget:
         self.passes: list[tuple[int, int, float]] = []  # the engine's passes: positions, padded positions, seconds
         # seconds per padded position, B·(1 + widest draft): attention runs on the padded batch
         self.padding_cost = 0.0
-        self.draft_cost = 0.0  # seconds a step spends proposing (the drafter's c, per step)
+        self.draft_cost = 0.0  # seconds proposing costs per draft depth (the drafter's c, in seconds)
+        self.steps_without_drafts = 0
 
     def confidence(self, request_id: str) -> torch.Tensor:
         """[γ] raw c_k: the estimated chance draft token k survives given tokens 1..k-1 did."""
@@ -210,10 +217,11 @@ class AdaptiveBudget:
         # keep the width whose step yields the most expected tokens per second.
         best_rate, out = -1.0, [0] * B
         for w in range(0, max(cap, default=0) + 1):
-            drafting = self.draft_cost if w else 0.0  # a step that drafts nothing skips proposing
-            budgets, rate = self._fill(ranked, B, w, drafting)
+            budgets, rate = self._fill(ranked, B, w, self.draft_cost * w)  # proposing w deep
             if rate > best_rate:
                 best_rate, out = rate, budgets
+        if not any(out) and self.steps_without_drafts >= PROBE_EVERY:
+            out = [min(1, c) for c in cap]  # a probe: see whether drafts pay again
         return torch.tensor(out, dtype=torch.long, device=limits.device)
 
     def _fill(
@@ -237,11 +245,14 @@ class AdaptiveBudget:
         return out, expected / (self.cost(positions) + self.padding_cost * B * (1 + widest) + drafting)
 
     def observe(
-        self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor, seconds: float, draft_seconds: float
-    ) -> None:
+        self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor, seconds: float, draft_seconds: float,
+        draft_depth: int = 1,
+    ) -> None:  # fmt: skip
         self._observe_cost(len(reqs), num_draft.tolist(), seconds)
-        if draft_seconds > 0:  # a running mean of what proposing costs a step
-            self.draft_cost = draft_seconds if self.draft_cost == 0 else 0.9 * self.draft_cost + 0.1 * draft_seconds
+        self.steps_without_drafts = 0 if int(num_draft.sum()) > 0 else self.steps_without_drafts + 1
+        if draft_seconds > 0:  # a running mean of what proposing costs per draft depth
+            per_depth = draft_seconds / max(1, draft_depth)
+            self.draft_cost = per_depth if self.draft_cost == 0 else 0.9 * self.draft_cost + 0.1 * per_depth
         gamma = self.reached.numel()
         live = {r.request_id for r in reqs if r.seq.finish_reason is None}
         self.per_request = {k: v for k, v in self.per_request.items() if k in live}  # finished or cancelled

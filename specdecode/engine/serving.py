@@ -293,12 +293,14 @@ class ServingEngine(Engine):
             return []
         reqs = list(self.running.values())
         draft: Draft | None = None
-        draft_seconds = 0.0
+        draft_seconds, depth = 0.0, 0
         gammas = torch.tensor([r.gamma for r in reqs], device=self.device)
-        # Propose only if the budget would use drafts at all, were every row to find its γ.
-        if self.drafter is not None and int(self.budget.budgets(reqs, gammas, self).max()) > 0:
-            start = time.perf_counter()
-            proposed = self.drafter.propose(self.batch, self.gamma)
+        # Propose only if the budget would use drafts at all, were every row to find its γ, and
+        # no deeper than the longest budget: drafting tokens no row may verify is wasted time.
+        want = int(self.budget.budgets(reqs, gammas, self).max()) if self.drafter is not None else 0
+        if want > 0:
+            start, depth = time.perf_counter(), min(want, self.gamma)
+            proposed = self.drafter.propose(self.batch, depth)
             draft_seconds = time.perf_counter() - start
             # budget over what was actually proposed: a row that found nothing costs nothing
             budgets = self.budget.budgets(reqs, torch.minimum(proposed.num_tokens, gammas), self)  # [B] >= 0
@@ -310,7 +312,7 @@ class ServingEngine(Engine):
         step_events = self._append_tokens(self.batch, v.out, v.num_accepted, v.num_draft)
         if self.drafter is not None:
             self.drafter.on_verified(self.batch, v.num_accepted, v.aux_logits, v.hidden)
-        self.budget.observe(reqs, v.num_accepted, v.num_draft, seconds, draft_seconds)
+        self.budget.observe(reqs, v.num_accepted, v.num_draft, seconds, draft_seconds, depth)
         events = [self._event(self.running[e.request_id], e.new_token_ids) for e in step_events]
         self._remove_running([r.request_id for r in reqs if r.seq.finish_reason is not None])
         return events

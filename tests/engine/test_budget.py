@@ -114,6 +114,16 @@ def test_bad_budget_keys(config, match):
         SpecConfig.parse(config)
 
 
+def test_auto_gamma_is_the_adaptive_budget_up_to_eight():
+    auto = SpecConfig.parse({"method": "ngram", "num_speculative_tokens": "auto"})
+    assert auto.num_speculative_tokens == 8 and auto.budget.verify_budget == "adaptive"
+    assert SpecConfig.parse({"method": "dflash", "num_speculative_tokens": "auto"}).num_speculative_tokens == 16
+    with pytest.raises(SpecDecodeError, match='"auto" chooses γ with the adaptive budget; drop verify_budget "fixed"'):
+        SpecConfig.parse({"method": "ngram", "num_speculative_tokens": "auto", "verify_budget": "fixed"})
+    with pytest.raises(SpecDecodeError, match='integer in \\[1, 32\\] or "auto", got \'often\''):
+        SpecConfig.parse({"method": "ngram", "num_speculative_tokens": "often"})
+
+
 def test_sts_calibrates_overconfident_survival_and_keeps_order():
     from specdecode.engine.calibration import Rounds, SequentialTemperatureScaling, expected_calibration_error
 
@@ -184,3 +194,21 @@ def test_drafting_overhead_is_paid_only_when_it_pays():
     policy.observe(reqs, torch.zeros(32, dtype=torch.long), torch.zeros(32, dtype=torch.long), 0.08, 0.02)
     assert policy.draft_cost == 0.02
     assert policy.budgets(reqs, torch.full((32,), 4), engine=None).sum() == 0  # 20 ms of drafting is not worth it
+
+
+def test_a_budget_that_stopped_drafting_probes_again():
+    """Estimates move only when drafts are tried: after PROBE_EVERY steps without any, one step
+    verifies a token per row, and acceptances there bring the budget back."""
+    from specdecode.engine.budget import PROBE_EVERY
+
+    policy = AdaptiveBudget(roofline(knee=1, slope=0.5), max_gamma=4)
+    unlucky = req("unlucky")
+    for _ in range(10):  # early rejections
+        policy.observe([unlucky], torch.tensor([0]), torch.tensor([2]), 1.0, 0.0)
+    seen = []
+    for _ in range(3 * PROBE_EVERY):
+        b = policy.budgets([unlucky], torch.tensor([4]), engine=None)
+        seen.append(int(b[0]))
+        policy.observe([unlucky], b, b, 1.0, 0.0)  # every probed token is accepted
+    assert seen[:PROBE_EVERY] == [0] * PROBE_EVERY and seen[PROBE_EVERY] == 1  # the probe
+    assert max(seen[PROBE_EVERY + 1 :]) >= 1  # accepted probes revived drafting

@@ -50,6 +50,8 @@ SPECS = {
                   "lookahead_guess": 3},
     "ngram_adaptive": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
                        "verify_budget": "adaptive"},
+    # γ up to 8, each step's depth chosen from the measured verify cost; proposing stops there too
+    "draft_model_auto": {"method": "draft_model", "model": "{draft}", "num_speculative_tokens": "auto"},
 }
 
 

@@ -1,0 +1,52 @@
+"""Fixed γ against "auto" (the adaptive budget choosing each step's depth from the measured
+verify-cost curve), default model, bf16, CPU, batch 1, greedy, 128 new tokens, on the prompts
+of prompts_learned.json. Each configuration runs right after plain decoding of the same prompt;
+the ratio is decode tokens/s over plain's, and the summary is the geometric mean.
+
+    python benchmarks/bench_auto_gamma.py --method eagle --gammas 2 3 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from specdecode import LLM, SamplingParams
+
+HERE = Path(__file__).resolve().parent
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--method", default="eagle")
+    ap.add_argument("--gammas", nargs="+", type=int, default=[2, 3])
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompts = json.loads((HERE / "prompts_learned.json").read_text())
+    configs = {f"γ={g}": {"method": args.method, "num_speculative_tokens": g} for g in args.gammas}
+    configs["auto"] = {"method": args.method, "num_speculative_tokens": "auto"}
+    llms = {name: LLM(speculative_config=spec, dtype="bfloat16") for name, spec in configs.items()}
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    ratios: dict[str, list[float]] = {name: [] for name in configs}
+    for kind, texts in prompts.items():
+        for text in texts:
+            for name, llm in llms.items():
+                ids = llm.encode_chat(text)
+                plain = llm.generate([ids], params, speculative=False)[0].metrics
+                spec = llm.generate([ids], params)[0].metrics
+                ratios[name].append(spec.decode_tokens_per_s / plain.decode_tokens_per_s)
+                print(f"{kind:13s} {name:5s} τ={spec.mean_accepted_length:.2f} speedup {ratios[name][-1]:.2f}x", flush=True)
+    print(f"\n{args.method}, geometric mean decode speedup over {len(ratios['auto'])} prompts:")
+    for name, r in ratios.items():
+        print(f"  {name:5s} {statistics.geometric_mean(r):.3f}x")
+
+
+if __name__ == "__main__":
+    main()
