@@ -55,7 +55,7 @@ class DFlashDrafter:
 
     def __init__(self, spec: SpecConfig, ctx: DrafterContext) -> None:
         path = resolve_weights("dflash", spec.options.model, ctx.target)
-        self.net: DFlashNet = load_net(DFlashNet, path, ctx.target.model, ctx.dtype, ctx.device)
+        self.net: DFlashNet = load_net(DFlashNet, path, ctx.target.model, ctx.dtype, ctx.device, ctx.quantization)
         self.gamma = spec.num_speculative_tokens
         if self.gamma > self.net.block_size:
             raise SpecDecodeError(

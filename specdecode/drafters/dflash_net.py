@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdecode.config import SpecDecodeError
-from specdecode.drafters.draft_vocab import DraftVocabHead
+from specdecode.drafters.draft_vocab import Borrowed, DraftVocabHead
 from specdecode.drafters.learned import TrainBatch
 from specdecode.kv_cache import KVCache
 from specdecode.model.masks import FULL
@@ -125,7 +125,8 @@ class DFlashNet(nn.Module):
 
     Config: ClassVar[type] = DFlashNetConfig
     method: ClassVar[str] = "dflash"
-    BORROWED: ClassVar[tuple[str, ...]] = ("body.embed.", "body.lm_head.linear.")  # the target's, not saved
+    # not saved: the body's placeholder embedding and the head rows rebuilt from the target's
+    BORROWED: ClassVar[tuple[str, ...]] = ("body.embed.", "body.lm_head.linear.")
 
     def __init__(self, config: DFlashNetConfig, target: Transformer) -> None:
         super().__init__()
@@ -137,20 +138,22 @@ class DFlashNet(nn.Module):
         device, dtype = weight.device, weight.dtype
         body_cfg = dataclasses.replace(
             tcfg,
+            vocab_size=1,  # the body reads embeddings given to it; the target embeds the roots
             num_layers=config.num_layers,
             intermediate_size=config.intermediate_size or max(1, tcfg.intermediate_size // 3),
             layer_types=(),  # every layer full attention: the block must see the whole context
             sliding_window=None,
             local_rope=None,
         )
-        with torch.device("meta"):  # no vocabulary-sized embedding or head of our own
+        with torch.device("meta"):
             body = Transformer(body_cfg)
         body.layers.to_empty(device=device).to(dtype)
         body.norm.to_empty(device=device).to(dtype)
-        body.embed, body.lm_head = target.embed, DraftVocabHead(target, config.draft_vocab)
+        body.embed = nn.Embedding(1, H, device=device, dtype=dtype).requires_grad_(False)  # dtype, device
+        body.lm_head = DraftVocabHead(target, config.draft_vocab)
         body.to(device)  # the RoPE tables
-        target.embed.requires_grad_(False)
         self.body = body
+        self.borrowed = Borrowed(target)  # outside the module tree: never trained, saved or cast
         self.fc = nn.Linear(len(self.hidden_layers) * H, H, bias=False, device=device, dtype=dtype)
         self.context_norm = RMSNorm(H, tcfg.rms_norm_eps, tcfg.norm_offset).to(device=device, dtype=dtype)
         self.mask_embed = nn.Parameter(torch.zeros(H, device=device, dtype=dtype))
@@ -192,15 +195,16 @@ class DFlashNet(nn.Module):
     def context_kv(self, features: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
         """Injected K/V of committed tokens: features [B, N, F] (the target's ``hidden_layers``,
         concatenated) at positions [B, N] -> per drafter layer (k, v), each [B, Hkv, N, D]."""
-        c = self.context_norm(self.fc(features.to(self.fc.weight.dtype)))  # [B, N, H]
+        c = self.context_norm(self.fc(features.to(self.context_norm.weight.dtype)))  # [B, N, H]
         B, N, _ = c.shape
-        rope = self.body._rope(FULL, positions, c.dtype)
+        rope = self.body.rope_tables(FULL, positions, c.dtype)
         out = []
         for layer in self.body.layers:
             attn = layer.attn
-            first = attn.heads * attn.head_dim  # the k and v rows of the fused qkv projection
-            bias = attn.qkv.bias[first:] if attn.qkv.bias is not None else None
-            kv = F.linear(c, attn.qkv.weight[first:], bias).view(B, N, 2 * attn.kv_heads, attn.head_dim)
+            # k and v follow q in the fused projection's outputs; the whole projection runs (its q
+            # part is a few unused columns per committed token) so quantized linears work too
+            first = attn.heads * attn.head_dim
+            kv = attn.qkv(c)[..., first:].reshape(B, N, 2 * attn.kv_heads, attn.head_dim)
             k, v = kv.split(attn.kv_heads, dim=2)  # [B, N, Hkv, D] each
             if attn.qk_norm:
                 k = attn.k_norm(k)
@@ -215,7 +219,7 @@ class DFlashNet(nn.Module):
         logits_at [B, K]: the block positions to return (None: all S)."""
         S, B = self.block_size, roots.shape[0]
         cfg = self.body.config
-        root = self.body.embed(roots)  # [B, H], the target's dtype
+        root = self.borrowed.target.embed(roots).to(self.mask_embed.dtype)  # [B, H]
         if cfg.embed_scale != 1.0:
             root = root * root.new_tensor(cfg.embed_scale)
         mask = self.mask_embed.expand(B, S - 1, -1)

@@ -62,7 +62,8 @@ class DraftVocabHead(nn.Module):
         self.rebuild()
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.linear(x.to(self.linear.weight.dtype))
+        w = self.linear.weight  # a quantized linear (packed integer weight) casts by itself
+        return self.linear(x.to(w.dtype) if w.is_floating_point() else x)
 
     def restrict(self, p: Tensor) -> Tensor:
         """[..., V] target probabilities or logits -> [..., Vd] at the draft vocabulary."""

@@ -57,7 +57,7 @@ class EagleDrafter:
 
     def __init__(self, spec: SpecConfig, ctx: DrafterContext) -> None:
         path = resolve_weights(self.Net.method, spec.options.model, ctx.target)
-        self.net: FeatureNet = load_net(self.Net, path, ctx.target.model, ctx.dtype, ctx.device)
+        self.net: FeatureNet = load_net(self.Net, path, ctx.target.model, ctx.dtype, ctx.device, ctx.quantization)
         self.hidden_layers: tuple[int, ...] = self.net.hidden_layers
         self.vocab_size = ctx.target.config.vocab_size
         self.device = ctx.device
@@ -93,7 +93,7 @@ class EagleDrafter:
         )
         positions = self.cache.lengths[:, None] + torch.arange(tokens.shape[1], device=self.device)
         at = torch.tensor(lengths, device=self.device)[:, None] - 1
-        logits, out = net(states.to(net.fc.weight.dtype), tokens, positions, self.cache, logits_at=at)
+        logits, out = net(states.to(net.body.norm.weight.dtype), tokens, positions, self.cache, logits_at=at)
         self.cache.commit(at[:, 0] + 1)
         return logits[:, 0], out[:, 0]
 

@@ -136,8 +136,14 @@ def net_config(cls: type, values: dict[str, Any]) -> Any:
         raise SpecDecodeError(f"bad {cls.method} net config: {e}") from None
 
 
-def load_net(cls: type, path: str | Path, target: "Transformer", dtype: torch.dtype, device: torch.device) -> Any:
-    """A trained net of class ``cls`` from ``path``, checked against ``target``."""
+def load_net(
+    cls: type, path: str | Path, target: "Transformer", dtype: torch.dtype, device: torch.device,
+    quantization: str | None = None,
+) -> Any:  # fmt: skip
+    """A trained net of class ``cls`` from ``path``, checked against ``target``; its linears in
+    ``quantization``'s format (the target's) when given."""
+    from specdecode.model.quant import quantize_linears_
+
     from safetensors.torch import load_file
 
     meta = read_net_config(path)
@@ -153,7 +159,8 @@ def load_net(cls: type, path: str | Path, target: "Transformer", dtype: torch.dt
         missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
         raise SpecDecodeError(f"{path}: weights do not fit the net (missing {missing[:3]}, unexpected {extra[:3]})")
     net.load_state_dict(state, strict=False)
-    return net.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    net = net.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return quantize_linears_(net, quantization)
 
 
 def resolve_weights(method: str, model: str | None, target: "LoadedModel") -> str:

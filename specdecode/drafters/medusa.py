@@ -176,7 +176,7 @@ class MedusaDrafter:
         opts: MedusaOptions = spec.options
         path = resolve_weights("medusa", opts.model, ctx.target)
         self.target: Transformer = ctx.target.model
-        self.net: MedusaNet = load_net(MedusaNet, path, self.target, ctx.dtype, ctx.device)
+        self.net: MedusaNet = load_net(MedusaNet, path, self.target, ctx.dtype, ctx.device, ctx.quantization)
         gamma = spec.num_speculative_tokens
         tree = opts.speculative_token_tree
         vocab = self.net.head.size  # drafts come from the draft vocabulary

@@ -267,6 +267,31 @@ def quantize_model_(
     return model
 
 
+def quantize_linears_(module: nn.Module, quantization: str | None) -> nn.Module:
+    """Every plain ``nn.Linear`` inside ``module`` as Int8Linear / Int4Linear, in place: a learned
+    drafter's own net in its target's weight format, through the same kernels. A GGUF target's
+    drafters use int4 in groups of 32 (their weights come from safetensors, not the GGUF).
+    Modules held outside the tree (a borrowed target head) are not touched."""
+    spec = parse_quantization(quantization)
+    if spec is None:
+        return module
+    group = spec.group_size if spec.mode == "int4" else DEFAULT_GROUP_SIZE
+    for name, lin in [(n, m) for n, m in module.named_modules() if type(m) is nn.Linear]:
+        w, b = lin.weight.detach(), None if lin.bias is None else lin.bias.detach()
+        if spec.mode == "int8":
+            new: nn.Module = Int8Linear.from_weight(w, b, dtype=w.dtype)
+        else:
+            new = Int4Linear.from_weight(w, group, b)
+        set_submodule(module, name, new)
+    return module
+
+
+def count_kernels(module: nn.Module) -> str:
+    """The quantized kernels inside ``module`` and how many linears use each ("" if none)."""
+    kinds = Counter(m.kernel() for m in module.modules() if isinstance(m, (Int8Linear, Int4Linear)))
+    return ", ".join(f"{k} ({n} layer{'s' * (n != 1)})" for k, n in kinds.items())
+
+
 def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, leaf, module)

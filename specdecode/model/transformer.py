@@ -337,7 +337,7 @@ class Transformer(nn.Module):
         x = step.pack_rows(self.embed(tokens) if embeds is None else embeds)
         if cfg.embed_scale != 1.0 and embeds is None:
             x = x * x.new_tensor(cfg.embed_scale)
-        ropes = {kind: self._rope(kind, positions, x.dtype) for kind in set(cfg.layer_types)}
+        ropes = {kind: self.rope_tables(kind, positions, x.dtype) for kind in set(cfg.layer_types)}
         masks = attention_masks(cfg, positions, cache.lengths, block_mask, kv_len)
         if batch_invariant:
             step.visible = {FULL: visible_keys(masks[FULL], cache.lengths, T)}
@@ -365,7 +365,7 @@ class Transformer(nn.Module):
             return logits
         return logits, [step.unpack(hiddens[i]) for i in hidden_layers]
 
-    def _rope(self, kind: str, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    def rope_tables(self, kind: str, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos and signed sin [B, T, 1, D] for one layer type, in the activations' dtype."""
         inv_freq = getattr(self, f"inv_freq_{kind}").float()
         freqs = positions[..., None].float() * inv_freq  # [B, T, D/2]
