@@ -55,6 +55,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", default=None, help="none, int8, int4, gguf: the target's and the nets' weights")
     ap.add_argument("--methods", nargs="+",
                     default=["layer_skip", "eagle", "eagle_tree", "eagle_g8", "eagle3", "mtp", "medusa", "dflash"])
     ap.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 0.7])
@@ -67,11 +68,12 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = json.loads(Path(args.prompts).read_text())
-    plain = LLM(model=args.model, dtype=args.dtype, device="cpu")
+    plain = LLM(model=args.model, dtype=args.dtype, device="cpu", quantization=args.quantization)
     methods = [parse_method(m) for m in args.methods]
     llms, timers = {}, {}
     for name, spec in methods:
-        llms[name] = LLM(model=args.model, speculative_config=spec, dtype=args.dtype, device="cpu")
+        llms[name] = LLM(model=args.model, speculative_config=spec, dtype=args.dtype, device="cpu",
+                         quantization=args.quantization)  # fmt: skip
         # draft cost per round (propose, plus on_verified where a drafter feeds features)
         timers[name] = (Timer(llms[name].engine.drafter, "propose"), Timer(llms[name].engine.drafter, "on_verified"))
     warm = plain.encode_chat("Hi")
@@ -118,7 +120,8 @@ def main() -> None:
 
 
 def print_summary(rows: list[dict], names: list[str], args: argparse.Namespace) -> None:
-    print(f"\n### {args.dtype}, {args.max_tokens} new tokens, batch 1, threads={args.threads}\n")
+    weights = f", {args.quantization} weights" if args.quantization else ""
+    print(f"\n### {args.dtype}{weights}, {args.max_tokens} new tokens, batch 1, threads={args.threads}\n")
     print("| T | kind | method | γ | α | τ | tokens/round | c | latency s (plain) | speedup | formula | acceptance by position |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for temperature in args.temperatures:

@@ -142,9 +142,9 @@ def load_net(
 ) -> Any:  # fmt: skip
     """A trained net of class ``cls`` from ``path``, checked against ``target``; its linears in
     ``quantization``'s format (the target's) when given."""
-    from specdecode.model.quant import quantize_linears_
-
     from safetensors.torch import load_file
+
+    from specdecode.model.quant import quantize_linears_
 
     meta = read_net_config(path)
     if meta.get("specdecode_method") != cls.method:
