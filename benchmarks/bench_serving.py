@@ -103,15 +103,15 @@ class Recording:
         self._budgets: list[int] = []
         self._planned: dict[str, tuple[list[float], list[float]]] = {}
 
-    def budgets(self, reqs, limits, engine):
+    def budgets(self, reqs, limits, engine, confidence=None):
         if isinstance(self.inner, AdaptiveBudget):
             prior = (self.inner.accepted / self.inner.reached).tolist()
             self._planned = {r.request_id: (prior, self.inner.confidence(r.request_id).tolist()) for r in reqs}
-        out = self.inner.budgets(reqs, limits, engine)
+        out = self.inner.budgets(reqs, limits, engine, confidence)
         self._budgets = out.tolist()
         return out
 
-    def observe(self, reqs, num_accepted, num_draft, seconds, draft_seconds):
+    def observe(self, reqs, num_accepted, num_draft, seconds, draft_seconds, draft_depth=1):
         self.passes.append((len(reqs) + int(num_draft.sum()), seconds))
         acc, drafted = num_accepted.tolist(), num_draft.tolist()
         budget = sum(self._budgets) if len(self._budgets) == len(reqs) else 0
@@ -135,7 +135,7 @@ class Recording:
                     if k <= a:  # position k+1 was reached: tokens 1..k were accepted
                         pairs_c.append((conf[k], int(k < a)))
         self._planned, self._budgets = {}, []
-        self.inner.observe(reqs, num_accepted, num_draft, seconds, draft_seconds)
+        self.inner.observe(reqs, num_accepted, num_draft, seconds, draft_seconds, draft_depth)
 
 
 def ece(pairs: list[tuple[float, int]], bins: int = 10) -> float:

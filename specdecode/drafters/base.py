@@ -33,6 +33,10 @@ class Draft:
     ``tree.tokens[:, 1:]`` and ``q``, if given, is [B, N, V] indexed by node (the
     distribution node n's token was drawn from). Siblings are tried in node order.
 
+    ``confidence`` [B, γ] (chains, optional): a trained head's estimate that draft token k
+    is accepted given tokens 1..k-1 were; an adaptive verification budget calibrates and
+    uses it in place of its online estimates.
+
     ``typical`` = (ε, δ) asks for Medusa's typical acceptance of a chain instead of
     rejection sampling (`specdecode.verify.typical_verify`). It is LOSSY: the output no
     longer follows the target's distribution, and the engine flags the requests ``lossy``.
@@ -43,6 +47,7 @@ class Draft:
     tree: "TreeBatch | None" = None
     aux: "AuxBranch | None" = None  # extra nodes that ride along in the verify pass (needs a tree)
     typical: tuple[float, float] | None = None  # LOSSY opt-in: (posterior_threshold ε, posterior_alpha δ)
+    confidence: torch.Tensor | None = None  # [B, γ] in (0, 1): a head's acceptance estimates (chains)
 
     @staticmethod
     def from_tree(tree: "TreeBatch", q: torch.Tensor | None = None, aux: "AuxBranch | None" = None) -> "Draft":

@@ -104,8 +104,10 @@ class EagleDrafter:
         if self.topk > 1:
             full = self.net.head.full(logits, self.vocab_size)
             return grow_tree(self._score_block, full, roots, num_tokens, self.topk, self.budget, root_states=out)
-        drafts, qs = [], []
+        drafts, qs, confs = [], [], []
         for k in range(num_tokens):
+            if self.net.confidence is not None:  # from the feature that gives this token's logits
+                confs.append(torch.sigmoid(self.net.confidence(out).float())[:, 0])
             if batch.all_greedy:  # one-hot q: the verifier needs no distribution
                 token = self.net.head.vocab_ids[logits.argmax(dim=-1)]
             else:
@@ -120,7 +122,8 @@ class EagleDrafter:
                 self.cache.commit(torch.ones_like(self.cache.lengths))
                 logits, out = step_logits[:, 0], step_out[:, 0]
         q_all = torch.stack(qs, dim=1) if qs else None  # [B, γ, V]
-        return Draft(tokens=torch.stack(drafts, dim=1), q=q_all)
+        confidence = torch.stack(confs, dim=1) if confs else None  # [B, γ]
+        return Draft(tokens=torch.stack(drafts, dim=1), q=q_all, confidence=confidence)
 
     def _score_block(
         self, tokens: torch.Tensor, depths: torch.Tensor, mask: torch.Tensor, at: torch.Tensor,

@@ -48,6 +48,7 @@ class FeatureConfig:
     norm_inputs: bool = False  # RMS-norm the feature and the embedding before fc (MTP)
     feature_loss: float = 0.1  # weight of smooth-L1 from o_t to the target's feature at t+1 (EAGLE-1)
     train_steps: int = 1  # training-time test: draft steps unrolled in the loss
+    confidence_head: bool = False  # also learn each draft token's acceptance chance (adaptive budgets)
 
     def __post_init__(self) -> None:
         if isinstance(self.feature_layers, list):
@@ -96,6 +97,9 @@ class FeatureNet(nn.Module):
         self.body = Transformer(body).to(target.norm.weight.device)
         self.body.embed.requires_grad_(False)  # unused: the body is fed embeddings
         self.body.lm_head = DraftVocabHead(target, config.draft_vocab)
+        # o_t -> logit of the chance that the token drafted from o_t is accepted: trained on
+        # sum(min(p, q)), the acceptance probability of rejection sampling, on detached features
+        self.confidence = nn.Linear(H, 1) if config.confidence_head else None
         self.config = replace(config, feature_layers=tuple(layers), draft_vocab=self.head.size)
         self._init_from_target(target)
 
@@ -175,11 +179,17 @@ class FeatureNet(nn.Module):
                 reg = F.smooth_l1_loss(out, f_next, reduction="none").mean(-1)
                 loss = loss + self.config.feature_loss * (reg * valid).sum() / valid.sum().clamp(min=1)
             losses.append(loss * 0.8 ** (k - 1))
+            overlap = torch.minimum(p, logq.exp()).sum(-1).detach()  # [B, n]: P(accept) at T = 1
+            if self.confidence is not None:
+                c = self.confidence(out.detach()).float()[..., 0]  # the head does not steer the drafts
+                bce = F.binary_cross_entropy_with_logits(c, overlap, reduction="none")
+                losses.append((bce * valid).sum() / valid.sum().clamp(min=1))
+                err = ((c.detach().sigmoid() - overlap).abs() * valid).sum() / valid.sum().clamp(min=1)
+                metrics[f"conf_err@{k}"] = float(err)
             with torch.no_grad():
                 hit = (self.head.vocab_ids[q_logits.argmax(-1)] == p_logits.argmax(-1)).float()
                 metrics[f"acc@{k}"] = float((hit * valid).sum() / valid.sum().clamp(min=1))
                 if k == 1:
-                    overlap = torch.minimum(p, logq.exp()).sum(-1)
                     metrics["alpha@1"] = float((overlap * valid).sum() / valid.sum().clamp(min=1))
         total = torch.stack(losses).sum()
         metrics["loss"] = float(total.detach())

@@ -40,9 +40,12 @@ PROBE_EVERY = 16
 
 
 class BudgetPolicy(Protocol):
-    def budgets(self, reqs: list[Any], limits: torch.Tensor, engine: ServingEngine) -> torch.Tensor:
+    def budgets(
+        self, reqs: list[Any], limits: torch.Tensor, engine: ServingEngine, confidence: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """[B] draft tokens per running row this step, each in [0, limits[b]] (limits: what the
-        drafter proposed, capped by each request's γ)."""
+        drafter proposed, capped by each request's γ). ``confidence`` [B, w]: the drafter's own
+        estimates that each proposed token is accepted given the earlier ones were, if it has any."""
         ...
 
     def observe(
@@ -60,7 +63,9 @@ class FixedBudget:
     def __init__(self, max_verify_tokens: int | None = None) -> None:
         self.max_verify_tokens = max_verify_tokens
 
-    def budgets(self, reqs: list[Any], limits: torch.Tensor, engine: ServingEngine) -> torch.Tensor:
+    def budgets(
+        self, reqs: list[Any], limits: torch.Tensor, engine: ServingEngine, confidence: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if self.max_verify_tokens is None:
             return limits
         # an even cut, as a static per-step cap would do: each row gets the same share
@@ -201,10 +206,15 @@ class AdaptiveBudget:
         shared = self.accepted / self.reached
         return (accepted + PRIOR_STRENGTH * shared) / (reached + PRIOR_STRENGTH)
 
-    def budgets(self, reqs: list[Any], limits: torch.Tensor, engine: ServingEngine) -> torch.Tensor:
+    def budgets(
+        self, reqs: list[Any], limits: torch.Tensor, engine: ServingEngine, confidence: torch.Tensor | None = None
+    ) -> torch.Tensor:
         B = len(reqs)
         cap = limits.tolist()
         raw = self.confidences([r.request_id for r in reqs])  # [B, γ]
+        if confidence is not None:  # a trained head's estimates, where it gave them
+            w = min(raw.shape[1], confidence.shape[1])
+            raw[:, :w] = confidence[:, :w].float().cpu().clamp(1e-4, 1 - 1e-4)
         self._raw = {r.request_id: raw[b] for b, r in enumerate(reqs)}
         survival = torch.cumprod(self.sts(raw), dim=1).tolist()
         # Candidate positions (row b's k-th draft token), most likely to survive first; survival

@@ -303,7 +303,8 @@ class ServingEngine(Engine):
             proposed = self.drafter.propose(self.batch, depth)
             draft_seconds = time.perf_counter() - start
             # budget over what was actually proposed: a row that found nothing costs nothing
-            budgets = self.budget.budgets(reqs, torch.minimum(proposed.num_tokens, gammas), self)  # [B] >= 0
+            limits = torch.minimum(proposed.num_tokens, gammas)
+            budgets = self.budget.budgets(reqs, limits, self, proposed.confidence)  # [B] >= 0
             if int(budgets.max()) > 0 or proposed.aux is not None:
                 draft = apply_budgets(proposed, budgets)
         start = time.perf_counter()

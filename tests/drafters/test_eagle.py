@@ -96,3 +96,21 @@ def test_bad_folders_and_configs_get_one_line(target, tmp_path):
         net_config(FeatureNet, {"layers": 3})
     with pytest.raises(SpecDecodeError, match="outside the target"):
         FeatureNet.from_target(FeatureConfig(feature_layers=(7,)), model)
+
+
+def test_confidence_head_learns_the_acceptance_chance(target, tmp_path):
+    """Trained with the drafter on sum(min(p, q)), the chance rejection sampling accepts the
+    token; saved and loaded with the net (the engine test checks the budget receives it)."""
+    _, model = target
+    net = FeatureNet.from_target(FeatureConfig(draft_vocab=0, confidence_head=True, train_steps=2), model)
+    history = train_net(net, model, steps=40, seed=2)
+    assert history[-1]["conf_err@1"] < 0.6 * history[0]["conf_err@1"]
+    assert "conf_err@2" in history[-1]
+    path = save_net(net, model, tmp_path / "eagle")
+    assert "confidence.weight" in load_net(FeatureNet, path, model, torch.float32, torch.device("cpu")).state_dict()
+
+
+def test_nets_without_a_confidence_head_load_as_before(target, tmp_path):
+    _, model = target
+    net = FeatureNet.from_target(FeatureConfig(draft_vocab=0), model)
+    assert net.confidence is None and not any(k.startswith("confidence") for k in net.saved_state())

@@ -212,3 +212,14 @@ def test_a_budget_that_stopped_drafting_probes_again():
         policy.observe([unlucky], b, b, 1.0, 0.0)  # every probed token is accepted
     assert seen[:PROBE_EVERY] == [0] * PROBE_EVERY and seen[PROBE_EVERY] == 1  # the probe
     assert max(seen[PROBE_EVERY + 1 :]) >= 1  # accepted probes revived drafting
+
+
+def test_a_drafters_confidence_replaces_the_online_estimate():
+    """Under a cost where each position must pay for itself, a head that is sure of its first
+    two tokens gets them verified, and one that is not gets nothing; the online estimate (no
+    rounds seen yet) sits in between."""
+    policy = AdaptiveBudget(roofline(knee=1, slope=0.5), max_gamma=4)
+    r = [req("r")]
+    sure = policy.budgets(r, torch.tensor([4]), engine=None, confidence=torch.tensor([[0.99, 0.99, 0.05, 0.05]]))
+    unsure = policy.budgets(r, torch.tensor([4]), engine=None, confidence=torch.tensor([[0.05, 0.05, 0.05, 0.05]]))
+    assert sure.tolist() == [2] and unsure.tolist() == [0]

@@ -104,3 +104,21 @@ def test_drafter_nets_run_the_targets_quantized_kernels(setup):
     llm = LLM(model=target, speculative_config={"method": "eagle", "model": nets["eagle"]}, **kw)
     assert isinstance(llm.engine.drafter.net.fc, Int4Linear)
     assert_greedy_matches_plain(llm, LLM(model=target, **kw), PROMPTS, 24, "eagle int4")
+
+
+def test_confidence_head_feeds_the_adaptive_budget_and_stays_lossless(setup, tmp_path, monkeypatch):
+    target, _, plain = setup
+    model = load_model(target, dtype=torch.float32, device="cpu").model
+    path = trained_folder(FeatureNet, model, tmp_path / "conf", draft_vocab=0, confidence_head=True)
+    spec = {"method": "eagle", "model": str(path), "num_speculative_tokens": 3, "verify_budget": "adaptive"}
+    llm = LLM(model=target, speculative_config=spec, dtype="float32", device="cpu")
+    seen, budgets = [], llm.engine.budget.budgets
+
+    def spy(reqs, limits, engine, confidence=None):
+        if confidence is not None:
+            seen.append(confidence)
+        return budgets(reqs, limits, engine, confidence)
+
+    monkeypatch.setattr(llm.engine.budget, "budgets", spy)
+    assert_greedy_matches_plain(llm, plain, PROMPTS, 16, "eagle + confidence head")
+    assert seen and all(c.shape[1] >= 1 and bool(((c > 0) & (c < 1)).all()) for c in seen)
