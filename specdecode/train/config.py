@@ -44,6 +44,7 @@ class TrainConfig:
     progress: bool = True
     cache_topk: int = 0  # > 0: keep each training window's target outputs in memory after its first
     #   epoch (features in bf16, the top-k logits), so later epochs skip the target
+    init: str | None = None  # a trained folder to start from; its weights stay frozen
     time_limit: float | None = None  # seconds of training; the run ends at --steps or here, whichever
     #   comes first, and the schedule follows whichever is further along
 
@@ -78,6 +79,10 @@ class TrainConfig:
         for path in self.data:
             if not Path(path).exists():
                 raise SpecDecodeError(f"data path not found: {path}")
+        if self.init is not None and not (Path(self.init) / "config.json").is_file():
+            raise SpecDecodeError(f"--init {self.init} is not a trained drafter folder (no config.json)")
+        if self.init is not None and self.method == "draft_model":
+            raise SpecDecodeError("--init applies to medusa, eagle, eagle3, mtp and dflash nets, not draft_model")
         if not self.out:
             raise SpecDecodeError("--out is required: the folder to write the drafter to")
         if Path(self.out).exists() and not Path(self.out).is_dir():
@@ -112,7 +117,7 @@ class TrainConfig:
             weight_decay=args.weight_decay, eval_every=args.eval_every, eval_batches=args.eval_batches,
             save_every=args.save_every, max_tokens=args.max_tokens, heldout=args.heldout, seed=args.seed,
             threads=args.threads, dtype=args.dtype, device=args.device, resume=args.resume,
-            progress=not args.quiet, cache_topk=args.cache_topk, time_limit=args.time_limit,
+            progress=not args.quiet, cache_topk=args.cache_topk, time_limit=args.time_limit, init=args.init,
         )  # fmt: skip
 
 
@@ -148,6 +153,9 @@ def add_train_arguments(t: argparse.ArgumentParser) -> None:
     t.add_argument("--device", default=d.device, help="auto, cpu, cuda")
     t.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--init", default=None,
+                   help="start from this trained folder (same method and target) with its weights frozen: only "
+                        "what it lacks trains, e.g. --net-config '{\"confidence_head\": true}'")
     t.add_argument("--time-limit", type=float, default=None,
                    help="seconds of training: stop at --steps or here, whichever comes first (the learning-rate "
                         "schedule follows whichever is further along)")

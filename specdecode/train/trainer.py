@@ -34,7 +34,14 @@ import torch
 from torch import Tensor
 
 from specdecode.config import SpecDecodeError
-from specdecode.drafters.learned import TrainBatch, net_config, save_net, target_fingerprint
+from specdecode.drafters.learned import (
+    WEIGHTS_FILE,
+    TrainBatch,
+    net_config,
+    read_net_config,
+    save_net,
+    target_fingerprint,
+)
 from specdecode.kv_cache import NoCache
 from specdecode.model.transformer import Transformer
 from specdecode.train.config import TrainConfig
@@ -187,6 +194,24 @@ def train_step(net: Any, opt: torch.optim.Optimizer, batch: TrainBatch, lr: floa
     return float(loss.detach()), metrics
 
 
+def init_from(net: torch.nn.Module, folder: str, target: Transformer) -> int:
+    """Load a trained folder's weights into ``net`` and freeze them, so that only what the folder
+    lacks (a new confidence head, say) trains; returns how many tensors were loaded."""
+    from safetensors.torch import load_file
+
+    meta = read_net_config(folder)
+    if meta.get("specdecode_method") != net.method or meta.get("target") != target_fingerprint(target):
+        raise SpecDecodeError(f"--init {folder}: not a {net.method} drafter for this target")
+    state = load_file(str(Path(folder) / WEIGHTS_FILE))
+    unexpected = net.load_state_dict(state, strict=False).unexpected_keys
+    if unexpected:
+        raise SpecDecodeError(f"--init {folder}: tensors the net does not have: {unexpected[:3]}")
+    for name, p in net.named_parameters():
+        if name in state:
+            p.requires_grad_(False)
+    return len(state)
+
+
 def write_drafter(net: Any, loaded: Any, out: str, extra: dict[str, Any]) -> Path:
     """The folder ``speculative_config {"method": M, "model": out}`` loads."""
     if isinstance(net, DistillNet):  # a whole model: an HF checkpoint that load_model reads
@@ -204,7 +229,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         torch.set_num_threads(cfg.threads)
     cls = net_class(cfg.method)
     ckpt = read_checkpoint(cfg) if cfg.resume else None
-    net_cfg = net_config(cls, ckpt["net_config"] if ckpt else cfg.net_config)
+    # --init: the folder's net config, with --net-config's keys on top (e.g. a new head)
+    given = {**read_net_config(cfg.init).get("net", {}), **cfg.net_config} if cfg.init else cfg.net_config
+    net_cfg = net_config(cls, ckpt["net_config"] if ckpt else given)
     find_files(cfg.data)  # a bad corpus path fails before the target loads
     loaded = load_model(cfg.target, dtype=cfg.dtype, device=cfg.device, progress=cfg.progress)
     target = loaded.model
@@ -219,6 +246,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             raise SpecDecodeError(f"--resume: --net-config differs from the checkpoint's {asdict(net.config)}")
     counts = torch.bincount(corpus.train.tokens[corpus.train.mask], minlength=target.config.vocab_size)
     net.prepare(counts[: target.config.vocab_size].to(target.embed.weight.device))
+    if cfg.init:  # after prepare: the folder's draft vocabulary wins
+        init_from(net, cfg.init, target)
     params = [p for p in net.parameters() if p.requires_grad]
     if not params:
         raise SpecDecodeError(f"the {cfg.method} net has no trainable parameters")

@@ -125,3 +125,20 @@ def test_time_limit_ends_the_run_and_its_schedule(tiny_target, corpus, tmp_path)
     assert json.loads((tmp_path / "out" / LOG_FILE).read_text())["end"]["step"] == log["end"]["step"]
     with pytest.raises(SpecDecodeError, match="--time-limit"):
         replace(cfg, time_limit=0)
+
+
+def test_init_trains_only_what_the_folder_lacks(tiny_target, corpus, tmp_path):
+    """A confidence head added to a trained eagle: the loaded weights stay as they were."""
+    from safetensors.torch import load_file
+
+    first = tmp_path / "eagle"
+    train(config(tiny_target, corpus, first, method="eagle", steps=10))
+    cfg = config(tiny_target, corpus, tmp_path / "with_head", method="eagle", steps=15, lr=1e-2, init=str(first),
+                 net_config={"confidence_head": True})  # fmt: skip
+    log = train(cfg)
+    before, after = load_file(str(first / "model.safetensors")), load_file(str(tmp_path / "with_head" / "model.safetensors"))
+    assert set(after) - set(before) == {"confidence.weight", "confidence.bias"}
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert log["end"]["conf_err@1"] < log["start"]["conf_err@1"]
+    with pytest.raises(SpecDecodeError, match="--init .* not a trained drafter folder"):
+        replace(cfg, init=str(tmp_path))
