@@ -398,6 +398,9 @@ def main() -> None:
                   f"{r['budget_per_row']:.2f}, positions/step {r['positions_per_step']:.1f}, {r['wall_s']:.1f} s",
                   flush=True)  # fmt: skip
 
+    print(f"adaptive's cost model at the end: t(P) through {[(p, round(t * 1e3, 1)) for p, t in adaptive.cost.points]} "
+          f"ms, + {adaptive.padding_cost * 1e3:.3f} ms per padded position, drafting {adaptive.draft_cost * 1e3:.2f} ms "
+          f"per depth", flush=True)  # fmt: skip
     threshold = threshold_report(model, adaptive.cost)
     calib = {name: engines[name].budget.calib for name in configs if name.startswith("adaptive")}
     print_results(results, configs, args, threshold, calib)

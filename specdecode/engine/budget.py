@@ -161,10 +161,11 @@ class VerifyCost:
 class AdaptiveBudget:
     """Per-request budgets that maximise expected accepted tokens per unit of step time.
 
-    Raw confidences are online estimates from acceptance statistics (no drafter here has a
-    trained confidence head yet): a request's own counts by position, shrunk towards the
-    counts shared by all requests. Sequential Temperature Scaling, refitted every
-    ``refit_every`` rounds on the most recent ``window`` rounds, calibrates them.
+    Raw confidences are online estimates from acceptance statistics (a request's own counts
+    by position, shrunk towards the counts shared by all requests), or a drafter's trained
+    head where its proposal carries one. Sequential Temperature Scaling, refitted every
+    ``refit_every`` steps that verified drafts on the most recent ``window`` rows' rounds,
+    calibrates them.
     """
 
     def __init__(
@@ -271,7 +272,6 @@ class AdaptiveBudget:
                 continue
             if req.request_id in self._raw:
                 self.records.append((self._raw[req.request_id], d, a))
-                self._since_fit += 1
             reached_k = min(a + 1, d)  # positions 1..a were accepted; a+1 was tried and rejected
             if req.seq.finish_reason is None:
                 reached, accepted = self.per_request.setdefault(req.request_id, ([0.0] * gamma, [0.0] * gamma))
@@ -282,6 +282,9 @@ class AdaptiveBudget:
             self.reached[:reached_k] += 1
             self.accepted[:a] += 1
         del self.records[: -self.window]
+        # refit every refit_every steps, not rows: with 32 rows a row count would refit every
+        # other step, and the fit costs about as much as the planning itself
+        self._since_fit += int(num_draft.sum()) > 0
         if self._since_fit >= self.refit_every:
             self.sts = SequentialTemperatureScaling(gamma).fit(self.rounds())
             self._since_fit = 0
