@@ -136,24 +136,29 @@ def net_config(cls: type, values: dict[str, Any]) -> Any:
         raise SpecDecodeError(f"bad {cls.method} net config: {e}") from None
 
 
+def read_net(method: str, path: str | Path, target: "Transformer") -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """(config.json, tensors) of a folder holding a ``method`` net trained for ``target``."""
+    from safetensors.torch import load_file
+
+    meta = read_net_config(path)
+    if meta.get("specdecode_method") != method:
+        raise SpecDecodeError(f"{path} holds a {meta.get('specdecode_method')!r} drafter, not {method!r}")
+    want, got = target_fingerprint(target), meta.get("target")
+    if got != want:
+        raise SpecDecodeError(f"{path} was trained for a target with {got}, this target has {want}")
+    return meta, load_file(str(Path(path) / WEIGHTS_FILE))
+
+
 def load_net(
     cls: type, path: str | Path, target: "Transformer", dtype: torch.dtype, device: torch.device,
     quantization: str | None = None,
 ) -> Any:  # fmt: skip
     """A trained net of class ``cls`` from ``path``, checked against ``target``; its linears in
     ``quantization``'s format (the target's) when given."""
-    from safetensors.torch import load_file
-
     from specdecode.model.quant import quantize_linears_
 
-    meta = read_net_config(path)
-    if meta.get("specdecode_method") != cls.method:
-        raise SpecDecodeError(f"{path} holds a {meta.get('specdecode_method')!r} drafter, not {cls.method!r}")
-    want, got = target_fingerprint(target), meta.get("target")
-    if got != want:
-        raise SpecDecodeError(f"{path} was trained for a target with {got}, this target has {want}")
+    meta, state = read_net(cls.method, path, target)
     net = cls.from_target(net_config(cls, meta.get("net", {})), target)
-    state = load_file(str(Path(path) / WEIGHTS_FILE))
     expected = set(net.saved_state())
     if set(state) != expected:
         missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)

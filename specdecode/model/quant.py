@@ -256,15 +256,19 @@ def quantize_model_(
     dtype = model.embed.weight.dtype
     for name in linear_names(model):
         lin = model.get_submodule(name)
-        if not isinstance(lin, nn.Linear):
-            continue
-        w, b = lin.weight.detach(), None if lin.bias is None else lin.bias.detach()
-        if spec.mode == "int8":
-            new = Int8Linear.from_weight(w, b, dtype=dtype)
-        else:
-            new = Int4Linear.from_weight(w, spec.group_size, b, kernel=int4_kernel)
-        set_submodule(model, name, new)
+        if isinstance(lin, nn.Linear):
+            set_submodule(model, name, quantized_linear(lin, spec.mode, spec.group_size, dtype, int4_kernel))
     return model
+
+
+def quantized_linear(
+    lin: nn.Linear, mode: str, group_size: int, dtype: torch.dtype, int4_kernel: str = "auto"
+) -> nn.Module:
+    """``lin`` as an Int8Linear (computing in ``dtype``) or an Int4Linear (groups of ``group_size``)."""
+    w, b = lin.weight.detach(), None if lin.bias is None else lin.bias.detach()
+    if mode == "int8":
+        return Int8Linear.from_weight(w, b, dtype=dtype)
+    return Int4Linear.from_weight(w, group_size, b, kernel=int4_kernel)
 
 
 def quantize_linears_(module: nn.Module, quantization: str | None) -> nn.Module:
@@ -276,20 +280,10 @@ def quantize_linears_(module: nn.Module, quantization: str | None) -> nn.Module:
     if spec is None:
         return module
     group = spec.group_size if spec.mode == "int4" else DEFAULT_GROUP_SIZE
+    mode = "int8" if spec.mode == "int8" else "int4"
     for name, lin in [(n, m) for n, m in module.named_modules() if type(m) is nn.Linear]:
-        w, b = lin.weight.detach(), None if lin.bias is None else lin.bias.detach()
-        if spec.mode == "int8":
-            new: nn.Module = Int8Linear.from_weight(w, b, dtype=w.dtype)
-        else:
-            new = Int4Linear.from_weight(w, group, b)
-        set_submodule(module, name, new)
+        set_submodule(module, name, quantized_linear(lin, mode, group, lin.weight.dtype))
     return module
-
-
-def count_kernels(module: nn.Module) -> str:
-    """The quantized kernels inside ``module`` and how many linears use each ("" if none)."""
-    kinds = Counter(m.kernel() for m in module.modules() if isinstance(m, (Int8Linear, Int4Linear)))
-    return ", ".join(f"{k} ({n} layer{'s' * (n != 1)})" for k, n in kinds.items())
 
 
 def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -34,14 +34,7 @@ import torch
 from torch import Tensor
 
 from specdecode.config import SpecDecodeError
-from specdecode.drafters.learned import (
-    WEIGHTS_FILE,
-    TrainBatch,
-    net_config,
-    read_net_config,
-    save_net,
-    target_fingerprint,
-)
+from specdecode.drafters.learned import TrainBatch, net_config, read_net, read_net_config, save_net, target_fingerprint
 from specdecode.kv_cache import NoCache
 from specdecode.model.transformer import Transformer
 from specdecode.train.config import TrainConfig
@@ -194,22 +187,16 @@ def train_step(net: Any, opt: torch.optim.Optimizer, batch: TrainBatch, lr: floa
     return float(loss.detach()), metrics
 
 
-def init_from(net: torch.nn.Module, folder: str, target: Transformer) -> int:
+def init_from(net: torch.nn.Module, folder: str, target: Transformer) -> None:
     """Load a trained folder's weights into ``net`` and freeze them, so that only what the folder
-    lacks (a new confidence head, say) trains; returns how many tensors were loaded."""
-    from safetensors.torch import load_file
-
-    meta = read_net_config(folder)
-    if meta.get("specdecode_method") != net.method or meta.get("target") != target_fingerprint(target):
-        raise SpecDecodeError(f"--init {folder}: not a {net.method} drafter for this target")
-    state = load_file(str(Path(folder) / WEIGHTS_FILE))
+    lacks (a new confidence head, say) trains."""
+    _, state = read_net(net.method, folder, target)
     unexpected = net.load_state_dict(state, strict=False).unexpected_keys
     if unexpected:
         raise SpecDecodeError(f"--init {folder}: tensors the net does not have: {unexpected[:3]}")
     for name, p in net.named_parameters():
         if name in state:
             p.requires_grad_(False)
-    return len(state)
 
 
 def write_drafter(net: Any, loaded: Any, out: str, extra: dict[str, Any]) -> Path:
