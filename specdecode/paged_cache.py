@@ -110,6 +110,14 @@ class BlockPool:
             self._is_free[b] = True
         self._free.extend(reversed(blocks))  # the first of them comes out first
 
+    def grow(self, extra: int) -> None:
+        """Add ``extra`` new block ids after the existing ones; they come out after every block
+        that is free now (the stack keeps handing out the lowest ids first)."""
+        start = self.num_blocks
+        self.num_blocks += extra
+        self._free[:0] = range(self.num_blocks - 1, start - 1, -1)
+        self._is_free.extend([True] * extra)
+
 
 @dataclass
 class _Seq:
@@ -160,10 +168,7 @@ class PagedKVCache(KVCache):
         # but NaN * 0 would still be NaN), and every value ever written is a finite K/V.
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)
-        # per layer: [num_blocks, bs, Hkv, D] and its flat [num_blocks * bs, Hkv, D] view
-        self._k_blocks, self._v_blocks = list(self.k.unbind(0)), list(self.v.unbind(0))
-        self._k_flat = [b.view(num_blocks * block_size, num_kv_heads, head_dim) for b in self._k_blocks]
-        self._v_flat = [b.view(num_blocks * block_size, num_kv_heads, head_dim) for b in self._v_blocks]
+        self._bind_storage()
         self._seqs: dict[Hashable, _Seq] = {}
         self._batch: list[Hashable] = []
         self._version = 0  # bumped whenever a table or a length of the batch may have changed
@@ -325,6 +330,13 @@ class PagedKVCache(KVCache):
         self._set_rows(kept)
 
     # ---- internals ---------------------------------------------------------------------
+
+    def _bind_storage(self) -> None:
+        """Per-layer views of ``k`` / ``v``: [num_blocks, bs, Hkv, D] and flat [num_blocks * bs, Hkv, D]."""
+        L, N, bs, Hkv, D = self.k.shape
+        self._k_blocks, self._v_blocks = list(self.k.unbind(0)), list(self.v.unbind(0))
+        self._k_flat = [b.view(N * bs, Hkv, D) for b in self._k_blocks]
+        self._v_flat = [b.view(N * bs, Hkv, D) for b in self._v_blocks]
 
     def _set_rows(self, seq_ids: list[Hashable]) -> None:
         self._batch = seq_ids

@@ -32,7 +32,7 @@ from specdecode.drafters.base import Draft, DrafterContext
 from specdecode.drafters.dflash_net import DFlashNet
 from specdecode.drafters.learned import load_net, resolve_weights
 from specdecode.engine.batch import Batch
-from specdecode.kv_cache import ContiguousKVCache
+from specdecode.drafters.draft_cache import DraftKVCache
 from specdecode.sampling import logits_to_probs, sample
 
 
@@ -64,21 +64,19 @@ class DFlashDrafter:
             )
         self.hidden_layers: tuple[int, ...] = self.net.hidden_layers
         self.ctx = ctx
-        self.cache: ContiguousKVCache | None = None
+        self.cache = DraftKVCache(self.net.body)
 
     def max_draft_tokens(self, num_tokens: int) -> int:
         return min(num_tokens, self.net.block_size)
 
     def prefill(self, batch: Batch, rows: list[int], hidden: list[Tensor] | None = None) -> None:
         assert hidden is not None, "dflash reads target features: the engine hands them with hidden_layers"
-        room = self.net.block_size + 1  # the block's scratch slots past the longest row
-        joined = self.net.body.new_cache(len(rows), batch.capacity + room)
         width = max(1, max(len(h) for h in hidden))
         features = torch.stack([F.pad(h, (0, 0, 0, width - len(h))) for h in hidden])  # [R, N, F]
-        self._inject(joined, features, torch.tensor([len(h) for h in hidden], device=self.ctx.device))
-        self.cache = joined if self.cache is None or self.cache.batch_size == 0 else self.cache.concat_rows(joined)
+        with self.cache.only(self.cache.join_rows(len(rows))):
+            self._inject(self.cache, features, torch.tensor([len(h) for h in hidden], device=self.ctx.device))
 
-    def _inject(self, cache: ContiguousKVCache, features: Tensor, counts: Tensor) -> None:
+    def _inject(self, cache: DraftKVCache, features: Tensor, counts: Tensor) -> None:
         """Write the injected K/V of row b's first ``counts[b]`` features [B, N, F] after its
         context, and commit them. Padding features write past the row's length (scratch)."""
         N = features.shape[1]
@@ -89,7 +87,6 @@ class DFlashDrafter:
         cache.commit(counts)
 
     def propose(self, batch: Batch, num_tokens: int) -> Draft:
-        assert self.cache is not None
         gamma = min(num_tokens, self.net.block_size)
         roots = torch.tensor([s.token_ids[-1] for s in batch.seqs], dtype=torch.long, device=self.ctx.device)
         at = torch.arange(gamma, device=roots.device).expand(len(batch), -1)  # [B, γ]
@@ -105,9 +102,8 @@ class DFlashDrafter:
     def on_verified(
         self, batch: Batch, num_accepted: Tensor, aux_logits: Tensor | None = None, hidden: Tensor | None = None
     ) -> None:
-        assert self.cache is not None and hidden is not None
+        assert hidden is not None
         self._inject(self.cache, hidden, num_accepted + 1)  # the root, then the accepted drafts
 
     def select_rows(self, rows: list[int]) -> None:
-        assert self.cache is not None
         self.cache.select_rows(torch.tensor(rows, dtype=torch.long))

@@ -24,6 +24,7 @@ import torch
 from specdecode.config import SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Draft, DrafterContext
 from specdecode.engine.batch import Batch, pad_right
+from specdecode.drafters.draft_cache import DraftKVCache
 from specdecode.kv_cache import KVCache
 from specdecode.model.loader import load_model
 from specdecode.model.transformer import Transformer
@@ -84,7 +85,7 @@ class DraftModelDrafter:
         self.budget: int = spec.options.num_draft_tokens or self.gamma * self.topk
         tree = spec.options.speculative_token_tree
         self.static_tree: TreeShape | None = parse_token_tree(tree) if tree is not None else None
-        self.cache: KVCache | None = None
+        self.cache = DraftKVCache(self.model)
 
     def draft_network(self, spec: SpecConfig, ctx: DrafterContext) -> Transformer:
         """The network that drafts: the checkpoint at ``model`` (layer_skip: the target's first layers)."""
@@ -110,14 +111,10 @@ class DraftModelDrafter:
 
     def prefill(self, batch: Batch, rows: list[int], hidden: list[torch.Tensor] | None = None) -> None:
         # Everything but the newest token, which the first propose feeds.
-        # chains feed γ tokens; tree levels re-run at most k paths, or the static tree's nodes
-        room = max(self.gamma, self.topk * self.gamma, self.max_draft_tokens(self.gamma)) + 2
-        joined = self.model.new_cache(len(rows), batch.capacity + room)
-        self._feed([batch.seqs[r].token_ids[:-1] for r in rows], joined)
-        self.cache = joined if self.cache is None or self.cache.batch_size == 0 else self.cache.concat_rows(joined)
+        with self.cache.only(self.cache.join_rows(len(rows))):
+            self._feed([batch.seqs[r].token_ids[:-1] for r in rows], self.cache)
 
     def propose(self, batch: Batch, num_tokens: int) -> Draft:
-        assert self.cache is not None
         seen = self.cache.lengths.tolist()
         logits = self._feed([s.token_ids[n:] for s, n in zip(batch.seqs, seen)], self.cache)
         roots = [s.token_ids[-1] for s in batch.seqs]
@@ -143,12 +140,10 @@ class DraftModelDrafter:
         self, tokens: torch.Tensor, depths: torch.Tensor, mask: torch.Tensor, at: torch.Tensor, _states: None
     ) -> tuple[torch.Tensor, None]:
         """Logits [B, K, V] at ``at`` for a block of tree nodes (not committed: the next level re-runs them)."""
-        assert self.cache is not None
         positions = self.cache.lengths[:, None] + depths - 1  # the root sits at lengths - 1
         return self.model(tokens, positions, self.cache, block_mask=mask, logits_at=at), None
 
     def _feed_one(self, token: torch.Tensor) -> torch.Tensor:
-        assert self.cache is not None
         positions = self.cache.lengths[:, None]
         logits = self.model(token[:, None], positions, self.cache)  # [B, 1, V]
         self.cache.commit(torch.ones_like(self.cache.lengths))
@@ -157,10 +152,8 @@ class DraftModelDrafter:
     def on_verified(
         self, batch: Batch, num_accepted: torch.Tensor, aux_logits: torch.Tensor | None = None, hidden: torch.Tensor | None = None
     ) -> None:
-        assert self.cache is not None
         committed = torch.tensor([len(s.token_ids) - 1 for s in batch.seqs], device=self.cache.lengths.device)
         self.cache.truncate(committed)
 
     def select_rows(self, rows: list[int]) -> None:
-        assert self.cache is not None
         self.cache.select_rows(torch.tensor(rows, dtype=torch.long))

@@ -30,7 +30,7 @@ from specdecode.drafters.draft_tree import grow_tree
 from specdecode.drafters.eagle_net import FeatureNet
 from specdecode.drafters.learned import PendingFeatures, load_net, resolve_weights
 from specdecode.engine.batch import Batch, pad_right
-from specdecode.kv_cache import ContiguousKVCache
+from specdecode.drafters.draft_cache import DraftKVCache
 from specdecode.sampling import logits_to_probs, sample
 from specdecode.tree import check_node_budget
 
@@ -65,23 +65,19 @@ class EagleDrafter:
         self.topk: int = spec.options.topk
         self.budget: int = spec.options.num_draft_tokens or self.gamma * self.topk
         self.pending = PendingFeatures()
-        self.cache: ContiguousKVCache | None = None
+        self.cache = DraftKVCache(self.net.body)
 
     def max_draft_tokens(self, num_tokens: int) -> int:
         return num_tokens if self.topk == 1 else self.budget
 
     def prefill(self, batch: Batch, rows: list[int], hidden: list[torch.Tensor] | None = None) -> None:
         assert hidden is not None, "eagle reads the target's features"
-        room = max(self.gamma, self.topk * self.gamma, self.budget) + 2
-        body = self.net.body
-        joined = body.new_cache(len(rows), batch.capacity + room)
-        self.cache = joined if self.cache is None or self.cache.batch_size == 0 else self.cache.concat_rows(joined)
+        self.cache.join_rows(len(rows))
         self.pending.add_rows(hidden)
 
     def _feed_pending(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed every row's owed (feature, next token) entries and commit them; returns the
         draft-vocabulary logits [B, Vd] and output feature [B, H] at each row's last entry."""
-        assert self.cache is not None
         features, starts = self.pending.take()
         lengths = [len(f) for f in features]
         if min(lengths) < 1:
@@ -98,7 +94,6 @@ class EagleDrafter:
         return logits[:, 0], out[:, 0]
 
     def propose(self, batch: Batch, num_tokens: int) -> Draft:
-        assert self.cache is not None
         logits, out = self._feed_pending(batch)
         roots = [s.token_ids[-1] for s in batch.seqs]
         if self.topk > 1:
@@ -130,7 +125,7 @@ class EagleDrafter:
         parent_states: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """A block of tree nodes, each fed its parent's output feature (not committed)."""
-        assert self.cache is not None and parent_states is not None
+        assert parent_states is not None
         positions = self.cache.lengths[:, None] + depths - 1  # depth-1 nodes take the next free slot
         logits, out = self.net(parent_states, tokens, positions, self.cache, block_mask=mask, logits_at=at)
         return self.net.head.full(logits, self.vocab_size), out
@@ -139,12 +134,11 @@ class EagleDrafter:
         self, batch: Batch, num_accepted: torch.Tensor, aux_logits: torch.Tensor | None = None,
         hidden: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
-        assert self.cache is not None and hidden is not None
+        assert hidden is not None
         # drop this round's draft entries: only entries with the target's features stay
         self.cache.truncate(torch.tensor(self.pending.consumed, device=self.cache.lengths.device))
         self.pending.add_verified(hidden, num_accepted)
 
     def select_rows(self, rows: list[int]) -> None:
-        if self.cache is not None:
-            self.cache.select_rows(torch.tensor(rows, dtype=torch.long))
+        self.cache.select_rows(torch.tensor(rows, dtype=torch.long))
         self.pending.select_rows(rows)

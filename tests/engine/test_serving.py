@@ -8,6 +8,7 @@ import torch
 
 from specdecode import LLM, SamplingParams
 from specdecode.config import SpecConfig, SpecDecodeError
+from specdecode.drafters.draft_cache import DraftKVCache
 from specdecode.engine.serving import ServingEngine
 from tests.tiny import make_tiny_checkpoint
 
@@ -62,6 +63,12 @@ def make_engine(plain: LLM, ckpts, name: str, **kw) -> ServingEngine:
     return ServingEngine(plain.target, SpecConfig.parse(spec), max_model_len=64, **kw)
 
 
+def draft_blocks_used(engine: ServingEngine) -> int:
+    """Blocks still held in the drafter's own paged cache (0 for drafters without one)."""
+    cache = getattr(engine.drafter, "cache", None)
+    return cache.pool.num_used if isinstance(cache, DraftKVCache) else 0
+
+
 def run_staggered(engine: ServingEngine, params: list[SamplingParams], join_every: int = 2) -> dict[str, list[int]]:
     """Requests join one at a time every ``join_every`` steps while others decode."""
     out: dict[str, list[int]] = {}
@@ -87,6 +94,7 @@ def test_joining_and_leaving_requests_decode_as_alone(plain, ckpts, reference, n
     out = run_staggered(engine, params)
     assert [out[f"r{i}"] for i in range(len(PROMPTS))] == reference
     assert engine.stats().kv_blocks_used == 0
+    assert draft_blocks_used(engine) == 0  # the draft's blocks came back too
     assert not engine.has_unfinished()
 
 
@@ -99,6 +107,7 @@ def test_preemption_recomputes_and_stays_exact(plain, ckpts, reference, name):
     assert [out[f"r{i}"] for i in range(len(PROMPTS))] == reference
     assert engine.stats().num_preempted_total > 0
     assert engine.stats().kv_blocks_used == 0
+    assert draft_blocks_used(engine) == 0
 
 
 def test_abort_frees_blocks_and_spares_the_others(plain, ckpts, reference):
