@@ -6,7 +6,10 @@ previous one finishes, so requests arrive while the engine steps. The request mi
 fixed: request i is prompt i of a deterministic interleaving of prompts.json's kinds
 (chat template applied), greedy, ``--max-tokens`` new tokens (EOS may end it earlier),
 max(``--min-requests``, ``--requests-per-client`` · C) requests per load. Configurations
-are interleaved within each load so they share the machine's noise.
+are interleaved within each load so they share the machine's noise; with ``--repeats R``
+each load runs every configuration R times (the order rotated each time), reports the
+pooled figures, and the median and range of each configuration's throughput over *none*'s
+in the same repetition (a paired ratio: both met the same stretch of machine noise).
 
 Per configuration and load it reports output throughput (output tokens / wall time of the
 load), per-user speed (mean over requests of output tokens / (finish − submit), and of
@@ -22,7 +25,7 @@ budget (γ ≤ ``--adaptive-gamma``). The budget policies are wrapped (`Recordin
 also receives each verify pass's positions and time from the engine.
 
     python benchmarks/bench_serving.py [--clients 1 4 16 32] [--max-tokens 64] [--gammas 2 4 8]
-        [--threads 2] [--json out.json] [--plot docs/serving_throughput.png]
+        [--threads 2] [--repeats 3] [--json out.json] [--plot docs/serving_throughput.png]
 """
 
 from __future__ import annotations
@@ -206,6 +209,17 @@ def run_load(engine: ServingEngine, mix, clients: int, num_requests: int, max_to
     }
 
 
+def merge_runs(runs: list[dict]) -> dict:
+    """Repetitions of one configuration at one load as one: throughput over all their tokens
+    and wall time, per-request and per-step figures averaged over the runs."""
+    merged = {k: statistics.fmean(r[k] for r in runs) for k, v in runs[0].items() if isinstance(v, float)}
+    tokens, wall = sum(r["output_tokens"] for r in runs), sum(r["wall_s"] for r in runs)
+    merged.update(clients=runs[0]["clients"], requests=sum(r["requests"] for r in runs), output_tokens=tokens,
+                  wall_s=wall, throughput=tokens / wall, passes=[p for r in runs for p in r["passes"]],
+                  decode_steps=sum(r["decode_steps"] for r in runs), repeats=len(runs))  # fmt: skip
+    return merged
+
+
 # ---- the verify cost on this CPU -----------------------------------------------------------
 
 
@@ -359,6 +373,7 @@ def main() -> None:
     ap.add_argument("--adaptive-gamma", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=1, help="runs of every configuration per load, interleaved")
     ap.add_argument("--json", default=None, help="also write the raw results here")
     ap.add_argument("--plot", default=None, help="write the throughput / per-user plot (PNG) here")
     args = ap.parse_args()
@@ -386,24 +401,38 @@ def main() -> None:
         )  # calibration over the timed runs only
     configs = list(engines)
 
-    results = []
+    results, paired = [], {}
     for clients in args.clients:
         n = max(args.min_requests, args.requests_per_client * clients)
+        runs: dict[str, list[dict]] = {name: [] for name in configs}
+        for rep in range(args.repeats):
+            # each repetition runs every configuration once, the order rotated, so that no
+            # configuration always meets the machine in the same state
+            for name in configs[rep % len(configs) :] + configs[: rep % len(configs)]:
+                r = run_load(engines[name], mix, clients, n, args.max_tokens)
+                runs[name].append(r)
+                print(f"[{clients} clients, {n} requests, rep {rep + 1}] {name}: {r['throughput']:.1f} tok/s, "
+                      f"per-user {r['per_user_e2e']:.2f} tok/s, τ={r['tau']:.2f}, α={r['alpha']:.2f}, budget/row "
+                      f"{r['budget_per_row']:.2f}, positions/step {r['positions_per_step']:.1f}, {r['wall_s']:.1f} s",
+                      flush=True)  # fmt: skip
         for name in configs:
-            r = run_load(engines[name], mix, clients, n, args.max_tokens)
-            r["config"] = name
-            results.append(r)
-            print(f"[{clients} clients, {n} requests] {name}: {r['throughput']:.1f} tok/s, per-user "
-                  f"{r['per_user_e2e']:.2f} tok/s, τ={r['tau']:.2f}, α={r['alpha']:.2f}, budget/row "
-                  f"{r['budget_per_row']:.2f}, positions/step {r['positions_per_step']:.1f}, {r['wall_s']:.1f} s",
-                  flush=True)  # fmt: skip
+            results.append(dict(merge_runs(runs[name]), config=name))
+        # the same repetition's runs met similar noise: their ratios are paired
+        paired[clients] = {name: [a["throughput"] / b["throughput"] for a, b in zip(runs[name], runs["none"])]
+                           for name in configs}  # fmt: skip
 
     print(f"adaptive's cost model at the end: t(P) through {[(p, round(t * 1e3, 1)) for p, t in adaptive.cost.points]} "
-          f"ms, + {adaptive.padding_cost * 1e3:.3f} ms per padded position, drafting {adaptive.draft_cost * 1e3:.2f} ms "
+          f"ms, + {adaptive.padding_cost * 1e6:.3f} µs per padded position and context token, drafting {adaptive.draft_cost * 1e3:.2f} ms "
           f"per depth", flush=True)  # fmt: skip
     threshold = threshold_report(model, adaptive.cost)
     calib = {name: engines[name].budget.calib for name in configs if name.startswith("adaptive")}
     print_results(results, configs, args, threshold, calib)
+    if args.repeats > 1:
+        print("\nthroughput / none's in the same repetition (median, min-max):")
+        for clients, ratios in paired.items():
+            print(f"- {clients} clients: " + "; ".join(
+                f"{name} {statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})" for name, r in ratios.items()
+                if name != "none"))  # fmt: skip
     if args.plot:
         plot(results, configs, args.plot)
     if args.json:

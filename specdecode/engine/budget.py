@@ -187,9 +187,11 @@ class AdaptiveBudget:
         self._raw: dict[str, torch.Tensor] = {}  # the raw confidences each row was budgeted with
         self.records: list[tuple[torch.Tensor, int, int]] = []  # (raw [γ], drafted, accepted)
         self._since_fit = 0
-        self.passes: list[tuple[int, int, float]] = []  # the engine's passes: positions, padded positions, seconds
-        # seconds per padded position, B·(1 + widest draft): attention runs on the padded batch
+        self.passes: list[tuple[int, int, float]] = []  # the engine's passes: positions, padded attention, seconds
+        # seconds per unit of padded attention, B·(1 + widest draft)·context: attention runs on the
+        # batch padded to its widest draft, each query over the longest row's context
         self.padding_cost = 0.0
+        self.context = 1  # the longest row's tokens at the last planning: attention's length
         self.draft_cost = 0.0  # seconds proposing costs per draft depth (the drafter's c, in seconds)
         self.steps_without_drafts = 0
 
@@ -212,6 +214,7 @@ class AdaptiveBudget:
     ) -> torch.Tensor:
         B = len(reqs)
         cap = limits.tolist()
+        self.context = max((len(r.seq.token_ids) for r in reqs), default=1)
         raw = self.confidences([r.request_id for r in reqs])  # [B, γ]
         if confidence is not None:  # a trained head's estimates, where it gave them
             w = min(raw.shape[1], confidence.shape[1])
@@ -241,7 +244,7 @@ class AdaptiveBudget:
         """Budgets from ``ranked`` (survival, depth, row) positions of depth <= ``width``, taken
         while each pays for its time in a pass padded to ``width`` (plus ``drafting`` seconds);
         and the step's expected tokens per second."""
-        fixed = self.padding_cost * B * (1 + width) + drafting
+        fixed = self.padding_cost * B * (1 + width) * self.context + drafting
         out, positions, expected = [0] * B, B, float(B)  # every row verifies its root and gains one token
         limit = self.max_verify_tokens
         for s, k, b in ranked:
@@ -253,7 +256,7 @@ class AdaptiveBudget:
                 break  # the most likely remaining position no longer pays for its time
             out[b], positions, expected = k, positions + 1, expected + s
         widest = max(out, default=0)
-        return out, expected / (self.cost(positions) + self.padding_cost * B * (1 + widest) + drafting)
+        return out, expected / (self.cost(positions) + self.padding_cost * B * (1 + widest) * self.context + drafting)
 
     def observe(
         self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor, seconds: float, draft_seconds: float,
@@ -292,9 +295,10 @@ class AdaptiveBudget:
     def _observe_cost(self, rows: int, num_draft: list[int], seconds: float) -> None:
         """Refit the step time from the engine's own passes, which carry real batch sizes and
         contexts (the start-up curve has one row and an empty context): t = a + b·P + c·Q,
-        P the real positions (linears) and Q = rows · (1 + widest draft) the padded ones
-        (attention). Falls back to a line in P while Q's share cannot be told apart."""
-        positions, padded = rows + sum(num_draft), rows * (1 + max(num_draft, default=0))
+        P the real positions (linears) and Q = rows · (1 + widest draft) · context the padded
+        attention (every row's queries padded to the widest, each over the longest context). Falls
+        back to a line in P while Q's share cannot be told apart."""
+        positions, padded = rows + sum(num_draft), rows * (1 + max(num_draft, default=0)) * self.context
         self.passes.append((positions, padded, seconds))
         del self.passes[: -self.window]
         if len(self.passes) < 32 or len(self.passes) % 16:

@@ -14,8 +14,8 @@ from specdecode.engine.budget import AdaptiveBudget, FixedBudget, VerifyCost, ap
 from specdecode.tree import TreeBatch
 
 
-def req(rid: str) -> SimpleNamespace:
-    return SimpleNamespace(request_id=rid, seq=SimpleNamespace(finish_reason=None))
+def req(rid: str, length: int = 8) -> SimpleNamespace:
+    return SimpleNamespace(request_id=rid, seq=SimpleNamespace(finish_reason=None, token_ids=[0] * length))
 
 
 def roofline(knee: int, slope: float = 1.0) -> VerifyCost:
@@ -165,14 +165,16 @@ def test_cost_curve_is_monotone_and_refits_from_real_passes():
     assert VerifyCost.fit_line([(10, 1.0), (10, 2.0)]) is None  # one size: no slope to fit
     policy = AdaptiveBudget(roofline(knee=64), max_gamma=4)
     g = torch.Generator().manual_seed(3)
-    for _ in range(32):  # passes of 2-8 rows with random drafts: t = 50 ms + 2 ms·P + 1 ms·rows·(1 + widest)
-        rows = int(torch.randint(2, 9, (1,), generator=g))
+    # passes of 2-8 rows with random drafts and contexts: t = 50 ms + 2 ms·P + 10 µs·rows·(1 + widest)·context
+    for _ in range(32):
+        rows, context = int(torch.randint(2, 9, (1,), generator=g)), int(torch.randint(10, 200, (1,), generator=g))
         drafts = torch.randint(0, 5, (rows,), generator=g)
-        P, Q = rows + int(drafts.sum()), rows * (1 + int(drafts.max()))
-        policy.observe([req(f"x{i}") for i in range(rows)], torch.zeros(rows, dtype=torch.long), drafts,
-                       0.05 + 0.002 * P + 0.001 * Q, 0.0)  # fmt: skip
+        reqs = [req(f"x{i}", context if i == 0 else 5) for i in range(rows)]
+        policy.budgets(reqs, drafts, engine=None)  # planning reads the longest context
+        P, Q = rows + int(drafts.sum()), rows * (1 + int(drafts.max())) * context
+        policy.observe(reqs, torch.zeros(rows, dtype=torch.long), drafts, 0.05 + 0.002 * P + 1e-5 * Q, 0.0)
     assert policy.cost(100) == pytest.approx(0.25)  # now the engine's own passes price a step
-    assert policy.padding_cost == pytest.approx(0.001)
+    assert policy.padding_cost == pytest.approx(1e-5)
 
 
 def test_adaptive_budget_keeps_a_busy_batch_narrow_when_padding_costs():
@@ -181,7 +183,7 @@ def test_adaptive_budget_keeps_a_busy_batch_narrow_when_padding_costs():
     policy.reached, policy.accepted = torch.full((8,), 100.0), torch.full((8,), 90.0)  # every token survives 90%
     reqs = [req(f"r{i}") for i in range(32)]
     wide = policy.budgets(reqs, torch.full((32,), 8), engine=None)
-    policy.padding_cost = 0.0005
+    policy.padding_cost = 0.0005 / 8  # per padded position and context token: the rows hold 8
     narrow = policy.budgets(reqs, torch.full((32,), 8), engine=None)
     assert narrow.max() < wide.max() and narrow.sum() > 0
 
