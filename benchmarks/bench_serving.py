@@ -422,7 +422,7 @@ def main() -> None:
                            for name in configs}  # fmt: skip
 
     print(f"adaptive's cost model at the end: t(P) through {[(p, round(t * 1e3, 1)) for p, t in adaptive.cost.points]} "
-          f"ms, + {adaptive.padding_cost * 1e6:.3f} µs per padded position and context token, drafting {adaptive.draft_cost * 1e3:.2f} ms "
+          f"ms, + {adaptive.attention_cost * 1e6:.3f} µs per attention query and context token, drafting {adaptive.draft_cost * 1e3:.2f} ms "
           f"per depth", flush=True)  # fmt: skip
     threshold = threshold_report(model, adaptive.cost)
     calib = {name: engines[name].budget.calib for name in configs if name.startswith("adaptive")}

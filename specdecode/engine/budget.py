@@ -27,6 +27,7 @@ import torch
 
 from specdecode.drafters.base import Draft
 from specdecode.engine.calibration import Rounds, SequentialTemperatureScaling
+from specdecode.model.transformer import attention_queries
 from specdecode.tree import TreeBatch
 
 if TYPE_CHECKING:
@@ -187,10 +188,11 @@ class AdaptiveBudget:
         self._raw: dict[str, torch.Tensor] = {}  # the raw confidences each row was budgeted with
         self.records: list[tuple[torch.Tensor, int, int]] = []  # (raw [γ], drafted, accepted)
         self._since_fit = 0
-        self.passes: list[tuple[int, int, float]] = []  # the engine's passes: positions, padded attention, seconds
-        # seconds per unit of padded attention, B·(1 + widest draft)·context: attention runs on the
-        # batch padded to its widest draft, each query over the longest row's context
-        self.padding_cost = 0.0
+        self.passes: list[tuple[int, int, float]] = []  # the engine's passes: positions, attention work, seconds
+        # seconds per attention query and context token: attention runs on the batch padded to
+        # its widest draft (or split, see model.transformer.attention_queries), each query over
+        # the longest row's context
+        self.attention_cost = 0.0
         self.context = 1  # the longest row's tokens at the last planning: attention's length
         self.draft_cost = 0.0  # seconds proposing costs per draft depth (the drafter's c, in seconds)
         self.steps_without_drafts = 0
@@ -226,37 +228,53 @@ class AdaptiveBudget:
         ranked = sorted(
             ((survival[b][k - 1], k, b) for b in range(B) for k in range(1, cap[b] + 1)), key=lambda c: (-c[0], c[1])
         )
-        # Attention pads every row to the widest draft, so the widest draft is chosen first:
-        # for each width w, take positions of depth <= w in that order while they pay, then
-        # keep the width whose step yields the most expected tokens per second.
+        # Attention pads every row to the widest draft (or, when few rows draft, computes only
+        # their extra queries: model.transformer.attention_queries), so the widest draft is
+        # chosen first: for each width w and each of the two ways attention may run, take
+        # positions of depth <= w in that order while they pay, then keep the budgets whose step
+        # yields the most expected tokens per second.
         best_rate, out = -1.0, [0] * B
         for w in range(0, max(cap, default=0) + 1):
-            budgets, rate = self._fill(ranked, B, w, self.draft_cost * w)  # proposing w deep
-            if rate > best_rate:
-                best_rate, out = rate, budgets
+            for split in (False, True) if w > 0 else (False,):
+                budgets, rate = self._fill(ranked, B, w, self.draft_cost * w, split)  # proposing w deep
+                if rate > best_rate:
+                    best_rate, out = rate, budgets
         if not any(out) and self.steps_without_drafts >= PROBE_EVERY:
             out = [min(1, c) for c in cap]  # a probe: see whether drafts pay again
         return torch.tensor(out, dtype=torch.long, device=limits.device)
 
     def _fill(
-        self, ranked: list[tuple[float, int, int]], B: int, width: int, drafting: float
+        self, ranked: list[tuple[float, int, int]], B: int, width: int, drafting: float, split: bool
     ) -> tuple[list[int], float]:
         """Budgets from ``ranked`` (survival, depth, row) positions of depth <= ``width``, taken
-        while each pays for its time in a pass padded to ``width`` (plus ``drafting`` seconds);
-        and the step's expected tokens per second."""
-        fixed = self.padding_cost * B * (1 + width) * self.context + drafting
+        while each pays for its time (plus ``drafting`` seconds), and the step's expected tokens
+        per second. Attention is priced as the pass will run it: padded to ``width`` for every
+        row (paid up front), or, with ``split``, ``width`` queries for each row that drafts."""
         out, positions, expected = [0] * B, B, float(B)  # every row verifies its root and gains one token
+        rows = 0  # rows drafting
+
+        def time(positions: int, rows: int) -> float:
+            queries = B + rows * width if split else B * (1 + width)
+            return self.cost(positions) + self.attention_cost * queries * self.context + drafting
+
+        rate = expected / time(positions, rows)
         limit = self.max_verify_tokens
         for s, k, b in ranked:
             if limit is not None and positions >= limit:
                 break
             if k > width or k != out[b] + 1:
                 continue
-            if (expected + s) / (self.cost(positions + 1) + fixed) < expected / (self.cost(positions) + fixed):
+            new_rate = (expected + s) / time(positions + 1, rows + (k == 1))
+            if new_rate < rate:
                 break  # the most likely remaining position no longer pays for its time
-            out[b], positions, expected = k, positions + 1, expected + s
-        widest = max(out, default=0)
-        return out, expected / (self.cost(positions) + self.padding_cost * B * (1 + widest) * self.context + drafting)
+            out[b], positions, expected, rows, rate = k, positions + 1, expected + s, rows + (k == 1), new_rate
+        return out, expected / self.step_time(B, positions, rows, max(out, default=0), drafting)
+
+    def step_time(self, B: int, positions: int, rows: int, widest: int, drafting: float) -> float:
+        """Predicted seconds of a step: the pass over ``positions`` (linears), attention for B
+        rows of which ``rows`` draft up to ``widest`` deep, and ``drafting``."""
+        queries = attention_queries(B, rows, 1 + widest)
+        return self.cost(positions) + self.attention_cost * queries * self.context + drafting
 
     def observe(
         self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor, seconds: float, draft_seconds: float,
@@ -295,10 +313,11 @@ class AdaptiveBudget:
     def _observe_cost(self, rows: int, num_draft: list[int], seconds: float) -> None:
         """Refit the step time from the engine's own passes, which carry real batch sizes and
         contexts (the start-up curve has one row and an empty context): t = a + b·P + c·Q,
-        P the real positions (linears) and Q = rows · (1 + widest draft) · context the padded
-        attention (every row's queries padded to the widest, each over the longest context). Falls
-        back to a line in P while Q's share cannot be told apart."""
-        positions, padded = rows + sum(num_draft), rows * (1 + max(num_draft, default=0)) * self.context
+        P the real positions (linears) and Q = attention queries · context (the queries of the
+        batch padded to its widest draft, or split, each over the longest context). Falls back
+        to a line in P while Q's share cannot be told apart."""
+        drafting, widest = sum(d > 0 for d in num_draft), max(num_draft, default=0)
+        positions, padded = rows + sum(num_draft), attention_queries(rows, drafting, 1 + widest) * self.context
         self.passes.append((positions, padded, seconds))
         del self.passes[: -self.window]
         if len(self.passes) < 32 or len(self.passes) % 16:
@@ -308,10 +327,10 @@ class AdaptiveBudget:
         a, b, c = torch.linalg.lstsq(X, y[:, None]).solution[:, 0].tolist()
         if a > 0 and b >= 0 and c >= 0 and torch.linalg.matrix_rank(X) == 3:
             lo, hi = min(p for p, _, _ in self.passes), max(p for p, _, _ in self.passes)
-            self.cost, self.padding_cost = VerifyCost([(lo, a + b * lo), (max(hi, lo + 1), a + b * max(hi, lo + 1))]), c
+            self.cost, self.attention_cost = VerifyCost([(lo, a + b * lo), (max(hi, lo + 1), a + b * max(hi, lo + 1))]), c
         else:
             self.cost = VerifyCost.fit_line([(p, t) for p, _, t in self.passes]) or self.cost
-            self.padding_cost = 0.0
+            self.attention_cost = 0.0
 
     def rounds(self) -> Rounds:
         """The recorded rounds, as STS fits them."""

@@ -11,6 +11,7 @@ import torch
 from specdecode.config import SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Draft
 from specdecode.engine.budget import AdaptiveBudget, FixedBudget, VerifyCost, apply_budgets
+from specdecode.model.transformer import attention_queries
 from specdecode.tree import TreeBatch
 
 
@@ -165,16 +166,17 @@ def test_cost_curve_is_monotone_and_refits_from_real_passes():
     assert VerifyCost.fit_line([(10, 1.0), (10, 2.0)]) is None  # one size: no slope to fit
     policy = AdaptiveBudget(roofline(knee=64), max_gamma=4)
     g = torch.Generator().manual_seed(3)
-    # passes of 2-8 rows with random drafts and contexts: t = 50 ms + 2 ms·P + 10 µs·rows·(1 + widest)·context
+    # passes of 2-8 rows with random drafts and contexts: t = 50 ms + 2 ms·P + 10 µs·queries·context
     for _ in range(32):
         rows, context = int(torch.randint(2, 9, (1,), generator=g)), int(torch.randint(10, 200, (1,), generator=g))
         drafts = torch.randint(0, 5, (rows,), generator=g)
         reqs = [req(f"x{i}", context if i == 0 else 5) for i in range(rows)]
         policy.budgets(reqs, drafts, engine=None)  # planning reads the longest context
-        P, Q = rows + int(drafts.sum()), rows * (1 + int(drafts.max())) * context
+        P = rows + int(drafts.sum())
+        Q = attention_queries(rows, int((drafts > 0).sum()), 1 + int(drafts.max())) * context
         policy.observe(reqs, torch.zeros(rows, dtype=torch.long), drafts, 0.05 + 0.002 * P + 1e-5 * Q, 0.0)
     assert policy.cost(100) == pytest.approx(0.25)  # now the engine's own passes price a step
-    assert policy.padding_cost == pytest.approx(1e-5)
+    assert policy.attention_cost == pytest.approx(1e-5)
 
 
 def test_adaptive_budget_keeps_a_busy_batch_narrow_when_padding_costs():
@@ -183,7 +185,7 @@ def test_adaptive_budget_keeps_a_busy_batch_narrow_when_padding_costs():
     policy.reached, policy.accepted = torch.full((8,), 100.0), torch.full((8,), 90.0)  # every token survives 90%
     reqs = [req(f"r{i}") for i in range(32)]
     wide = policy.budgets(reqs, torch.full((32,), 8), engine=None)
-    policy.padding_cost = 0.0005 / 8  # per padded position and context token: the rows hold 8
+    policy.attention_cost = 0.0005 / 8  # per attention query and context token: the rows hold 8
     narrow = policy.budgets(reqs, torch.full((32,), 8), engine=None)
     assert narrow.max() < wide.max() and narrow.sum() > 0
 

@@ -13,7 +13,7 @@ import torch
 from specdecode.config import SpecDecodeError
 from specdecode.model.loader import load_model
 from specdecode.model.rope import RopeConfig, rope_frequencies
-from specdecode.model.transformer import ModelConfig
+from specdecode.model.transformer import ModelConfig, attention_queries
 from tests.tiny import ARCHS, make_tiny_checkpoint, tiny_hf_config
 
 ATOL = 1e-4
@@ -196,18 +196,23 @@ def test_unsupported_configs_raise():
         ModelConfig.from_hf(GPT2Config())
 
 
-def test_packed_pass_equals_padded_pass(pair):
+@pytest.mark.parametrize("drafts", [[4, 0, 2], [4, 0, 0, 1, 0, 0]], ids=["padded", "split"])
+def test_packed_pass_equals_padded_pass(pair, drafts):
     """Rows with fewer real tokens than the widest: with ``valid`` the linears run on the real
-    tokens only; the logits there, and what the cache keeps, equal the padded pass's."""
+    tokens only (and, when few rows draft, attention computes only their extra queries); the
+    logits there, and what the cache keeps, equal the padded pass's."""
     ours, _ = pair
-    prompts = [tokens_of(9, 3), tokens_of(5, 4), tokens_of(12, 5)]
-    draft_len = torch.tensor([4, 0, 2])  # real new tokens per row: 1 + draft
+    B = len(drafts)
+    prompts = [tokens_of(n, 3 + b) for b, n in enumerate([9, 5, 12, 7, 3, 10][:B])]
+    draft_len = torch.tensor(drafts)  # real new tokens per row: 1 + draft
     width = 5
-    new = torch.stack([tokens_of(width, 10 + b) for b in range(3)])
+    split = attention_queries(B, int((draft_len > 0).sum()), width) < B * width
+    assert split == (B == 6)  # both ways attention runs are covered
+    new = torch.stack([tokens_of(width, 10 + b) for b in range(B)])
     valid = torch.arange(width)[None, :] < (1 + draft_len)[:, None]
     out = []
     for packed in (False, True):
-        cache = ours.new_cache(3, 32)
+        cache = ours.new_cache(B, 32)
         for b, p in enumerate(prompts):  # ragged prefill, one row at a time through a sub-cache view
             row = ours.new_cache(1, 32)
             ours(p[None], torch.arange(len(p))[None], row)
@@ -221,6 +226,6 @@ def test_packed_pass_equals_padded_pass(pair):
     (dense, c0), (packed, c1) = out
     torch.testing.assert_close(packed[valid], dense[valid], atol=ATOL, rtol=0)
     assert (packed[~valid] == 0).all()
-    for b in range(3):
+    for b in range(B):
         n = int(c0.lengths[b])
         torch.testing.assert_close(c1.k[:, b, :, :n], c0.k[:, b, :, :n], atol=ATOL, rtol=0)
