@@ -109,7 +109,8 @@ class Recording:
     def budgets(self, reqs, limits, engine, confidence=None):
         if isinstance(self.inner, AdaptiveBudget):
             prior = (self.inner.accepted / self.inner.reached).tolist()
-            self._planned = {r.request_id: (prior, self.inner.confidence(r.request_id).tolist()) for r in reqs}
+            online = self.inner.confidences([r.request_id for r in reqs]).tolist()  # one batched call
+            self._planned = {r.request_id: (prior, c) for r, c in zip(reqs, online)}
         out = self.inner.budgets(reqs, limits, engine, confidence)
         self._budgets = out.tolist()
         return out
