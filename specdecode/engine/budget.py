@@ -38,6 +38,7 @@ PRIOR_STRENGTH = 4.0  # pseudo-rounds of the shared estimate behind a request's 
 # only move when drafts are tried, so a policy that stopped on a few early rejections would
 # otherwise stay stopped (speculation switched off for good).
 PROBE_EVERY = 16
+PROBE_SHARE = 8  # a probe drafts on one row in this many (at least one)
 
 
 class BudgetPolicy(Protocol):
@@ -240,7 +241,11 @@ class AdaptiveBudget:
                 if rate > best_rate:
                     best_rate, out = rate, budgets
         if not any(out) and self.steps_without_drafts >= PROBE_EVERY:
-            out = [min(1, c) for c in cap]  # a probe: see whether drafts pay again
+            # a probe: see whether drafts pay again, one token on the rows likeliest to keep it
+            # (a few per step: in a busy batch, a token on every row would double the pass)
+            likely = sorted((b for b in range(B) if cap[b] > 0), key=lambda b: -survival[b][0])
+            for b in likely[: max(1, B // PROBE_SHARE)]:
+                out[b] = 1
         return torch.tensor(out, dtype=torch.long, device=limits.device)
 
     def _fill(

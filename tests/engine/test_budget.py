@@ -218,6 +218,20 @@ def test_a_budget_that_stopped_drafting_probes_again():
     assert max(seen[PROBE_EVERY + 1 :]) >= 1  # accepted probes revived drafting
 
 
+def test_a_probe_in_a_busy_batch_drafts_on_a_few_likely_rows():
+    """A probe token on every one of 32 rows would double a compute-bound pass; it goes to one
+    row in PROBE_SHARE, those whose first token is likeliest to survive."""
+    from specdecode.engine.budget import PROBE_EVERY, PROBE_SHARE
+
+    policy = AdaptiveBudget(roofline(knee=1, slope=0.5), max_gamma=4)
+    reqs = [req(f"r{i}") for i in range(32)]
+    for i, r in enumerate(reqs):  # row i accepted i of 31 first tokens: all too unlikely to draft
+        policy.per_request[r.request_id] = ([31.0, 0, 0, 0], [0.3 * i / 31, 0, 0, 0])
+    policy.steps_without_drafts = PROBE_EVERY
+    probe = policy.budgets(reqs, torch.full((32,), 4), engine=None)
+    assert probe.tolist() == [0] * (32 - 32 // PROBE_SHARE) + [1] * (32 // PROBE_SHARE)
+
+
 def test_a_drafters_confidence_replaces_the_online_estimate():
     """Under a cost where each position must pay for itself, a head that is sure of its first
     two tokens gets them verified, and one that is not gets nothing; the online estimate (no
