@@ -62,7 +62,7 @@ def avx512_bf16_lib() -> ctypes.CDLL | None:
     if compiler is None or not set(_CPU_FLAGS) <= _cpu_flags():
         return None
     flags = ["-O3", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
-    flags += ["-mf16c"]
+    flags += ["-mf16c", "-lm"]
     source = _source()
     digest = hashlib.sha256((source + " ".join(flags)).encode()).hexdigest()[:12]
     target = cache_root() / "kernels" / f"int4_avx512_bf16-{digest}.so"
@@ -79,6 +79,9 @@ def avx512_bf16_lib() -> ctypes.CDLL | None:
     lib.int4_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
     lib.int4_gemm.argtypes += [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.int4_gemm.restype = None
+    lib.rms_norm_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_float]
+    lib.rms_norm_bf16.argtypes += [ctypes.c_float, ctypes.c_void_p]
+    lib.rms_norm_bf16.restype = None
     return lib
 
 
@@ -117,4 +120,14 @@ def avx512_bf16_mm(x: Tensor, packed: Tensor, sz: Tensor) -> Tensor:
     avx512_bf16_lib().int4_gemm(
         x.data_ptr(), M, K, packed.data_ptr(), sz.data_ptr(), N, y.data_ptr(), xs.data_ptr(), torch.get_num_threads()
     )
+    return y
+
+
+def avx512_rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
+    """RMSNorm of bf16 ``x`` [..., D] by bf16 ``weight`` [D] in one call of our library (see
+    rms_norm_bf16 in the kernel source); callers check `avx512_bf16_lib()` first."""
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    D = x.shape[-1]
+    avx512_bf16_lib().rms_norm_bf16(x.data_ptr(), x.numel() // D, D, weight.data_ptr(), eps, offset, y.data_ptr())
     return y

@@ -270,3 +270,24 @@ def test_bad_quantization_values_raise(tmp_path, tiny_folder):
     path, _ = make_tiny_gguf(tmp_path / "q5.gguf", "llama", quant="Q5_0")
     with pytest.raises(SpecDecodeError, match="type Q5_0.*supported types: Q4_0, Q4_1, Q4_K, Q8_0"):
         load_model(str(path), device="cpu", progress=False, quantization="gguf")
+
+
+@pytest.mark.skipif(avx512_bf16_lib() is None, reason="needs our AVX512-BF16 CPU library")
+@pytest.mark.parametrize("offset", [0.0, 1.0], ids=["llama", "gemma"])
+def test_cpu_rms_norm_equals_torch_and_is_row_invariant(offset):
+    """Inference in bf16 normalises through our one-call kernel: bit for bit what F.rms_norm
+    gives (and the Gemma-style fp32 scaling), and a row's result does not depend on the others."""
+    from specdecode.model.transformer import RMSNorm, fast_cpu_norm
+
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(96, 1e-6, offset).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, generator=g) * 0.3 + (1.0 - offset))
+    x = (torch.randn(2, 5, 96, generator=g) * 4).to(torch.bfloat16)
+    reference = norm(x)  # autograd on: torch's ops
+    with torch.inference_mode():
+        assert fast_cpu_norm(x, norm.weight)
+        ours = norm(x)
+        alone = norm(x[1:, 2:3])
+    assert torch.equal(ours, reference)
+    assert torch.equal(alone, ours[1:, 2:3])
