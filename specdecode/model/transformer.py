@@ -167,7 +167,7 @@ class RMSNorm(nn.Module):
 def fast_cpu_norm(x: Tensor, weight: Tensor) -> bool:
     """Whether our CPU library normalises ``x``: bf16 on a CPU it compiled for, and no autograd."""
     ok = x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
-    return ok and not torch.is_grad_enabled() and avx512_bf16_lib() is not None
+    return ok and x.shape[-1] % 16 == 0 and not torch.is_grad_enabled() and avx512_bf16_lib() is not None
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
@@ -280,9 +280,12 @@ class Block(nn.Module):
 def attention_queries(rows: int, drafting: int, width: int) -> int:
     """Queries (per head) that attention computes in a pass of ``rows`` padded to ``width``
     tokens, ``drafting`` of them holding more than one: B·T padded, or B + R·(T−1) when that
-    is at most half as many, in which case `Transformer.forward` splits attention that way."""
+    is at most a third as many, in which case `Transformer.forward` splits attention that way.
+    (Splitting copies the drafting rows' K/V and runs a second SDPA: measured on CPU at 32 rows
+    of 300 tokens, it lost at widths 2-5 with a third of the rows drafting, and won by 40-90
+    ms with 1-4 rows drafting 8.)"""
     split = rows + drafting * (width - 1)
-    return split if drafting > 0 and split <= rows * width // 2 else rows * width
+    return split if drafting > 0 and split <= rows * width // 3 else rows * width
 
 
 @dataclass
@@ -408,7 +411,7 @@ class Transformer(nn.Module):
         return logits, [step.unpack(hiddens[i]) for i in hidden_layers]
 
     def _plan_split(self, step: _Step, valid: Tensor, masks: dict[str, Tensor | None]) -> None:
-        """Split attention when padding would more than double its queries: attention runs on
+        """Split attention when padding would more than triple its queries: attention runs on
         the batch padded to its widest row (B·T queries), and a few deep rows in a busy batch
         would make every row pay for their width (measured on CPU: one row of 8 drafts among
         32 rows at a 300-token context cost 70 ms more than no drafts; split, they cost ~6)."""

@@ -275,8 +275,9 @@ def test_bad_quantization_values_raise(tmp_path, tiny_folder):
 @pytest.mark.skipif(avx512_bf16_lib() is None, reason="needs our AVX512-BF16 CPU library")
 @pytest.mark.parametrize("offset", [0.0, 1.0], ids=["llama", "gemma"])
 def test_cpu_rms_norm_equals_torch_and_is_row_invariant(offset):
-    """Inference in bf16 normalises through our one-call kernel: bit for bit what F.rms_norm
-    gives (and the Gemma-style fp32 scaling), and a row's result does not depend on the others."""
+    """Inference in bf16 normalises through our one-call kernel: what F.rms_norm gives (and the
+    Gemma-style fp32 scaling) within one bf16 rounding (its sum of squares runs in 16 lanes),
+    and a row's result does not depend on the others."""
     from specdecode.model.transformer import RMSNorm, fast_cpu_norm
 
     g = torch.Generator().manual_seed(0)
@@ -289,5 +290,5 @@ def test_cpu_rms_norm_equals_torch_and_is_row_invariant(offset):
         assert fast_cpu_norm(x, norm.weight)
         ours = norm(x)
         alone = norm(x[1:, 2:3])
-    assert torch.equal(ours, reference)
+    torch.testing.assert_close(ours, reference, rtol=2**-7, atol=1e-6)
     assert torch.equal(alone, ours[1:, 2:3])

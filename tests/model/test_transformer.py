@@ -196,7 +196,7 @@ def test_unsupported_configs_raise():
         ModelConfig.from_hf(GPT2Config())
 
 
-@pytest.mark.parametrize("drafts", [[4, 0, 2], [4, 0, 0, 1, 0, 0]], ids=["padded", "split"])
+@pytest.mark.parametrize("drafts", [[4, 0, 2], [4, 0, 0, 0, 0, 0]], ids=["padded", "split"])
 def test_packed_pass_equals_padded_pass(pair, drafts):
     """Rows with fewer real tokens than the widest: with ``valid`` the linears run on the real
     tokens only (and, when few rows draft, attention computes only their extra queries); the
