@@ -24,6 +24,7 @@ import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+import torch.nn.functional as F
 
 from specdecode.drafters.base import Draft
 from specdecode.engine.calibration import Rounds, SequentialTemperatureScaling
@@ -160,6 +161,31 @@ class VerifyCost:
         return VerifyCost(points)
 
 
+def measure_attention_cost(engine: ServingEngine, rows: int = 16, width: int = 9, context: int = 256) -> float:
+    """Seconds per attention query and context token, all layers together: SDPA on the target's
+    head shapes (a kv head's G query heads folded, a boolean mask, as the model runs it), timed
+    for ``rows`` queries and for ``rows · width``; the median of 5 after a warm-up."""
+    cfg, device = engine.target.config, engine.device
+    dtype = engine.model.embed.weight.dtype
+    Hkv, G, D = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+    k, v = (torch.randn(rows, Hkv, context, D, dtype=dtype, device=device) for _ in range(2))
+
+    def seconds(T: int) -> float:
+        q = torch.randn(rows, Hkv, G * T, D, dtype=dtype, device=device)
+        mask = torch.ones(rows, 1, G * T, context, dtype=torch.bool, device=device)
+        times = []
+        for _ in range(6):
+            start = time.perf_counter()
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return sorted(times[1:])[2]
+
+    extra = max(0.0, seconds(width) - seconds(1))
+    return extra * cfg.num_layers / (rows * (width - 1) * context)
+
+
 class AdaptiveBudget:
     """Per-request budgets that maximise expected accepted tokens per unit of step time.
 
@@ -177,6 +203,7 @@ class AdaptiveBudget:
         max_verify_tokens: int | None = None,
         refit_every: int = 64,
         window: int = 2048,
+        attention_cost: float = 0.0,
     ) -> None:
         self.cost = cost
         self.max_verify_tokens = max_verify_tokens
@@ -190,10 +217,10 @@ class AdaptiveBudget:
         self.records: list[tuple[torch.Tensor, int, int]] = []  # (raw [γ], drafted, accepted)
         self._since_fit = 0
         self.passes: list[tuple[int, int, float]] = []  # the engine's passes: positions, attention work, seconds
-        # seconds per attention query and context token: attention runs on the batch padded to
-        # its widest draft (or split, see model.transformer.attention_queries), each query over
-        # the longest row's context
-        self.attention_cost = 0.0
+        # seconds per attention query and context token (measured at load, see
+        # measure_attention_cost): attention runs on the batch padded to its widest draft (or
+        # split, see model.transformer.attention_queries), each query over the longest context
+        self.attention_cost = attention_cost
         self.context = 1  # the longest row's tokens at the last planning: attention's length
         self.draft_cost = 0.0  # seconds proposing costs per draft depth (the drafter's c, in seconds)
         self.steps_without_drafts = 0
@@ -319,23 +346,18 @@ class AdaptiveBudget:
         """Refit the step time from the engine's own passes, which carry real batch sizes and
         contexts (the start-up curve has one row and an empty context): t = a + b·P + c·Q,
         P the real positions (linears) and Q = attention queries · context (the queries of the
-        batch padded to its widest draft, or split, each over the longest context). Falls back
-        to a line in P while Q's share cannot be told apart."""
+        batch padded to its widest draft, or split, each over the longest context). c is the
+        cost measured at load; a and b are fitted. (Fitting c too failed: Q rises with P, and
+        from real passes c came out at 0-0.2 µs where SDPA alone measures ~0.7 µs on this CPU,
+        so deep drafts in busy batches looked cheap.)"""
         drafting, widest = sum(d > 0 for d in num_draft), max(num_draft, default=0)
         positions, padded = rows + sum(num_draft), attention_queries(rows, drafting, 1 + widest) * self.context
         self.passes.append((positions, padded, seconds))
         del self.passes[: -self.window]
         if len(self.passes) < 32 or len(self.passes) % 16:
             return
-        X = torch.tensor([[1.0, p, q] for p, q, _ in self.passes], dtype=torch.float64)
-        y = torch.tensor([t for _, _, t in self.passes], dtype=torch.float64)
-        a, b, c = torch.linalg.lstsq(X, y[:, None]).solution[:, 0].tolist()
-        if a > 0 and b >= 0 and c >= 0 and torch.linalg.matrix_rank(X) == 3:
-            lo, hi = min(p for p, _, _ in self.passes), max(p for p, _, _ in self.passes)
-            self.cost, self.attention_cost = VerifyCost([(lo, a + b * lo), (max(hi, lo + 1), a + b * max(hi, lo + 1))]), c
-        else:
-            self.cost = VerifyCost.fit_line([(p, t) for p, _, t in self.passes]) or self.cost
-            self.attention_cost = 0.0
+        c = self.attention_cost
+        self.cost = VerifyCost.fit_line([(p, t - c * q) for p, q, t in self.passes]) or self.cost
 
     def rounds(self) -> Rounds:
         """The recorded rounds, as STS fits them."""

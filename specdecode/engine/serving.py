@@ -31,7 +31,14 @@ import torch
 from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Draft, Drafter
 from specdecode.engine.batch import Batch, Sequence, SpecStats
-from specdecode.engine.budget import AdaptiveBudget, BudgetPolicy, FixedBudget, VerifyCost, apply_budgets
+from specdecode.engine.budget import (
+    AdaptiveBudget,
+    BudgetPolicy,
+    FixedBudget,
+    VerifyCost,
+    apply_budgets,
+    measure_attention_cost,
+)
 from specdecode.engine.step import Engine
 from specdecode.model.loader import LoadedModel
 from specdecode.paged_cache import OutOfBlocks, PagedKVCache, new_paged_cache
@@ -131,7 +138,8 @@ class ServingEngine(Engine):
         most = min(opts.max_verify_tokens or self.max_num_seqs * self.round_room, 512)
         most = min(most, self.cache.pool.num_free * self.cache.block_size)
         cost = VerifyCost.measure(self, max_positions=most)
-        return AdaptiveBudget(cost, max(1, self.gamma), opts.max_verify_tokens)
+        attention = measure_attention_cost(self)
+        return AdaptiveBudget(cost, max(1, self.gamma), opts.max_verify_tokens, attention_cost=attention)
 
     # ---- requests ----------------------------------------------------------------------
 

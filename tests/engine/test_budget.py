@@ -159,12 +159,14 @@ def test_adaptive_policy_records_rounds_and_reports_calibration():
 
 
 def test_cost_curve_is_monotone_and_refits_from_real_passes():
+    """The line in P is refitted from the engine's passes once their attention (c measured at
+    load) is taken out: a wrong split between the two would miss cost(100)."""
     noisy = VerifyCost([(1, 0.115), (2, 0.089), (4, 0.133), (8, 0.084), (16, 0.2)])
     assert [t for _, t in noisy.points] == [0.115, 0.115, 0.133, 0.133, 0.2]  # a dip cannot stop the planner
     line = VerifyCost.fit_line([(p, 0.05 + 0.002 * p) for p in (10, 20, 40, 80)])
     assert line(30) == pytest.approx(0.11) and line(160) == pytest.approx(0.37)
     assert VerifyCost.fit_line([(10, 1.0), (10, 2.0)]) is None  # one size: no slope to fit
-    policy = AdaptiveBudget(roofline(knee=64), max_gamma=4)
+    policy = AdaptiveBudget(roofline(knee=64), max_gamma=4, attention_cost=1e-5)  # c as measured at load
     g = torch.Generator().manual_seed(3)
     # passes of 2-8 rows with random drafts and contexts: t = 50 ms + 2 ms·P + 10 µs·queries·context
     for _ in range(32):
@@ -175,8 +177,7 @@ def test_cost_curve_is_monotone_and_refits_from_real_passes():
         P = rows + int(drafts.sum())
         Q = attention_queries(rows, int((drafts > 0).sum()), 1 + int(drafts.max())) * context
         policy.observe(reqs, torch.zeros(rows, dtype=torch.long), drafts, 0.05 + 0.002 * P + 1e-5 * Q, 0.0)
-    assert policy.cost(100) == pytest.approx(0.25)  # now the engine's own passes price a step
-    assert policy.attention_cost == pytest.approx(1e-5)
+    assert policy.cost(100) == pytest.approx(0.25)  # now the engine's own passes price the linears
 
 
 def test_adaptive_budget_keeps_a_busy_batch_narrow_when_padding_costs():
@@ -241,3 +242,18 @@ def test_a_drafters_confidence_replaces_the_online_estimate():
     sure = policy.budgets(r, torch.tensor([4]), engine=None, confidence=torch.tensor([[0.99, 0.99, 0.05, 0.05]]))
     unsure = policy.budgets(r, torch.tensor([4]), engine=None, confidence=torch.tensor([[0.05, 0.05, 0.05, 0.05]]))
     assert sure.tolist() == [2] and unsure.tolist() == [0]
+
+
+def test_the_engine_prices_attention_with_the_cost_measured_at_load(monkeypatch, tmp_path):
+    """The adaptive policy's attention cost comes from `measure_attention_cost` at load (a fit
+    from the engine's own passes could not tell it from the linears' cost)."""
+    import specdecode.engine.serving as serving
+    from specdecode.model.loader import load_model
+    from tests.tiny import make_tiny_checkpoint
+
+    target = load_model(str(make_tiny_checkpoint(tmp_path, "llama", seed=0)), dtype="float32", device="cpu",
+                        progress=False)  # fmt: skip
+    monkeypatch.setattr(serving, "measure_attention_cost", lambda engine: 3.5e-7)
+    spec = SpecConfig.parse({"method": "ngram", "num_speculative_tokens": 4, "verify_budget": "adaptive"})
+    engine = serving.ServingEngine(target, spec, max_model_len=64)
+    assert isinstance(engine.budget, AdaptiveBudget) and engine.budget.attention_cost == 3.5e-7
