@@ -216,11 +216,14 @@ class AdaptiveBudget:
         self._raw: dict[str, torch.Tensor] = {}  # the raw confidences each row was budgeted with
         self.records: list[tuple[torch.Tensor, int, int]] = []  # (raw [γ], drafted, accepted)
         self._since_fit = 0
-        self.passes: list[tuple[int, int, float]] = []  # the engine's passes: positions, attention work, seconds
+        self.passes: list[tuple[int, int, bool, float]] = []  # the engine's passes: positions, attention, drafted?, s
         # seconds per attention query and context token (measured at load, see
         # measure_attention_cost): attention runs on the batch padded to its widest draft (or
         # split, see model.transformer.attention_queries), each query over the longest context
         self.attention_cost = attention_cost
+        # seconds any pass that carries drafts pays beyond its positions (packing the linears'
+        # rows, the masks, verifying): fitted from the engine's passes, drafting or not
+        self.draft_overhead = 0.0
         self.context = 1  # the longest row's tokens at the last planning: attention's length
         self.draft_cost = 0.0  # seconds proposing costs per draft depth (the drafter's c, in seconds)
         self.steps_without_drafts = 0
@@ -287,7 +290,8 @@ class AdaptiveBudget:
 
         def time(positions: int, rows: int) -> float:
             queries = B + rows * width if split else B * (1 + width)
-            return self.cost(positions) + self.attention_cost * queries * self.context + drafting
+            overhead = self.draft_overhead if rows else 0.0
+            return self.cost(positions) + self.attention_cost * queries * self.context + drafting + overhead
 
         rate = expected / time(positions, rows)
         limit = self.max_verify_tokens
@@ -306,7 +310,8 @@ class AdaptiveBudget:
         """Predicted seconds of a step: the pass over ``positions`` (linears), attention for B
         rows of which ``rows`` draft up to ``widest`` deep, and ``drafting``."""
         queries = attention_queries(B, rows, 1 + widest)
-        return self.cost(positions) + self.attention_cost * queries * self.context + drafting
+        overhead = self.draft_overhead if rows else 0.0
+        return self.cost(positions) + self.attention_cost * queries * self.context + drafting + overhead
 
     def observe(
         self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor, seconds: float, draft_seconds: float,
@@ -347,17 +352,29 @@ class AdaptiveBudget:
         contexts (the start-up curve has one row and an empty context): t = a + b·P + c·Q,
         P the real positions (linears) and Q = attention queries · context (the queries of the
         batch padded to its widest draft, or split, each over the longest context). c is the
-        cost measured at load; a and b are fitted. (Fitting c too failed: Q rises with P, and
-        from real passes c came out at 0-0.2 µs where SDPA alone measures ~0.7 µs on this CPU,
-        so deep drafts in busy batches looked cheap.)"""
+        cost measured at load; a and b are fitted, and with them δ, the fixed cost of a pass
+        that carries any draft (t = a + b·P + c·Q + δ·[drafts]), once passes of both kinds are
+        in the window. (Fitting c too failed: Q rises with P, and from real passes c came out
+        at 0-0.2 µs where SDPA alone measures ~0.6-0.8 µs on this CPU, so deep drafts in busy
+        batches looked cheap.)"""
         drafting, widest = sum(d > 0 for d in num_draft), max(num_draft, default=0)
         positions, padded = rows + sum(num_draft), attention_queries(rows, drafting, 1 + widest) * self.context
-        self.passes.append((positions, padded, seconds))
+        self.passes.append((positions, padded, drafting > 0, seconds))
         del self.passes[: -self.window]
         if len(self.passes) < 32 or len(self.passes) % 16:
             return
         c = self.attention_cost
-        self.cost = VerifyCost.fit_line([(p, t - c * q) for p, q, t in self.passes]) or self.cost
+        kinds = sum(d for _, _, d, _ in self.passes)
+        if 8 <= kinds <= len(self.passes) - 8:
+            X = torch.tensor([[1.0, p, float(d)] for p, _, d, _ in self.passes], dtype=torch.float64)
+            y = torch.tensor([t - c * q for _, q, _, t in self.passes], dtype=torch.float64)
+            a, b, delta = torch.linalg.lstsq(X, y[:, None]).solution[:, 0].tolist()
+            if a > 0 and b >= 0 and torch.linalg.matrix_rank(X) == 3:
+                lo, hi = min(p for p, *_ in self.passes), max(p for p, *_ in self.passes)
+                hi = max(hi, lo + 1)
+                self.cost, self.draft_overhead = VerifyCost([(lo, a + b * lo), (hi, a + b * hi)]), max(0.0, delta)
+                return
+        self.cost = VerifyCost.fit_line([(p, t - c * q) for p, q, _, t in self.passes]) or self.cost
 
     def rounds(self) -> Rounds:
         """The recorded rounds, as STS fits them."""

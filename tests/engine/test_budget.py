@@ -171,13 +171,15 @@ def test_cost_curve_is_monotone_and_refits_from_real_passes():
     # passes of 2-8 rows with random drafts and contexts: t = 50 ms + 2 ms·P + 10 µs·queries·context
     for _ in range(32):
         rows, context = int(torch.randint(2, 9, (1,), generator=g)), int(torch.randint(10, 200, (1,), generator=g))
-        drafts = torch.randint(0, 5, (rows,), generator=g)
+        drafts = torch.randint(0, 5, (rows,), generator=g) * (_ % 3 != 0)  # a third of the passes draft nothing
         reqs = [req(f"x{i}", context if i == 0 else 5) for i in range(rows)]
         policy.budgets(reqs, drafts, engine=None)  # planning reads the longest context
         P = rows + int(drafts.sum())
         Q = attention_queries(rows, int((drafts > 0).sum()), 1 + int(drafts.max())) * context
-        policy.observe(reqs, torch.zeros(rows, dtype=torch.long), drafts, 0.05 + 0.002 * P + 1e-5 * Q, 0.0)
+        overhead = 0.008 if int(drafts.sum()) else 0.0  # a pass carrying drafts pays 8 ms more
+        policy.observe(reqs, torch.zeros(rows, dtype=torch.long), drafts, 0.05 + 0.002 * P + 1e-5 * Q + overhead, 0.0)
     assert policy.cost(100) == pytest.approx(0.25)  # now the engine's own passes price the linears
+    assert policy.draft_overhead == pytest.approx(0.008)  # and the fixed cost of drafting at all
 
 
 def test_adaptive_budget_keeps_a_busy_batch_narrow_when_padding_costs():
