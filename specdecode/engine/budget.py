@@ -284,13 +284,15 @@ class AdaptiveBudget:
         """Budgets from ``ranked`` (survival, depth, row) positions of depth <= ``width``, taken
         while each pays for its time (plus ``drafting`` seconds), and the step's expected tokens
         per second. Attention is priced as the pass will run it: padded to ``width`` for every
-        row (paid up front), or, with ``split``, ``width`` queries for each row that drafts."""
+        row (paid up front), or, with ``split``, ``width`` queries for each row that drafts. The
+        fixed cost of carrying drafts is paid up front too (width > 0): no single position need
+        cover it alone, and the returned rate, of the budgets as taken, says whether they did."""
         out, positions, expected = [0] * B, B, float(B)  # every row verifies its root and gains one token
         rows = 0  # rows drafting
+        overhead = self.draft_overhead if width > 0 else 0.0
 
         def time(positions: int, rows: int) -> float:
             queries = B + rows * width if split else B * (1 + width)
-            overhead = self.draft_overhead if rows else 0.0
             return self.cost(positions) + self.attention_cost * queries * self.context + drafting + overhead
 
         rate = expected / time(positions, rows)

@@ -259,3 +259,15 @@ def test_the_engine_prices_attention_with_the_cost_measured_at_load(monkeypatch,
     spec = SpecConfig.parse({"method": "ngram", "num_speculative_tokens": 4, "verify_budget": "adaptive"})
     engine = serving.ServingEngine(target, spec, max_model_len=64)
     assert isinstance(engine.budget, AdaptiveBudget) and engine.budget.attention_cost == 3.5e-7
+
+
+def test_the_fixed_cost_of_drafting_is_paid_by_all_the_positions_together():
+    """Carrying any draft costs a pass δ more. One position's 0.9 tokens cannot pay a δ of 10%
+    of a 32-row step, but 32 such positions (below the threshold, where they are free) can."""
+    policy = AdaptiveBudget(roofline(knee=64), max_gamma=4)
+    policy.reached, policy.accepted = torch.full((4,), 100.0), torch.full((4,), 90.0)  # every token survives 90%
+    policy.draft_overhead = 0.1  # seconds; a step without drafts takes 1 s
+    reqs = [req(f"r{i}") for i in range(32)]
+    assert policy.budgets(reqs, torch.full((32,), 4), engine=None).sum() >= 32
+    policy.draft_overhead = 100.0  # far more than any gain: no drafts
+    assert policy.budgets(reqs, torch.full((32,), 4), engine=None).sum() == 0
