@@ -40,7 +40,8 @@ from pathlib import Path
 import torch
 
 from specdecode.config import SamplingParams, SpecConfig
-from specdecode.engine.budget import AdaptiveBudget, BudgetPolicy, VerifyCost, least_squares_line
+from specdecode.engine.budget import AdaptiveBudget, BudgetPolicy
+from specdecode.engine.cost import VerifyCost, least_squares_line
 from specdecode.engine.serving import ServingEngine
 from specdecode.model.loader import LoadedModel, load_model
 from specdecode.roofline import Roofline, profile_local, shape_from_config

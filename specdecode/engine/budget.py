@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 
-import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-import torch.nn.functional as F
 
 from specdecode.drafters.base import Draft
 from specdecode.engine.calibration import Rounds, SequentialTemperatureScaling
-from specdecode.model.transformer import attention_queries
+from specdecode.engine.cost import VerifyCost
+from specdecode.model.masks import attention_queries
 from specdecode.tree import TreeBatch
 
 if TYPE_CHECKING:
@@ -80,110 +79,6 @@ class FixedBudget:
         draft_depth: int = 1,
     ) -> None:  # fmt: skip
         pass
-
-
-def least_squares_line(samples: list[tuple[float, float]]) -> tuple[float, float]:
-    """(a, b) of the least-squares line y = a + b·x through (x, y) samples spanning two x."""
-    x = torch.tensor([p for p, _ in samples], dtype=torch.float64)
-    y = torch.tensor([t for _, t in samples], dtype=torch.float64)
-    b = float(((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum())
-    return float(y.mean()) - b * float(x.mean()), b
-
-
-class VerifyCost:
-    """t(P): the measured time of one target pass over P positions, interpolated.
-
-    Timings are noisy (a shared CPU), and a curve that dips makes the planner stop early,
-    so the points are made non-decreasing (running max) before use.
-    """
-
-    def __init__(self, points: list[tuple[int, float]]) -> None:
-        if not points:
-            raise ValueError("a verify-cost curve needs at least one point")
-        pts, top = [], 0.0
-        for p, t in sorted(points):
-            top = max(top, t)
-            pts.append((p, top))
-        self.points = pts
-
-    @staticmethod
-    def fit_line(samples: list[tuple[int, float]]) -> VerifyCost | None:
-        """A least-squares line t = a + b·P through measured passes, as a curve; None if the
-        samples do not span two sizes or the fit is not an increasing positive line."""
-        if len({p for p, _ in samples}) < 2:
-            return None
-        a, b = least_squares_line(samples)
-        if b < 0 or a <= 0:
-            return None
-        lo, hi = min(p for p, _ in samples), max(p for p, _ in samples)
-        return VerifyCost([(lo, a + b * lo), (hi, a + b * hi)])
-
-    def __call__(self, positions: int) -> float:
-        pts = self.points
-        if positions <= pts[0][0]:
-            return pts[0][1]
-        for (p0, t0), (p1, t1) in zip(pts, pts[1:]):
-            if positions <= p1:
-                return t0 + (t1 - t0) * (positions - p0) / (p1 - p0)
-        (p0, t0), (p1, t1) = pts[-2:] if len(pts) > 1 else (pts[0], (pts[0][0] + 1, pts[0][1]))
-        return t1 + (t1 - t0) / max(1, p1 - p0) * (positions - p1)  # extrapolate the last slope
-
-    @staticmethod
-    def measure(engine: ServingEngine, max_positions: int, repeats: int = 3) -> VerifyCost:
-        """Time passes of 1, 2, 4, … positions (one row, the longest under ``max_positions``)
-        through the engine's own model and cache; the slowest of the repeats is dropped."""
-        sizes, p = [], 1
-        while p < max_positions:
-            sizes.append(p)
-            p *= 2
-        sizes.append(max_positions)
-        cache, model, device = engine.cache, engine.model, engine.device
-        sid = ("__verify_cost__",)
-        cache.add_sequence(sid)
-        points = []
-        try:
-            cache.set_batch([sid])
-            cache.reserve([max_positions])
-            with torch.inference_mode():
-                for size in sizes:
-                    tokens = torch.zeros(1, size, dtype=torch.long, device=device)
-                    positions = torch.arange(size, device=device)[None, :]
-                    times = []
-                    for _ in range(repeats + 1):
-                        start = time.perf_counter()
-                        model(tokens, positions, cache, batch_invariant=engine.batch_invariant)
-                        if device.type == "cuda":
-                            torch.cuda.synchronize()
-                        times.append(time.perf_counter() - start)
-                    points.append((size, sorted(times)[len(times) // 2]))
-        finally:
-            cache.free_sequence(sid)
-        return VerifyCost(points)
-
-
-def measure_attention_cost(engine: ServingEngine, rows: int = 16, width: int = 9, context: int = 256) -> float:
-    """Seconds per attention query and context token, all layers together: SDPA on the target's
-    head shapes (a kv head's G query heads folded, a boolean mask, as the model runs it), timed
-    for ``rows`` queries and for ``rows · width``; the median of 5 after a warm-up."""
-    cfg, device = engine.target.config, engine.device
-    dtype = engine.model.embed.weight.dtype
-    Hkv, G, D = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
-    k, v = (torch.randn(rows, Hkv, context, D, dtype=dtype, device=device) for _ in range(2))
-
-    def seconds(T: int) -> float:
-        q = torch.randn(rows, Hkv, G * T, D, dtype=dtype, device=device)
-        mask = torch.ones(rows, 1, G * T, context, dtype=torch.bool, device=device)
-        times = []
-        for _ in range(6):
-            start = time.perf_counter()
-            F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        return sorted(times[1:])[2]
-
-    extra = max(0.0, seconds(width) - seconds(1))
-    return extra * cfg.num_layers / (rows * (width - 1) * context)
 
 
 class AdaptiveBudget:

@@ -31,14 +31,8 @@ import torch
 from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Draft, Drafter
 from specdecode.engine.batch import Batch, Sequence, SpecStats
-from specdecode.engine.budget import (
-    AdaptiveBudget,
-    BudgetPolicy,
-    FixedBudget,
-    VerifyCost,
-    apply_budgets,
-    measure_attention_cost,
-)
+from specdecode.engine.budget import AdaptiveBudget, BudgetPolicy, FixedBudget, apply_budgets
+from specdecode.engine.cost import VerifyCost, measure_attention_cost
 from specdecode.engine.step import Engine
 from specdecode.model.loader import LoadedModel
 from specdecode.paged_cache import OutOfBlocks, PagedKVCache, new_paged_cache

@@ -131,3 +131,9 @@ def avx512_rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float) -> Ten
     D = x.shape[-1]
     avx512_bf16_lib().rms_norm_bf16(x.data_ptr(), x.numel() // D, D, weight.data_ptr(), eps, offset, y.data_ptr())
     return y
+
+
+def fast_cpu_norm(x: Tensor, weight: Tensor) -> bool:
+    """Whether our CPU library normalises ``x``: bf16 on a CPU it compiled for, and no autograd."""
+    ok = x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
+    return ok and x.shape[-1] % 16 == 0 and not torch.is_grad_enabled() and avx512_bf16_lib() is not None

@@ -25,8 +25,8 @@ from torch import Tensor, nn
 
 from specdecode.config import SpecDecodeError
 from specdecode.kv_cache import ContiguousKVCache, KVCache
-from specdecode.model.cpu_int4 import avx512_bf16_lib, avx512_rms_norm
-from specdecode.model.masks import FULL, SLIDING, attention_masks, visible_keys
+from specdecode.model.cpu_int4 import avx512_rms_norm, fast_cpu_norm
+from specdecode.model.masks import FULL, SLIDING, attention_masks, split_plan, visible_keys
 from specdecode.model.rope import RopeConfig, rope_frequencies
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
@@ -164,12 +164,6 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.dim, eps=self.eps) * self.weight
 
 
-def fast_cpu_norm(x: Tensor, weight: Tensor) -> bool:
-    """Whether our CPU library normalises ``x``: bf16 on a CPU it compiled for, and no autograd."""
-    ok = x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
-    return ok and x.shape[-1] % 16 == 0 and not torch.is_grad_enabled() and avx512_bf16_lib() is not None
-
-
 def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
     """Rotate-half RoPE on [B, T, heads, D]: ``x * cos + rotate_half(x) * sin``.
 
@@ -277,17 +271,6 @@ class Block(nn.Module):
         return x + (self.mlp_out_norm(h) if self.sandwich else h)
 
 
-def attention_queries(rows: int, drafting: int, width: int) -> int:
-    """Queries (per head) that attention computes in a pass of ``rows`` padded to ``width``
-    tokens, ``drafting`` of them holding more than one: B·T padded, or B + R·(T−1) when that
-    is at most a third as many, in which case `Transformer.forward` splits attention that way.
-    (Splitting copies the drafting rows' K/V and runs a second SDPA: measured on CPU at 32 rows
-    of 300 tokens, it lost at widths 2-5 with a third of the rows drafting, and won by 40-90
-    ms with 1-4 rows drafting 8.)"""
-    split = rows + drafting * (width - 1)
-    return split if drafting > 0 and split <= rows * width // 3 else rows * width
-
-
 @dataclass
 class _Step:
     """What every layer of one forward pass shares."""
@@ -383,7 +366,9 @@ class Transformer(nn.Module):
         ropes = {kind: self.rope_tables(kind, positions, x.dtype) for kind in set(cfg.layer_types)}
         masks = attention_masks(cfg, positions, cache.lengths, block_mask, kv_len)
         if step.pack is not None and not batch_invariant:
-            self._plan_split(step, valid, masks)
+            plan = split_plan(valid, masks, cfg.num_heads // cfg.num_kv_heads)
+            if plan is not None:
+                step.split, step.split_masks = plan
         if batch_invariant:
             step.visible = {FULL: visible_keys(masks[FULL], cache.lengths, T)}
             same = masks[SLIDING] is masks[FULL]  # no window in play: sliding layers see what full ones do
@@ -409,27 +394,6 @@ class Transformer(nn.Module):
         if not hidden_layers:
             return logits
         return logits, [step.unpack(hiddens[i]) for i in hidden_layers]
-
-    def _plan_split(self, step: _Step, valid: Tensor, masks: dict[str, Tensor | None]) -> None:
-        """Split attention when padding would more than triple its queries: attention runs on
-        the batch padded to its widest row (B·T queries), and a few deep rows in a busy batch
-        would make every row pay for their width (measured on CPU: one row of 8 drafts among
-        32 rows at a 300-token context cost ~70 ms more than no drafts, and 40-90 ms less split)."""
-        B, T = valid.shape
-        rows = (valid.sum(dim=1) > 1).nonzero()[:, 0]
-        R = rows.shape[0]
-        if attention_queries(B, R, T) == B * T:
-            return
-        G = self.config.num_heads // self.config.num_kv_heads
-        step.split = rows
-        for kind, mask in masks.items():
-            if mask is None:  # only the sliding kind, where no window is in play
-                continue
-            S = mask.shape[-1]
-            folded = mask.view(B, 1, G, T, S)
-            step.split_masks[kind] = (folded[:, :, :, 0], folded[rows, :, :, 1:].reshape(R, 1, G * (T - 1), S))
-        if masks.get(SLIDING) is None:
-            step.split_masks[SLIDING] = step.split_masks[FULL]
 
     def rope_tables(self, kind: str, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos and signed sin [B, T, 1, D] for one layer type, in the activations' dtype."""

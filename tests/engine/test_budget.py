@@ -10,8 +10,9 @@ import torch
 
 from specdecode.config import SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Draft
-from specdecode.engine.budget import AdaptiveBudget, FixedBudget, VerifyCost, apply_budgets
-from specdecode.model.transformer import attention_queries
+from specdecode.engine.budget import AdaptiveBudget, FixedBudget, apply_budgets
+from specdecode.engine.cost import VerifyCost
+from specdecode.model.masks import attention_queries
 from specdecode.tree import TreeBatch
 
 

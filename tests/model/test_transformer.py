@@ -13,7 +13,8 @@ import torch
 from specdecode.config import SpecDecodeError
 from specdecode.model.loader import load_model
 from specdecode.model.rope import RopeConfig, rope_frequencies
-from specdecode.model.transformer import ModelConfig, attention_queries
+from specdecode.model.masks import attention_queries
+from specdecode.model.transformer import ModelConfig
 from tests.tiny import ARCHS, make_tiny_checkpoint, tiny_hf_config
 
 ATOL = 1e-4
