@@ -184,11 +184,10 @@ class AdaptiveBudget:
         cover it alone, and the returned rate, of the budgets as taken, says whether they did."""
         out, positions, expected = [0] * B, B, float(B)  # every row verifies its root and gains one token
         rows = 0  # rows drafting
-        overhead = self.draft_overhead if width > 0 else 0.0
 
         def time(positions: int, rows: int) -> float:
             queries = B + rows * width if split else B * (1 + width)
-            return self.cost(positions) + self.attention_cost * queries * self.context + drafting + overhead
+            return self._seconds(positions, queries, drafting, carries_drafts=width > 0)
 
         rate = expected / time(positions, rows)
         limit = self.max_verify_tokens
@@ -206,8 +205,12 @@ class AdaptiveBudget:
     def step_time(self, B: int, positions: int, rows: int, widest: int, drafting: float) -> float:
         """Predicted seconds of a step: the pass over ``positions`` (linears), attention for B
         rows of which ``rows`` draft up to ``widest`` deep, and ``drafting``."""
-        queries = attention_queries(B, rows, 1 + widest)
-        overhead = self.draft_overhead if rows else 0.0
+        return self._seconds(positions, attention_queries(B, rows, 1 + widest), drafting, carries_drafts=rows > 0)
+
+    def _seconds(self, positions: int, queries: int, drafting: float, carries_drafts: bool) -> float:
+        """The cost model: linears by positions, attention by queries × the longest context,
+        proposing, and the fixed cost of a pass that carries drafts."""
+        overhead = self.draft_overhead if carries_drafts else 0.0
         return self.cost(positions) + self.attention_cost * queries * self.context + drafting + overhead
 
     def observe(
