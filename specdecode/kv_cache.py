@@ -15,8 +15,22 @@ side effect of attention.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class StorageIndex:
+    """Where a pass's K/V live, for kernels that read and write the cache in place: the K/V
+    of kv head h at (row b, slot s) of layer l start at element
+    ``index[b, s] * slot_stride + h * head_stride`` of ``keys[l]`` / ``values[l]``."""
+
+    keys: list[torch.Tensor]  # per layer, contiguous storage
+    values: list[torch.Tensor]
+    index: torch.Tensor  # [B, kv_len] int64
+    slot_stride: int
+    head_stride: int
 
 
 class KVCache(ABC):
@@ -61,6 +75,10 @@ class KVCache(ABC):
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (in that order) and release the storage of the others."""
 
+    def storage_index(self, slots: torch.Tensor, kv_len: int) -> StorageIndex | None:
+        """The pass's storage, after the same checks as `append`; None = this cache has none."""
+        return None
+
 
 class ContiguousKVCache(KVCache):
     """Dense ``[L, B, Hkv, capacity, D]`` buffers: one fixed slab per row."""
@@ -102,6 +120,13 @@ class ContiguousKVCache(KVCache):
             ck[rows, :, slots] = k.transpose(1, 2)
             cv[rows, :, slots] = v.transpose(1, 2)
         return ck[:, :, :kv_len], cv[:, :, :kv_len]
+
+    def storage_index(self, slots: torch.Tensor, kv_len: int) -> StorageIndex:
+        if kv_len > self.capacity:
+            raise ValueError(f"KV cache overflow: need {kv_len} slots, capacity is {self.capacity}")
+        L, B, Hkv, S, D = self.k.shape
+        index = torch.arange(B, device=self.k.device)[:, None] * Hkv * S + torch.arange(kv_len, device=self.k.device)
+        return StorageIndex(list(self.k.unbind(0)), list(self.v.unbind(0)), index, D, S * D)
 
     def commit(self, num_tokens: torch.Tensor) -> None:
         self.lengths += num_tokens.to(self.lengths)

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from specdecode.kv_cache import KVCache
+from specdecode.kv_cache import KVCache, StorageIndex
 
 if TYPE_CHECKING:
     from specdecode.model.transformer import Transformer
@@ -264,6 +264,16 @@ class PagedKVCache(KVCache):
         ck = self._k_blocks[layer].index_select(0, plan.read_blocks).view(B, nb * self.block_size, Hkv, D)
         cv = self._v_blocks[layer].index_select(0, plan.read_blocks).view(B, nb * self.block_size, Hkv, D)
         return ck[:, :kv_len].transpose(1, 2), cv[:, :kv_len].transpose(1, 2)
+
+    def storage_index(self, slots: Tensor, kv_len: int) -> StorageIndex:
+        plan = self._plan = self._make_plan(slots, kv_len)
+        bs, (_, _, _, Hkv, D) = self.block_size, self.k.shape
+        s = torch.arange(kv_len, device=self.device)
+        if plan.first_block >= 0:
+            index = (plan.first_block * bs + s)[None]
+        else:
+            index = plan.read_blocks.view(slots.shape[0], -1)[:, s // bs] * bs + s % bs
+        return StorageIndex(self._k_flat, self._v_flat, index, Hkv * D, D)
 
     def commit(self, num_tokens: Tensor | Sequence[int]) -> None:
         """Advance each row by ``num_tokens[b]`` (>= 0, within its reserved blocks), then give back

@@ -39,9 +39,11 @@ INT4_CPU_KERNELS = ("auto", "avx512_bf16", "stock")
 _CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c", "fma")
 
 
-def _source() -> str:
-    return files("specdecode.model").joinpath("kernels/int4_avx512_bf16.c").read_text()
+_SOURCES = ("int4_avx512_bf16.c", "block_bf16.c")  # the library: the int4 GEMM, RMSNorm, the fused block
 
+
+def _sources() -> list[str]:
+    return [files("specdecode.model").joinpath(f"kernels/{name}").read_text() for name in _SOURCES]
 
 
 def _cpu_flags() -> set[str]:
@@ -63,15 +65,16 @@ def avx512_bf16_lib() -> ctypes.CDLL | None:
         return None
     flags = ["-O3", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
     flags += ["-mf16c", "-lm"]
-    source = _source()
-    digest = hashlib.sha256((source + " ".join(flags)).encode()).hexdigest()[:12]
+    sources = _sources()
+    digest = hashlib.sha256(("".join(sources) + " ".join(flags)).encode()).hexdigest()[:12]
     target = cache_root() / "kernels" / f"int4_avx512_bf16-{digest}.so"
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            src, out = Path(tmp) / "int4.c", Path(tmp) / "int4.so"
-            src.write_text(source)
-            done = subprocess.run([compiler, *flags, "-o", str(out), str(src)], check=False, capture_output=True)
+            out, srcs = Path(tmp) / "int4.so", [Path(tmp) / name for name in _SOURCES]
+            for path, text in zip(srcs, sources):
+                path.write_text(text)
+            done = subprocess.run([compiler, *flags, "-o", str(out), *map(str, srcs)], check=False, capture_output=True)
             if done.returncode != 0:
                 return None
             os.replace(out, target)
@@ -82,6 +85,8 @@ def avx512_bf16_lib() -> ctypes.CDLL | None:
     lib.rms_norm_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_float]
     lib.rms_norm_bf16.argtypes += [ctypes.c_float, ctypes.c_void_p]
     lib.rms_norm_bf16.restype = None
+    lib.block_forward.argtypes = [ctypes.c_void_p] * 5
+    lib.block_forward.restype = None
     return lib
 
 

@@ -164,6 +164,7 @@ def load_model(
         use_gguf_blocks_(model, config, blocks)
     elif quant is not None:
         quantize_model_(model, quant.mode, quant.group_size)
+    model.use_cpu_blocks()
     return LoadedModel(model, config, load_tokenizer(folder), name, str(folder))
 
 

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from specdecode.config import SpecDecodeError
 from specdecode.kv_cache import ContiguousKVCache, KVCache
+from specdecode.model.cpu_block import CpuBlocks
 from specdecode.model.cpu_int4 import avx512_rms_norm, fast_cpu_norm
 from specdecode.model.masks import FULL, SLIDING, attention_masks, split_plan, visible_keys
 from specdecode.model.rope import RopeConfig, rope_frequencies
@@ -312,11 +313,18 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
+        self.cpu_blocks: CpuBlocks | None = None  # set by `use_cpu_blocks` once the weights are final
         # fp32 on CPU even under a meta-device context; the loader moves them with the weights.
         self.rope_scale: dict[str, float] = {}
         for kind, rope in ((FULL, cfg.rope), (SLIDING, cfg.local_rope or cfg.rope)):
             inv_freq, self.rope_scale[kind] = rope_frequencies(rope, cfg.head_dim)
             self.register_buffer(f"inv_freq_{kind}", inv_freq, persistent=False)
+
+    def use_cpu_blocks(self) -> bool:
+        """Run the blocks through our fused CPU kernel from now on, where it applies (cpu_block.py).
+        Call it after the weights are loaded, quantized and placed."""
+        self.cpu_blocks = CpuBlocks.build(self)
+        return self.cpu_blocks is not None
 
     def new_cache(self, batch_size: int, capacity: int) -> ContiguousKVCache:
         w = self.embed.weight
@@ -363,25 +371,17 @@ class Transformer(nn.Module):
         x = step.pack_rows(self.embed(tokens) if embeds is None else embeds)
         if cfg.embed_scale != 1.0 and embeds is None:
             x = x * x.new_tensor(cfg.embed_scale)
-        ropes = {kind: self.rope_tables(kind, positions, x.dtype) for kind in set(cfg.layer_types)}
-        masks = attention_masks(cfg, positions, cache.lengths, block_mask, kv_len)
-        if step.pack is not None and not batch_invariant:
-            plan = split_plan(valid, masks, cfg.num_heads // cfg.num_kv_heads)
-            if plan is not None:
-                step.split, step.split_masks = plan
-        if batch_invariant:
-            step.visible = {FULL: visible_keys(masks[FULL], cache.lengths, T)}
-            same = masks[SLIDING] is masks[FULL]  # no window in play: sliding layers see what full ones do
-            step.visible[SLIDING] = step.visible[FULL] if same else visible_keys(masks[SLIDING], cache.lengths, T)
         want = set(hidden_layers)
         bad = [i for i in want if not (i == -1 or 0 <= i < cfg.num_layers)]
         if bad:
             raise ValueError(f"hidden_layers must be in [0, {cfg.num_layers}) or -1, got {bad}")
-        hiddens: dict[int, Tensor] = {}
-        for i, (layer, kind) in enumerate(zip(self.layers, cfg.layer_types)):
-            x = layer(x, ropes[kind], masks[kind], step)
-            if i in want:
-                hiddens[i] = x
+        store = None
+        if self.cpu_blocks is not None and self.cpu_blocks.applies(x):
+            store = cache.storage_index(slots, kv_len)
+        if store is not None:  # one C call per block (cpu_block.py); batch-invariant by construction
+            x, hiddens = self.cpu_blocks.run(x, positions, cache.lengths, store, block_mask, step.pack, want)
+        else:
+            x, hiddens = self._layers(x, positions, cache, block_mask, valid, batch_invariant, step, want)
         x = self.norm(x)
         hiddens[-1] = x
         if logits_at is not None:
@@ -394,6 +394,31 @@ class Transformer(nn.Module):
         if not hidden_layers:
             return logits
         return logits, [step.unpack(hiddens[i]) for i in hidden_layers]
+
+    def _layers(
+        self, x: Tensor, positions: Tensor, cache: KVCache, block_mask: Tensor | None, valid: Tensor | None,
+        batch_invariant: bool, step: _Step, want: set[int],
+    ) -> tuple[Tensor, dict[int, Tensor]]:
+        """The blocks in torch: masks and RoPE tables once, then every layer."""
+        cfg = self.config
+        B, T = positions.shape
+        kv_len = step.kv_len
+        ropes = {kind: self.rope_tables(kind, positions, x.dtype) for kind in set(cfg.layer_types)}
+        masks = attention_masks(cfg, positions, cache.lengths, block_mask, kv_len)
+        if step.pack is not None and not batch_invariant:
+            plan = split_plan(valid, masks, cfg.num_heads // cfg.num_kv_heads)
+            if plan is not None:
+                step.split, step.split_masks = plan
+        if batch_invariant:
+            step.visible = {FULL: visible_keys(masks[FULL], cache.lengths, T)}
+            same = masks[SLIDING] is masks[FULL]  # no window in play: sliding layers see what full ones do
+            step.visible[SLIDING] = step.visible[FULL] if same else visible_keys(masks[SLIDING], cache.lengths, T)
+        hiddens: dict[int, Tensor] = {}
+        for i, (layer, kind) in enumerate(zip(self.layers, cfg.layer_types)):
+            x = layer(x, ropes[kind], masks[kind], step)
+            if i in want:
+                hiddens[i] = x
+        return x, hiddens
 
     def rope_tables(self, kind: str, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos and signed sin [B, T, 1, D] for one layer type, in the activations' dtype."""

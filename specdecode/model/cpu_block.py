@@ -1,0 +1,133 @@
+"""The fused CPU block (kernels/block_bf16.c): when it runs, and what it is given.
+
+Owns: deciding whether a model's blocks can each run as one C call, the ctypes mirrors of
+the kernel's structs, and the layer loop of a pass through it.
+Does not own: the embedding, final norm and LM head (transformer.py), where K/V live (each
+cache's `storage_index`), or building the library (cpu_int4.py).
+
+It runs Llama-style blocks (no biases, qk-norm, sandwich norms or sliding windows; SiLU) in
+bf16 whose four linears all use our AVX512 int4 kernel, on CPU, without autograd. A decode
+step of the default model then costs its int4 matmuls plus ~20 us per layer, against ~200 us
+per layer of dispatched torch ops. Every token is computed alone (see the kernel's header),
+so passes through it are batch-invariant whether or not ``batch_invariant`` is asked for.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import c_float, c_int, c_int64, c_void_p
+
+import torch
+from torch import Tensor, nn
+
+from specdecode.kv_cache import StorageIndex
+from specdecode.model.cpu_int4 import avx512_bf16_lib
+from specdecode.model.quant import Int4Linear
+
+
+class _QLinear(ctypes.Structure):
+    _fields_ = [("wp", c_void_p), ("sz", c_void_p), ("n", c_int), ("k", c_int)]
+
+
+class _BlockWeights(ctypes.Structure):
+    _fields_ = [
+        ("hidden", c_int), ("heads", c_int), ("kv_heads", c_int), ("head_dim", c_int), ("inter", c_int),
+        ("eps", c_float), ("scale", c_float), ("attn_norm", c_void_p), ("mlp_norm", c_void_p),
+        ("qkv", _QLinear), ("o", _QLinear), ("gate_up", _QLinear), ("down", _QLinear),
+    ]  # fmt: skip
+
+
+class _Pass(ctypes.Structure):
+    _fields_ = [
+        ("M", c_int), ("T", c_int), ("row", c_void_p), ("t", c_void_p), ("prefix", c_void_p), ("vis", c_void_p),
+        ("cos", c_void_p), ("sin", c_void_p), ("slot_map", c_void_p), ("map_stride", c_int),
+        ("slot_stride", c_int64), ("head_stride", c_int64), ("threads", c_int),
+    ]  # fmt: skip
+
+
+def _qlinear(lin: nn.Module) -> _QLinear | None:
+    ok = isinstance(lin, Int4Linear) and lin.impl == "avx512_bf16" and lin.input_planes == 1
+    if not ok or lin.k_pad or lin.n_pad or lin.bias is not None:
+        return None
+    return _QLinear(lin.weight.data_ptr(), lin.scales_and_zeros.data_ptr(), lin.out_features, lin.in_features)
+
+
+class CpuBlocks:
+    """A model's blocks as the kernel's weight structs; build with `CpuBlocks.build`."""
+
+    def __init__(self, weights: list[_BlockWeights], keep: list[Tensor], inv_freq: Tensor, rope_scale: float):
+        self.weights = weights
+        self._addresses = [ctypes.addressof(w) for w in weights]
+        self._keep = keep  # the tensors the structs point into: alive as long as this is
+        self.inv_freq, self.rope_scale = inv_freq.float(), rope_scale
+
+    @staticmethod
+    def build(model: nn.Module) -> CpuBlocks | None:
+        """For a `Transformer` whose every block the kernel can run; else None."""
+        cfg = model.config
+        plain = cfg.activation == "silu" and cfg.norm_offset == 0 and not cfg.sandwich_norm
+        plain = plain and not (cfg.attention_bias or cfg.attention_out_bias or cfg.mlp_bias or cfg.qk_norm)
+        plain = plain and cfg.sliding_window is None
+        G, D = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+        shapes = G <= 8 and D % 16 == 0 and D <= 256 and cfg.hidden_size % 32 == 0
+        if not (plain and shapes) or avx512_bf16_lib() is None or model.embed.weight.dtype != torch.bfloat16:
+            return None
+        weights, keep = [], []
+        for block in model.layers:
+            lins = [_qlinear(m) for m in (block.attn.qkv, block.attn.o, block.mlp.gate_up, block.mlp.down)]
+            norms = (block.attn_norm.weight, block.mlp_norm.weight)
+            if None in lins or any(n.dtype != torch.bfloat16 or n.device.type != "cpu" for n in norms):
+                return None
+            weights.append(_BlockWeights(
+                cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, D, cfg.intermediate_size,
+                cfg.rms_norm_eps, block.attn.scale, norms[0].data_ptr(), norms[1].data_ptr(), *lins,
+            ))  # fmt: skip
+            keep += [*norms] + [t for m in (block.attn.qkv, block.attn.o, block.mlp.gate_up, block.mlp.down)
+                                for t in (m.weight, m.scales_and_zeros)]  # fmt: skip
+        from specdecode.model.masks import FULL
+
+        return CpuBlocks(weights, keep, getattr(model, f"inv_freq_{FULL}"), model.rope_scale[FULL])
+
+    def applies(self, x: Tensor) -> bool:
+        return x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled()
+
+    def run(
+        self,
+        x: Tensor,
+        positions: Tensor,
+        lengths: Tensor,
+        store: StorageIndex,
+        block_mask: Tensor | None,
+        pack: Tensor | None,
+        want: set[int],
+    ) -> tuple[Tensor, dict[int, Tensor]]:
+        """The layers over ``x`` ([B, T, H], or [N, H] for the real tokens ``pack`` of a padded
+        pass): the residual stream after the last layer, and after each layer in ``want``."""
+        B, T = positions.shape
+        flat = torch.arange(B * T) if pack is None else pack.cpu()
+        row, t = flat // T, flat % T
+        prefix = lengths.cpu()[row]
+        own = t[:, None] == torch.arange(T)  # [M, T]
+        if block_mask is None:
+            vis = t[:, None] >= torch.arange(T)
+        else:
+            vis = block_mask.cpu().to(torch.bool)[row, t] | own
+        freqs = positions.reshape(-1)[flat].float()[:, None] * self.inv_freq  # [M, D/2]
+        cos, sin = (freqs.cos() * self.rope_scale).contiguous(), (freqs.sin() * self.rope_scale).contiguous()
+        row32, t32, prefix32 = row.int(), t.int(), prefix.int()
+        vis8, index = vis.to(torch.uint8).contiguous(), store.index.contiguous()
+        args = _Pass(
+            flat.numel(), T, row32.data_ptr(), t32.data_ptr(), prefix32.data_ptr(), vis8.data_ptr(),
+            cos.data_ptr(), sin.data_ptr(), index.data_ptr(), index.shape[1],
+            store.slot_stride, store.head_stride, torch.get_num_threads(),
+        )  # fmt: skip
+        shape = x.shape
+        h = x.reshape(-1, shape[-1]).clone()  # updated in place, layer by layer
+        hiddens: dict[int, Tensor] = {}
+        block_forward = avx512_bf16_lib().block_forward
+        where, keys, values = ctypes.addressof(args), store.keys, store.values
+        for i, weights in enumerate(self._addresses):
+            block_forward(h.data_ptr(), weights, where, keys[i].data_ptr(), values[i].data_ptr())
+            if i in want:
+                hiddens[i] = h.clone().view(shape)
+        return h.view(shape), hiddens

@@ -1,0 +1,202 @@
+/* One Llama-style decoder block in bf16 with int4 linears, for AVX512-BF16 CPUs; see
+   specdecode/model/cpu_block.py for when it runs and how its arguments are built.
+
+   Why: a decode step of a small model is overhead-bound. The torch block dispatches ~25 ops
+   per layer (norms, RoPE, cache writes, SDPA, activations), ~200 us per layer on 2 cores,
+   more than its int4 matmuls. Here the whole block is one call.
+
+   Every token of the pass is computed alone: its norm, its row of each GEMM (int4_gemm is
+   row-invariant), its RoPE and its attention over exactly the keys it sees, in slot order.
+   So a token's result is bitwise the same whether it is decoded alone, verified among γ
+   others, in a tree, or in a batch of any size: batch invariance at no extra cost. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+void int4_gemm(const uint16_t* x, int M, int K, const uint8_t* wp, const uint16_t* sz, int N, uint16_t* y,
+               float* xs, int threads);
+void rms_norm_bf16(const uint16_t* x, int M, int D, const uint16_t* w, float eps, float offset, uint16_t* y);
+
+typedef struct {
+  const uint8_t* wp; /* packed nibbles, see cpu_int4.py */
+  const uint16_t* sz; /* fp16 scales and zeros */
+  int n, k;           /* out and in features (multiples of 32) */
+} QLinear;
+
+typedef struct {
+  int hidden, heads, kv_heads, head_dim, inter;
+  float eps, scale;
+  const uint16_t* attn_norm; /* [hidden] bf16 */
+  const uint16_t* mlp_norm;
+  QLinear qkv, o, gate_up, down;
+} BlockWeights;
+
+typedef struct {
+  int M, T;                    /* tokens computed (a packed pass: the real ones only), pass width */
+  const int32_t* row;          /* [M] batch row of each token */
+  const int32_t* t;            /* [M] its index in the row's pass, 0..T-1 */
+  const int32_t* prefix;       /* [M] the row's cached length: it sees slots 0..prefix-1 */
+  const uint8_t* vis;          /* [M, T] which of the row's pass tokens it sees (itself included) */
+  const float* cos;            /* [M, D/2] RoPE, scale included */
+  const float* sin;
+  const int64_t* slot_map;     /* [B, map_stride] storage index of (row, slot) */
+  int map_stride;
+  int64_t slot_stride, head_stride; /* elements between storage indices / kv heads */
+  int threads;
+} Pass;
+
+static inline __m512 load16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+static inline void store16(uint16_t* p, __m512 v) {
+  _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v)); /* round to nearest even, as torch */
+}
+
+static inline float round_bf16(float f) { /* f rounded to bf16, as a float */
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return f;
+  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+static inline uint16_t to_bf16(float f) {
+  float r = round_bf16(f);
+  uint32_t u;
+  memcpy(&u, &r, 4);
+  return (uint16_t)(u >> 16);
+}
+
+static inline float from_bf16(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+/* Rotate-half RoPE of one head in place: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), in fp32, rounded once. */
+static void rope_head(uint16_t* x, const float* c, const float* s, int D) {
+  const int h = D / 2;
+  for (int d = 0; d < h; d++) {
+    float x1 = from_bf16(x[d]), x2 = from_bf16(x[d + h]);
+    x[d] = to_bf16(x1 * c[d] - x2 * s[d]);
+    x[d + h] = to_bf16(x2 * c[d] + x1 * s[d]);
+  }
+}
+
+/* Attention of token i's G query heads that share kv head `kh`: softmax(q k^T * scale) v over
+   the token's visible keys, in slot order, fp32 throughout; out rounded to bf16. */
+static void attend(const BlockWeights* w, const Pass* p, int i, int kh, const uint16_t* q, const uint16_t* kc,
+                   const uint16_t* vc, uint16_t* out, int64_t* keys, float* sc) {
+  const int D = w->head_dim, G = w->heads / w->kv_heads, P = p->prefix[i], T = p->T;
+  const int64_t* map = p->slot_map + (int64_t)p->row[i] * p->map_stride;
+  int n = 0;
+  for (int j = 0; j < P; j++) keys[n++] = map[j];
+  for (int u = 0; u < T; u++)
+    if (p->vis[(int64_t)i * T + u]) keys[n++] = map[P + u];
+  const int64_t hoff = (int64_t)kh * p->head_stride;
+  __m512 qv[8][16]; /* G <= 8, D <= 256 */
+  for (int g = 0; g < G; g++)
+    for (int d = 0; d < D; d += 16) qv[g][d / 16] = load16(q + (int64_t)g * D + d);
+  for (int j = 0; j < n; j++) {
+    const uint16_t* k = kc + keys[j] * p->slot_stride + hoff;
+    __m512 acc[8];
+    for (int g = 0; g < G; g++) acc[g] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 16) {
+      __m512 kv = load16(k + d);
+      for (int g = 0; g < G; g++) acc[g] = _mm512_fmadd_ps(qv[g][d / 16], kv, acc[g]);
+    }
+    for (int g = 0; g < G; g++) sc[(int64_t)g * n + j] = _mm512_reduce_add_ps(acc[g]) * w->scale;
+  }
+  for (int g = 0; g < G; g++) {
+    float* s = sc + (int64_t)g * n, mx = -INFINITY, sum = 0;
+    for (int j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+    for (int j = 0; j < n; j++) sum += (s[j] = expf(s[j] - mx));
+    float inv = 1.0f / sum;
+    for (int j = 0; j < n; j++) s[j] *= inv;
+  }
+  __m512 o[8][16];
+  for (int g = 0; g < G; g++)
+    for (int d = 0; d < D; d += 16) o[g][d / 16] = _mm512_setzero_ps();
+  for (int j = 0; j < n; j++) {
+    const uint16_t* v = vc + keys[j] * p->slot_stride + hoff;
+    for (int d = 0; d < D; d += 16) {
+      __m512 vv = load16(v + d);
+      for (int g = 0; g < G; g++) o[g][d / 16] = _mm512_fmadd_ps(_mm512_set1_ps(sc[(int64_t)g * n + j]), vv, o[g][d / 16]);
+    }
+  }
+  for (int g = 0; g < G; g++)
+    for (int d = 0; d < D; d += 16) store16(out + (int64_t)g * D + d, o[g][d / 16]);
+}
+
+static void gemm(const QLinear* l, const uint16_t* x, int M, uint16_t* y, float* xs, int threads) {
+  int4_gemm(x, M, l->k, l->wp, l->sz, l->n, y, xs, threads);
+}
+
+/* x [M, hidden] bf16, the residual stream, is updated in place. kc / vc: this layer's K and V
+   storage; token (row b, slot s) of kv head h lives at slot_map[b, s] * slot_stride + h * head_stride. */
+void block_forward(uint16_t* x, const BlockWeights* w, const Pass* p, uint16_t* kc, uint16_t* vc) {
+  const int M = p->M, Hd = w->hidden, H = w->heads, Hkv = w->kv_heads, D = w->head_dim, I = w->inter;
+  const int Q = (H + 2 * Hkv) * D, widest = Q > 2 * I ? Q : 2 * I;
+  uint16_t* h = malloc(sizeof(uint16_t) * (size_t)M * Hd);
+  uint16_t* big = malloc(sizeof(uint16_t) * (size_t)M * widest); /* qkv, then gate|up */
+  uint16_t* mid = malloc(sizeof(uint16_t) * (size_t)M * (H * D > I ? H * D : I)); /* attention, then act */
+  uint16_t* out = malloc(sizeof(uint16_t) * (size_t)M * Hd);
+  int kmax = Hd > H * D ? Hd : H * D;
+  kmax = kmax > I ? kmax : I;
+  float* xs = malloc(sizeof(float) * ((size_t)M * kmax / 32 + 1));
+
+  /* attention: norm, qkv, RoPE, write K/V of every token before any token attends */
+  rms_norm_bf16(x, M, Hd, w->attn_norm, w->eps, 0.0f, h);
+  gemm(&w->qkv, h, M, big, xs, p->threads);
+  for (int i = 0; i < M; i++) {
+    uint16_t* r = big + (int64_t)i * Q;
+    const float *c = p->cos + (int64_t)i * D / 2, *s = p->sin + (int64_t)i * D / 2;
+    for (int hh = 0; hh < H + Hkv; hh++) rope_head(r + (int64_t)hh * D, c, s, D);
+    int64_t at = p->slot_map[(int64_t)p->row[i] * p->map_stride + p->prefix[i] + p->t[i]] * p->slot_stride;
+    for (int kh = 0; kh < Hkv; kh++) {
+      memcpy(kc + at + kh * p->head_stride, r + (int64_t)(H + kh) * D, sizeof(uint16_t) * D);
+      memcpy(vc + at + kh * p->head_stride, r + (int64_t)(H + Hkv + kh) * D, sizeof(uint16_t) * D);
+    }
+  }
+  const int jobs = M * Hkv, G = H / Hkv, most = p->map_stride + p->T;
+  const int parallel = (int64_t)jobs * most * G * D > 200000;
+#pragma omp parallel num_threads(p->threads) if (parallel)
+  {
+    int64_t* keys = malloc(sizeof(int64_t) * most);
+    float* sc = malloc(sizeof(float) * (size_t)G * most);
+#pragma omp for schedule(static)
+    for (int job = 0; job < jobs; job++) {
+      int i = job / Hkv, kh = job % Hkv;
+      attend(w, p, i, kh, big + (int64_t)i * Q + (int64_t)kh * G * D, kc, vc, mid + (int64_t)i * H * D + (int64_t)kh * G * D,
+             keys, sc);
+    }
+    free(keys);
+    free(sc);
+  }
+  gemm(&w->o, mid, M, out, xs, p->threads);
+  for (int64_t e = 0; e < (int64_t)M * Hd; e++) x[e] = to_bf16(from_bf16(x[e]) + from_bf16(out[e]));
+
+  /* MLP: norm, gate|up, silu(gate) * up (each rounded to bf16, as torch's two ops), down */
+  rms_norm_bf16(x, M, Hd, w->mlp_norm, w->eps, 0.0f, h);
+  gemm(&w->gate_up, h, M, big, xs, p->threads);
+  for (int i = 0; i < M; i++) {
+    const uint16_t* gu = big + (int64_t)i * 2 * I;
+    uint16_t* a = mid + (int64_t)i * I;
+    for (int j = 0; j < I; j++) {
+      float g = from_bf16(gu[j]);
+      a[j] = to_bf16(round_bf16(g / (1.0f + expf(-g))) * from_bf16(gu[I + j]));
+    }
+  }
+  gemm(&w->down, mid, M, out, xs, p->threads);
+  for (int64_t e = 0; e < (int64_t)M * Hd; e++) x[e] = to_bf16(from_bf16(x[e]) + from_bf16(out[e]));
+  free(h);
+  free(big);
+  free(mid);
+  free(out);
+  free(xs);
+}

@@ -1,0 +1,171 @@
+"""The fused CPU block (model/cpu_block.py + kernels/block_bf16.c): it computes what the torch
+blocks compute, it is bitwise batch-invariant (alone, in a chain, a tree, a padded batch, any
+cache), and it runs only where it applies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode.model.cpu_int4 import avx512_bf16_lib
+from specdecode.model.loader import load_model
+from specdecode.model.quant import describe_kernels, quantize_model_
+from specdecode.paged_cache import new_paged_cache
+from tests.tiny import make_tiny_checkpoint
+
+pytestmark = pytest.mark.skipif(avx512_bf16_lib() is None, reason="needs our kernels (AVX512-BF16 + a C compiler)")
+
+
+def tiny(tmp_path_factory, arch: str, dtype: str = "bfloat16", quant: str = "int4"):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("cb") / arch, arch, seed=3)
+    return quantize_model_(load_model(str(path), dtype=dtype, device="cpu").model, quant)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    m = tiny(tmp_path_factory, "llama")
+    assert m.cpu_blocks is not None
+    return m
+
+
+class torch_blocks:
+    """Within this context the model runs its torch blocks (the reference)."""
+
+    def __init__(self, model):
+        self.model, self.saved = model, model.cpu_blocks
+
+    def __enter__(self):
+        self.model.cpu_blocks = None
+
+    def __exit__(self, *exc):
+        self.model.cpu_blocks = self.saved
+
+
+def paged(model, lengths: list[int], prompts: torch.Tensor, room: int):
+    """A paged cache holding ``prompts[b, :lengths[b]]`` for each row, with ``room`` more slots reserved."""
+    cache = new_paged_cache(model, 64, 4)
+    for b in range(len(lengths)):
+        cache.add_sequence(b)
+    for b, n in enumerate(lengths):
+        cache.set_batch([b])
+        cache.reserve([n])
+        model(prompts[b : b + 1, :n], torch.arange(n)[None], cache)
+        cache.commit([n])
+    cache.set_batch(list(range(len(lengths))))
+    cache.reserve([room] * len(lengths))
+    return cache
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@torch.inference_mode()
+def test_matches_torch_blocks_on_prefill_decode_and_trees(model):
+    torch.manual_seed(0)
+    toks = torch.randint(3, 120, (1, 24))
+    outs = {}
+    for name in ("fused", "torch"):
+        with torch_blocks(model) if name == "torch" else torch.inference_mode():
+            cache = model.new_cache(1, 64)
+            pre = model(toks[:, :16], torch.arange(16)[None], cache)
+            cache.commit(torch.tensor([16]))
+            chain = model(toks[:, 16:20], 16 + torch.arange(4)[None], cache)
+            mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)[None]
+            tree = model(toks[:, 20:24], 16 + torch.tensor([[0, 1, 1, 2]]), cache, block_mask=mask)
+            outs[name] = (pre, chain, tree)
+    for fused, ref in zip(outs["fused"], outs["torch"]):
+        assert rel(fused, ref) < 0.03  # bf16 rounding in a different order, nothing more
+        assert (fused.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+
+
+@torch.inference_mode()
+def test_batch_invariant_without_being_asked(model):
+    """Rows of different lengths on a paged cache, a chain pass of 5, then the same tokens one at
+    a time, and one row alone: the same bits every time."""
+    torch.manual_seed(1)
+    toks = torch.randint(3, 120, (3, 30))
+    lengths = [9, 14, 6]
+    new = torch.stack([toks[b, n : n + 5] for b, n in enumerate(lengths)])
+    pos = torch.tensor(lengths)[:, None] + torch.arange(5)
+    together = model(new, pos, paged(model, lengths, toks, 5))
+    cache = paged(model, lengths, toks, 5)
+    steps = []
+    for t in range(5):
+        cache.reserve([1, 1, 1])
+        steps.append(model(new[:, t : t + 1], pos[:, t : t + 1], cache))
+        cache.commit([1, 1, 1])
+    assert torch.equal(together, torch.cat(steps, dim=1))
+    alone = model(new[1:2], pos[1:2], paged(model, lengths[1:2], toks[1:2], 5))
+    assert torch.equal(alone, together[1:2])
+    contiguous = model.new_cache(1, 64)
+    model(toks[1:2, :14], torch.arange(14)[None], contiguous)
+    contiguous.commit(torch.tensor([14]))
+    assert torch.equal(model(new[1:2], pos[1:2], contiguous), alone)
+
+
+@torch.inference_mode()
+def test_tree_nodes_equal_their_paths(model):
+    torch.manual_seed(2)
+    prompt = torch.randint(3, 120, (1, 10))
+    tokens = torch.tensor([[5, 6, 7, 8, 9, 10]])  # root 5; 6, 7 children of root; 8, 9 of 6; 10 of 8
+    parents = [-1, 0, 0, 1, 1, 3]
+    mask = torch.eye(6, dtype=torch.bool)
+    for i in range(1, 6):
+        mask[i] |= mask[parents[i]]
+    depth = torch.tensor([[0, 1, 1, 2, 2, 3]])
+    cache = paged(model, [10], prompt, 6)
+    tree = model(tokens, 10 + depth, cache, block_mask=mask[None])
+    for node in (4, 5):
+        path, n = [], node
+        while n >= 0:
+            path.insert(0, n)
+            n = parents[n]
+        chain = model(tokens[:, path], 10 + torch.arange(len(path))[None], paged(model, [10], prompt, 6))
+        assert torch.equal(chain[0, -1], tree[0, node])
+
+
+@torch.inference_mode()
+def test_padded_pass_computes_the_real_tokens_only(model):
+    torch.manual_seed(3)
+    toks = torch.randint(3, 120, (2, 20))
+    lengths = [8, 11]
+    new = torch.stack([toks[b, n : n + 4] for b, n in enumerate(lengths)])
+    pos = torch.tensor(lengths)[:, None] + torch.arange(4)
+    valid = torch.tensor([[True, True, True, True], [True, True, False, False]])
+    padded = model(new, pos, paged(model, lengths, toks, 4), valid=valid)
+    full = model(new, pos, paged(model, lengths, toks, 4))
+    assert torch.equal(padded[valid], full[valid])
+    assert not padded[~valid].any()
+
+
+@torch.inference_mode()
+def test_hidden_states_and_embeds_input(model):
+    torch.manual_seed(4)
+    toks = torch.randint(3, 120, (1, 12))
+    embeds = model.embed(toks)
+    before = embeds.clone()
+    logits, (h0, last) = model(None, torch.arange(12)[None], model.new_cache(1, 32), hidden_layers=(0, -1), embeds=embeds)
+    assert torch.equal(embeds, before)  # the kernel works on its own copy of the stream
+    with torch_blocks(model):
+        ref, (r0, rlast) = model(None, torch.arange(12)[None], model.new_cache(1, 32), hidden_layers=(0, -1), embeds=embeds)
+    assert rel(h0.float(), r0.float()) < 0.02 and rel(last.float(), rlast.float()) < 0.03
+    assert torch.equal(logits, model(toks, torch.arange(12)[None], model.new_cache(1, 32)))
+
+
+@pytest.mark.parametrize("arch, dtype, quant", [
+    ("gemma3", "bfloat16", "int4"),  # sandwich norms, qk-norm, sliding windows
+    ("qwen2", "bfloat16", "int4"),  # qkv bias
+    ("llama", "float32", "int4"),  # fp32 activations
+    ("llama", "bfloat16", "int8"),  # not our int4 kernel
+])  # fmt: skip
+def test_runs_only_where_it_applies(tmp_path_factory, arch, dtype, quant):
+    m = tiny(tmp_path_factory, arch, dtype, quant)
+    assert m.cpu_blocks is None
+    assert "fused" not in describe_kernels(m)
+
+
+def test_kernels_report_it(model):
+    assert describe_kernels(model).endswith("fused CPU blocks (block_bf16)")
+    with torch.enable_grad():
+        assert not model.cpu_blocks.applies(model.embed.weight[:1])  # autograd: the torch blocks
