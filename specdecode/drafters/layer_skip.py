@@ -49,4 +49,5 @@ class LayerSkipDrafter(DraftModelDrafter):
         for kind in (FULL, SLIDING):
             name = f"inv_freq_{kind}"
             early.register_buffer(name, getattr(target, name), persistent=False)
+        early.use_cpu_blocks()
         return early

@@ -156,6 +156,7 @@ def load_net(
     """A trained net of class ``cls`` from ``path``, checked against ``target``; its linears in
     ``quantization``'s format (the target's) when given."""
     from specdecode.model.quant import quantize_linears_
+    from specdecode.model.transformer import Transformer
 
     meta, state = read_net(cls.method, path, target)
     net = cls.from_target(net_config(cls, meta.get("net", {})), target)
@@ -164,8 +165,10 @@ def load_net(
         missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
         raise SpecDecodeError(f"{path}: weights do not fit the net (missing {missing[:3]}, unexpected {extra[:3]})")
     net.load_state_dict(state, strict=False)
-    net = net.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    return quantize_linears_(net, quantization)
+    net = quantize_linears_(net.to(device=device, dtype=dtype).eval().requires_grad_(False), quantization)
+    for body in (m for m in net.modules() if isinstance(m, Transformer)):
+        body.use_cpu_blocks()  # a decoder body with final weights: the fused CPU block, where it applies
+    return net
 
 
 def resolve_weights(method: str, model: str | None, target: "LoadedModel") -> str:
