@@ -26,7 +26,7 @@ from specdecode.model.quant import Int4Linear
 
 
 class _QLinear(ctypes.Structure):
-    _fields_ = [("wp", c_void_p), ("sz", c_void_p), ("n", c_int), ("k", c_int)]
+    _fields_ = [("wp", c_void_p), ("sz", c_void_p), ("n", c_int), ("k", c_int), ("bf16", c_int)]
 
 
 class _BlockWeights(ctypes.Structure):
@@ -46,17 +46,25 @@ class _Pass(ctypes.Structure):
 
 
 def _qlinear(lin: nn.Module) -> _QLinear | None:
+    """The kernel's view of a linear: our int4 layout, or a plain bf16 weight read in place."""
+    if type(lin) is nn.Linear:
+        w = lin.weight
+        ok = w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous() and w.shape[1] % 32 == 0
+        ok = ok and w.shape[0] % 8 == 0
+        return _QLinear(w.data_ptr(), None, w.shape[0], w.shape[1], 1) if ok and lin.bias is None else None
     ok = isinstance(lin, Int4Linear) and lin.impl == "avx512_bf16" and lin.input_planes == 1
     if not ok or lin.k_pad or lin.n_pad or lin.bias is not None:
         return None
-    return _QLinear(lin.weight.data_ptr(), lin.scales_and_zeros.data_ptr(), lin.out_features, lin.in_features)
+    return _QLinear(lin.weight.data_ptr(), lin.scales_and_zeros.data_ptr(), lin.out_features, lin.in_features, 0)
 
 
 class CpuBlocks:
     """A model's blocks as the kernel's weight structs; build with `CpuBlocks.build`."""
 
-    def __init__(self, weights: list[_BlockWeights], keep: list[Tensor], inv_freq: Tensor, rope_scale: float):
-        self.weights = weights
+    def __init__(
+        self, weights: list[_BlockWeights], keep: list[Tensor], inv_freq: Tensor, rope_scale: float, head: _QLinear | None
+    ) -> None:
+        self.weights, self._head = weights, head  # head: a bf16 LM head, which our GEMM reads faster than torch
         self._addresses = [ctypes.addressof(w) for w in weights]
         self._keep = keep  # the tensors the structs point into: alive as long as this is
         self.inv_freq, self.rope_scale = inv_freq.float(), rope_scale
@@ -82,14 +90,26 @@ class CpuBlocks:
                 cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, D, cfg.intermediate_size,
                 cfg.rms_norm_eps, block.attn.scale, norms[0].data_ptr(), norms[1].data_ptr(), *lins,
             ))  # fmt: skip
-            keep += [*norms] + [t for m in (block.attn.qkv, block.attn.o, block.mlp.gate_up, block.mlp.down)
-                                for t in (m.weight, m.scales_and_zeros)]  # fmt: skip
+            keep += [*block.parameters(), *block.buffers()]
         from specdecode.model.masks import FULL
 
-        return CpuBlocks(weights, keep, getattr(model, f"inv_freq_{FULL}"), model.rope_scale[FULL])
+        head = _qlinear(model.lm_head)
+        head = head if head is not None and head.bf16 else None
+        keep.append(model.lm_head.weight)
+        return CpuBlocks(weights, keep, getattr(model, f"inv_freq_{FULL}"), model.rope_scale[FULL], head)
 
     def applies(self, x: Tensor) -> bool:
         return x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled()
+
+    def head(self, x: Tensor, lm_head: nn.Module) -> Tensor:
+        """``lm_head(x)`` [..., V]: through our bf16 GEMM when the head is a bf16 weight."""
+        if self._head is None:
+            return lm_head(x)
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        y = torch.empty(x2.shape[0], self._head.n, dtype=torch.bfloat16)
+        lib = avx512_bf16_lib()
+        lib.bf16_gemm(x2.data_ptr(), x2.shape[0], self._head.k, self._head.wp, self._head.n, y.data_ptr(), torch.get_num_threads())
+        return y.view(*x.shape[:-1], -1)
 
     def run(
         self,

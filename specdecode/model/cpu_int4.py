@@ -85,6 +85,9 @@ def avx512_bf16_lib() -> ctypes.CDLL | None:
     lib.rms_norm_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_float]
     lib.rms_norm_bf16.argtypes += [ctypes.c_float, ctypes.c_void_p]
     lib.rms_norm_bf16.restype = None
+    lib.bf16_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    lib.bf16_gemm.argtypes += [ctypes.c_void_p, ctypes.c_int]
+    lib.bf16_gemm.restype = None
     lib.block_forward.argtypes = [ctypes.c_void_p] * 5
     lib.block_forward.restype = None
     return lib

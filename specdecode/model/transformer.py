@@ -386,7 +386,7 @@ class Transformer(nn.Module):
         hiddens[-1] = x
         if logits_at is not None:
             x = step.unpack(x).gather(1, logits_at[:, :, None].expand(-1, -1, x.shape[-1]))
-        logits = self.lm_head(x).float()
+        logits = (self.lm_head(x) if store is None else self.cpu_blocks.head(x, self.lm_head)).float()
         if cfg.final_logit_softcap is not None:
             logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
         if logits_at is None:

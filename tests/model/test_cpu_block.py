@@ -21,9 +21,10 @@ def tiny(tmp_path_factory, arch: str, dtype: str = "bfloat16", quant: str = "int
     return quantize_model_(load_model(str(path), dtype=dtype, device="cpu").model, quant)
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    m = tiny(tmp_path_factory, "llama")
+@pytest.fixture(scope="module", params=["int4", "bf16"])
+def model(request, tmp_path_factory):
+    """Our int4 linears, or plain bf16 weights (read in place by our bf16 GEMM)."""
+    m = tiny(tmp_path_factory, "llama", quant="int4" if request.param == "int4" else "none")
     assert m.cpu_blocks is not None
     return m
 
@@ -163,6 +164,22 @@ def test_runs_only_where_it_applies(tmp_path_factory, arch, dtype, quant):
     m = tiny(tmp_path_factory, arch, dtype, quant)
     assert m.cpu_blocks is None
     assert "fused" not in describe_kernels(m)
+
+
+@torch.inference_mode()
+def test_bf16_gemm_matches_fp32_matmul(model):
+    """The LM head (and the bf16 blocks' linears) through our GEMM: fp32 accumulation, one rounding."""
+    torch.manual_seed(5)
+    w = model.lm_head.weight
+    for rows in (1, 2, 3, 4, 7):
+        x = torch.randn(rows, model.lm_head.in_features, dtype=torch.bfloat16)
+        got = model.cpu_blocks.head(x, model.lm_head)
+        if w.dtype == torch.bfloat16 and type(model.lm_head) is torch.nn.Linear:
+            want = (x.float() @ w.float().T).bfloat16()
+            assert (got.float() - want.float()).abs().max() <= want.float().abs().max() * 2**-7
+            assert torch.equal(got[:1], model.cpu_blocks.head(x[:1], model.lm_head))  # row-invariant
+        else:  # an int4 head: the module's own kernel
+            assert torch.equal(got, model.lm_head(x))
 
 
 def test_kernels_report_it(model):

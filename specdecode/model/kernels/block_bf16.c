@@ -20,9 +20,10 @@ void int4_gemm(const uint16_t* x, int M, int K, const uint8_t* wp, const uint16_
 void rms_norm_bf16(const uint16_t* x, int M, int D, const uint16_t* w, float eps, float offset, uint16_t* y);
 
 typedef struct {
-  const uint8_t* wp; /* packed nibbles, see cpu_int4.py */
-  const uint16_t* sz; /* fp16 scales and zeros */
+  const uint8_t* wp; /* int4: packed nibbles (see cpu_int4.py); bf16: the weight [n, k], row-major */
+  const uint16_t* sz; /* int4: fp16 scales and zeros; bf16: unused */
   int n, k;           /* out and in features (multiples of 32) */
+  int bf16;           /* 1: a plain bf16 weight, through bf16_gemm */
 } QLinear;
 
 typedef struct {
@@ -133,8 +134,54 @@ static void attend(const BlockWeights* w, const Pass* p, int i, int kh, const ui
     for (int d = 0; d < D; d += 16) store16(out + (int64_t)g * D + d, o[g][d / 16]);
 }
 
+/* Up to 3 rows x 8 outputs of y = x @ w^T: 24 fp32 accumulators in registers; each 32-wide
+   slice of the 8 weight rows is loaded once and used for every row of x. */
+static inline __attribute__((always_inline)) void bf16_tile(const int MB, const uint16_t* x, int K,
+                                                            const uint16_t* w, uint16_t* y, int N) {
+  __m512 acc[3][8];
+#pragma GCC unroll 3
+  for (int r = 0; r < MB; r++)
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; c++) acc[r][c] = _mm512_setzero_ps();
+  for (int k = 0; k < K; k += 32) {
+    __m512bh xv[3];
+#pragma GCC unroll 3
+    for (int r = 0; r < MB; r++) xv[r] = (__m512bh)_mm512_loadu_si512(x + (int64_t)r * K + k);
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; c++) {
+      __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (int64_t)c * K + k);
+#pragma GCC unroll 3
+      for (int r = 0; r < MB; r++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv[r], wv);
+    }
+  }
+#pragma GCC unroll 3
+  for (int r = 0; r < MB; r++)
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; c++) y[(int64_t)r * N + c] = to_bf16(_mm512_reduce_add_ps(acc[r][c]));
+}
+#define BF16_TILE(MB) static void bf16_tile##MB(const uint16_t* x, int K, const uint16_t* w, uint16_t* y, int N) \
+  { bf16_tile(MB, x, K, w, y, N); }
+BF16_TILE(1) BF16_TILE(2) BF16_TILE(3)
+typedef void (*bf16_tile_fn)(const uint16_t*, int, const uint16_t*, uint16_t*, int);
+static const bf16_tile_fn BF16_TILES[4] = {0, bf16_tile1, bf16_tile2, bf16_tile3};
+
+/* y [M, N] bf16 = x [M, K] bf16 @ w [N, K]^T with fp32 accumulation; K % 32 == 0, N % 8 == 0.
+   Reads w in its own row-major layout (an nn.Linear's weight, no copy). A job owns 8 outputs
+   and runs every row of x against them, 3 rows at a time, so the weights are read from memory
+   once whatever M is. Each output is one row's dot product in a fixed order, so a row's result
+   does not depend on the batch. */
+void bf16_gemm(const uint16_t* x, int M, int K, const uint16_t* w, int N, uint16_t* y, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if ((int64_t)N * K > 32768)
+  for (int n0 = 0; n0 < N; n0 += 8)
+    for (int m0 = 0; m0 < M; m0 += 3)
+      BF16_TILES[M - m0 < 3 ? M - m0 : 3](x + (int64_t)m0 * K, K, w + (int64_t)n0 * K, y + (int64_t)m0 * N + n0, N);
+}
+
 static void gemm(const QLinear* l, const uint16_t* x, int M, uint16_t* y, float* xs, int threads) {
-  int4_gemm(x, M, l->k, l->wp, l->sz, l->n, y, xs, threads);
+  if (l->bf16)
+    bf16_gemm(x, M, l->k, (const uint16_t*)l->wp, l->n, y, threads);
+  else
+    int4_gemm(x, M, l->k, l->wp, l->sz, l->n, y, xs, threads);
 }
 
 /* x [M, hidden] bf16, the residual stream, is updated in place. kc / vc: this layer's K and V
