@@ -93,9 +93,9 @@ class CpuBlocks:
             keep += [*block.parameters(), *block.buffers()]
         from specdecode.model.masks import FULL
 
-        head = _qlinear(model.lm_head)
+        head = _qlinear(model.lm_head)  # any module; only a plain bf16 Linear is ours to run
         head = head if head is not None and head.bf16 else None
-        keep.append(model.lm_head.weight)
+        keep += [] if head is None else [model.lm_head.weight]
         return CpuBlocks(weights, keep, getattr(model, f"inv_freq_{FULL}"), model.rope_scale[FULL], head)
 
     def applies(self, x: Tensor) -> bool:
