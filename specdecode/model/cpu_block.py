@@ -10,6 +10,7 @@ bf16 whose four linears all use our AVX512 int4 kernel, on CPU, without autograd
 step of the default model then costs its int4 matmuls plus ~20 us per layer, against ~200 us
 per layer of dispatched torch ops. Every token is computed alone (see the kernel's header),
 so passes through it are batch-invariant whether or not ``batch_invariant`` is asked for.
+Passes of more than MAX_POSITIONS tokens run the torch blocks.
 """
 
 from __future__ import annotations
@@ -23,6 +24,13 @@ from torch import Tensor, nn
 from specdecode.kv_cache import StorageIndex
 from specdecode.model.cpu_int4 import avx512_bf16_lib
 from specdecode.model.quant import Int4Linear
+
+
+# Larger passes (prefill chunks, big batches) run the torch blocks: there the kernel's
+# one-query-at-a-time attention and its bf16 GEMM (built for few rows) lose to SDPA and
+# oneDNN. Measured on the default model, 2 threads: a 64-token prefill ~equal, 256 tokens
+# 1.3-1.5x slower, 1024 tokens 2x slower; 32 rows x 3 positions in bf16 ~equal.
+MAX_POSITIONS = 64
 
 
 class _QLinear(ctypes.Structure):
@@ -77,7 +85,7 @@ class CpuBlocks:
         plain = plain and not (cfg.attention_bias or cfg.attention_out_bias or cfg.mlp_bias or cfg.qk_norm)
         plain = plain and cfg.sliding_window is None
         G, D = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
-        shapes = G <= 8 and D % 16 == 0 and D <= 256 and cfg.hidden_size % 32 == 0
+        shapes = G <= 8 and D % 16 == 0 and D <= 256 and cfg.hidden_size % 32 == 0 and cfg.intermediate_size % 16 == 0
         if not (plain and shapes) or avx512_bf16_lib() is None or model.embed.weight.dtype != torch.bfloat16:
             return None
         weights, keep = [], []
@@ -99,7 +107,9 @@ class CpuBlocks:
         return CpuBlocks(weights, keep, getattr(model, f"inv_freq_{FULL}"), model.rope_scale[FULL], head)
 
     def applies(self, x: Tensor) -> bool:
-        return x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled()
+        """For ``x`` [..., H], the pass's inputs: bf16 on CPU, no autograd, at most MAX_POSITIONS."""
+        ok = x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled()
+        return ok and x.numel() <= MAX_POSITIONS * x.shape[-1]
 
     def head(self, x: Tensor, lm_head: nn.Module) -> Tensor:
         """``lm_head(x)`` [..., V]: through our bf16 GEMM when the head is a bf16 weight."""

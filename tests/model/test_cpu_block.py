@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdecode.model.cpu_block import MAX_POSITIONS
 from specdecode.model.cpu_int4 import avx512_bf16_lib
 from specdecode.model.loader import load_model
 from specdecode.model.quant import describe_kernels, quantize_model_
@@ -180,6 +181,19 @@ def test_bf16_gemm_matches_fp32_matmul(model):
             assert torch.equal(got[:1], model.cpu_blocks.head(x[:1], model.lm_head))  # row-invariant
         else:  # an int4 head: the module's own kernel
             assert torch.equal(got, model.lm_head(x))
+
+
+@torch.inference_mode()
+def test_long_passes_run_the_torch_blocks(model):
+    """Past MAX_POSITIONS (a long prefill chunk, a big batch) SDPA and oneDNN win: the torch blocks run."""
+    H = model.config.hidden_size
+    assert model.cpu_blocks.applies(torch.zeros(MAX_POSITIONS, H, dtype=torch.bfloat16))
+    assert not model.cpu_blocks.applies(torch.zeros(2, MAX_POSITIONS // 2 + 1, H, dtype=torch.bfloat16))
+    toks = torch.randint(3, 120, (1, MAX_POSITIONS + 6), generator=torch.Generator().manual_seed(6))
+    pos = torch.arange(toks.shape[1])[None]
+    got = model(toks, pos, model.new_cache(1, 128))
+    with torch_blocks(model):
+        assert torch.equal(got, model(toks, pos, model.new_cache(1, 128)))
 
 
 def test_kernels_report_it(model):

@@ -79,6 +79,27 @@ static inline float from_bf16(uint16_t h) {
   return f;
 }
 
+/* e^x in 16 fp32 lanes: 2^n * p(r) with n = round(x / ln 2), r = x - n ln 2 (two-part ln 2) and
+   p the degree-6 Taylor polynomial, ~2 ulp, far below the bf16 rounding applied after it. */
+static inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-104.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 round512(__m512 v) { /* v rounded to bf16, kept in fp32 lanes */
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
 /* Rotate-half RoPE of one head in place: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), in fp32, rounded once. */
 static void rope_head(uint16_t* x, const float* c, const float* s, int D) {
   const int h = D / 2;
@@ -113,11 +134,21 @@ static void attend(const BlockWeights* w, const Pass* p, int i, int kh, const ui
     }
     for (int g = 0; g < G; g++) sc[(int64_t)g * n + j] = _mm512_reduce_add_ps(acc[g]) * w->scale;
   }
-  for (int g = 0; g < G; g++) {
-    float* s = sc + (int64_t)g * n, mx = -INFINITY, sum = 0;
-    for (int j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
-    for (int j = 0; j < n; j++) sum += (s[j] = expf(s[j] - mx));
-    float inv = 1.0f / sum;
+  for (int g = 0; g < G; g++) {  /* softmax in 16-lane chunks; the tail masked */
+    float* s = sc + (int64_t)g * n;
+    __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+    for (int j = 0; j < n; j += 16) {
+      __mmask16 m = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+      mx = _mm512_mask_max_ps(mx, m, mx, _mm512_maskz_loadu_ps(m, s + j));
+    }
+    __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    for (int j = 0; j < n; j += 16) {
+      __mmask16 m = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+      __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), top));
+      _mm512_mask_storeu_ps(s + j, m, e);
+      sum = _mm512_mask_add_ps(sum, m, sum, e);
+    }
+    const float inv = 1.0f / _mm512_reduce_add_ps(sum);
     for (int j = 0; j < n; j++) s[j] *= inv;
   }
   __m512 o[8][16];
@@ -231,12 +262,13 @@ void block_forward(uint16_t* x, const BlockWeights* w, const Pass* p, uint16_t* 
   /* MLP: norm, gate|up, silu(gate) * up (each rounded to bf16, as torch's two ops), down */
   rms_norm_bf16(x, M, Hd, w->mlp_norm, w->eps, 0.0f, h);
   gemm(&w->gate_up, h, M, big, xs, p->threads);
-  for (int i = 0; i < M; i++) {
+  for (int i = 0; i < M; i++) {  /* I % 16 == 0 (checked by cpu_block.py) */
     const uint16_t* gu = big + (int64_t)i * 2 * I;
     uint16_t* a = mid + (int64_t)i * I;
-    for (int j = 0; j < I; j++) {
-      float g = from_bf16(gu[j]);
-      a[j] = to_bf16(round_bf16(g / (1.0f + expf(-g))) * from_bf16(gu[I + j]));
+    for (int j = 0; j < I; j += 16) {
+      __m512 g = load16(gu + j);
+      __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+      store16(a + j, _mm512_mul_ps(round512(silu), load16(gu + I + j)));
     }
   }
   gemm(&w->down, mid, M, out, xs, p->threads);
