@@ -21,6 +21,7 @@ from ctypes import c_float, c_int, c_int64, c_void_p
 import torch
 from torch import Tensor, nn
 
+from specdecode.config import SpecDecodeError
 from specdecode.kv_cache import StorageIndex
 from specdecode.model.cpu_int4 import avx512_bf16_lib
 from specdecode.model.quant import Int4Linear
@@ -53,6 +54,12 @@ class _Pass(ctypes.Structure):
     ]  # fmt: skip
 
 
+def _fingerprint(model: nn.Module) -> tuple[int, int]:
+    """Where the first and last blocks' weights live: ``.to`` moves them. (Swapping a linear
+    goes through quant.set_submodule, which drops the structs.) ~3 us a pass."""
+    return model.layers[0].attn.qkv.weight.data_ptr(), model.layers[-1].mlp.down.weight.data_ptr()
+
+
 def _qlinear(lin: nn.Module) -> _QLinear | None:
     """The kernel's view of a linear: our int4 layout, or a plain bf16 weight read in place."""
     if type(lin) is nn.Linear:
@@ -70,12 +77,15 @@ class CpuBlocks:
     """A model's blocks as the kernel's weight structs; build with `CpuBlocks.build`."""
 
     def __init__(
-        self, weights: list[_BlockWeights], keep: list[Tensor], inv_freq: Tensor, rope_scale: float, head: _QLinear | None
+        self, model: nn.Module, weights: list[_BlockWeights], keep: list[Tensor], head: _QLinear | None
     ) -> None:
+        from specdecode.model.masks import FULL
+
         self.weights, self._head = weights, head  # head: a bf16 LM head, which our GEMM reads faster than torch
+        self._built_from = _fingerprint(model)
         self._addresses = [ctypes.addressof(w) for w in weights]
         self._keep = keep  # the tensors the structs point into: alive as long as this is
-        self.inv_freq, self.rope_scale = inv_freq.float(), rope_scale
+        self.inv_freq, self.rope_scale = getattr(model, f"inv_freq_{FULL}").float(), model.rope_scale[FULL]
 
     @staticmethod
     def build(model: nn.Module) -> CpuBlocks | None:
@@ -99,17 +109,20 @@ class CpuBlocks:
                 cfg.rms_norm_eps, block.attn.scale, norms[0].data_ptr(), norms[1].data_ptr(), *lins,
             ))  # fmt: skip
             keep += [*block.parameters(), *block.buffers()]
-        from specdecode.model.masks import FULL
-
         head = _qlinear(model.lm_head)  # any module; only a plain bf16 Linear is ours to run
         head = head if head is not None and head.bf16 else None
         keep += [] if head is None else [model.lm_head.weight]
-        return CpuBlocks(weights, keep, getattr(model, f"inv_freq_{FULL}"), model.rope_scale[FULL], head)
+        return CpuBlocks(model, weights, keep, head)
 
-    def applies(self, x: Tensor) -> bool:
-        """For ``x`` [..., H], the pass's inputs: bf16 on CPU, no autograd, at most MAX_POSITIONS."""
+    def applies(self, x: Tensor, model: nn.Module) -> bool:
+        """For ``x`` [..., H], the pass's inputs: bf16 on CPU, no autograd, at most MAX_POSITIONS.
+        Raises if ``model``'s weights moved since `build` (the structs would point at the old ones)."""
         ok = x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled()
-        return ok and x.numel() <= MAX_POSITIONS * x.shape[-1]
+        if not (ok and x.numel() <= MAX_POSITIONS * x.shape[-1]):
+            return False
+        if _fingerprint(model) != self._built_from:
+            raise SpecDecodeError("the model's weights moved after use_cpu_blocks(); call it again")
+        return True
 
     def head(self, x: Tensor, lm_head: nn.Module) -> Tensor:
         """``lm_head(x)`` [..., V]: through our bf16 GEMM when the head is a bf16 weight."""

@@ -376,7 +376,7 @@ class Transformer(nn.Module):
         if bad:
             raise ValueError(f"hidden_layers must be in [0, {cfg.num_layers}) or -1, got {bad}")
         store = None
-        if self.cpu_blocks is not None and self.cpu_blocks.applies(x):
+        if self.cpu_blocks is not None and self.cpu_blocks.applies(x, self):
             store = cache.storage_index(slots, kv_len)
         if store is not None:  # one C call per block (cpu_block.py); batch-invariant by construction
             x, hiddens = self.cpu_blocks.run(x, positions, cache.lengths, store, block_mask, step.pack, want)

@@ -187,8 +187,8 @@ def test_bf16_gemm_matches_fp32_matmul(model):
 def test_long_passes_run_the_torch_blocks(model):
     """Past MAX_POSITIONS (a long prefill chunk, a big batch) SDPA and oneDNN win: the torch blocks run."""
     H = model.config.hidden_size
-    assert model.cpu_blocks.applies(torch.zeros(MAX_POSITIONS, H, dtype=torch.bfloat16))
-    assert not model.cpu_blocks.applies(torch.zeros(2, MAX_POSITIONS // 2 + 1, H, dtype=torch.bfloat16))
+    assert model.cpu_blocks.applies(torch.zeros(MAX_POSITIONS, H, dtype=torch.bfloat16), model)
+    assert not model.cpu_blocks.applies(torch.zeros(2, MAX_POSITIONS // 2 + 1, H, dtype=torch.bfloat16), model)
     toks = torch.randint(3, 120, (1, MAX_POSITIONS + 6), generator=torch.Generator().manual_seed(6))
     pos = torch.arange(toks.shape[1])[None]
     got = model(toks, pos, model.new_cache(1, 128))
@@ -199,4 +199,25 @@ def test_long_passes_run_the_torch_blocks(model):
 def test_kernels_report_it(model):
     assert describe_kernels(model).endswith("fused CPU blocks (block_bf16)")
     with torch.enable_grad():
-        assert not model.cpu_blocks.applies(model.embed.weight[:1])  # autograd: the torch blocks
+        assert not model.cpu_blocks.applies(model.embed.weight[:1], model)  # autograd: the torch blocks
+
+
+@torch.inference_mode()
+def test_swapped_or_moved_weights_are_never_read_stale(tmp_path_factory):
+    """The structs point into the weights they were built from: swapping a linear drops them,
+    moving the weights makes the pass refuse, and use_cpu_blocks() builds them again."""
+    from specdecode.config import SpecDecodeError
+    from specdecode.model.quant import Int4Linear, set_submodule
+
+    m = tiny(tmp_path_factory, "llama", quant="none")
+    step = lambda: m(torch.tensor([[5, 6]]), torch.arange(2)[None], m.new_cache(1, 8))  # noqa: E731
+    lin = m.layers[1].mlp.down
+    set_submodule(m, "layers.1.mlp.down", Int4Linear.from_weight(lin.weight.detach().float()))
+    assert m.cpu_blocks is None
+    assert m.use_cpu_blocks()  # int4 and bf16 linears mixed: both are the kernel's
+    step()
+    m.to(torch.float32).to(torch.bfloat16)  # new storage for every weight
+    with pytest.raises(SpecDecodeError, match="moved after use_cpu_blocks"):
+        step()
+    assert m.use_cpu_blocks()
+    step()
