@@ -103,11 +103,22 @@ static inline __m512 round512(__m512 v) { /* v rounded to bf16, kept in fp32 lan
 /* Rotate-half RoPE of one head in place: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), in fp32, rounded once. */
 static void rope_head(uint16_t* x, const float* c, const float* s, int D) {
   const int h = D / 2;
-  for (int d = 0; d < h; d++) {
-    float x1 = from_bf16(x[d]), x2 = from_bf16(x[d + h]);
-    x[d] = to_bf16(x1 * c[d] - x2 * s[d]);
-    x[d + h] = to_bf16(x2 * c[d] + x1 * s[d]);
+  int d = 0;
+  for (; d + 16 <= h; d += 16) {
+    __m512 x1 = load16(x + d), x2 = load16(x + d + h), cv = _mm512_loadu_ps(c + d), sv = _mm512_loadu_ps(s + d);
+    store16(x + d, _mm512_fmsub_ps(x1, cv, _mm512_mul_ps(x2, sv)));
+    store16(x + d + h, _mm512_fmadd_ps(x2, cv, _mm512_mul_ps(x1, sv)));
   }
+  for (; d < h; d++) { /* head_dim / 2 not a multiple of 16: the same arithmetic, one lane */
+    float x1 = from_bf16(x[d]), x2 = from_bf16(x[d + h]);
+    x[d] = to_bf16(fmaf(x1, c[d], -(x2 * s[d])));
+    x[d + h] = to_bf16(fmaf(x2, c[d], x1 * s[d]));
+  }
+}
+
+/* x <- bf16(x + y) over n values (n % 16 == 0): the residual add, as torch's bf16 add. */
+static void add_into(uint16_t* x, const uint16_t* y, int64_t n) {
+  for (int64_t e = 0; e < n; e += 16) store16(x + e, _mm512_add_ps(load16(x + e), load16(y + e)));
 }
 
 /* Attention of token i's G query heads that share kv head `kh`: softmax(q k^T * scale) v over
@@ -257,7 +268,7 @@ void block_forward(uint16_t* x, const BlockWeights* w, const Pass* p, uint16_t* 
     free(sc);
   }
   gemm(&w->o, mid, M, out, xs, p->threads);
-  for (int64_t e = 0; e < (int64_t)M * Hd; e++) x[e] = to_bf16(from_bf16(x[e]) + from_bf16(out[e]));
+  add_into(x, out, (int64_t)M * Hd);
 
   /* MLP: norm, gate|up, silu(gate) * up (each rounded to bf16, as torch's two ops), down */
   rms_norm_bf16(x, M, Hd, w->mlp_norm, w->eps, 0.0f, h);
@@ -272,7 +283,7 @@ void block_forward(uint16_t* x, const BlockWeights* w, const Pass* p, uint16_t* 
     }
   }
   gemm(&w->down, mid, M, out, xs, p->threads);
-  for (int64_t e = 0; e < (int64_t)M * Hd; e++) x[e] = to_bf16(from_bf16(x[e]) + from_bf16(out[e]));
+  add_into(x, out, (int64_t)M * Hd);
   free(h);
   free(big);
   free(mid);
