@@ -261,3 +261,23 @@ def transformers_from_gguf(path: str | Path):
         raise RuntimeError(f"transformers' GGUF mapping left out {missing} / {unexpected}")
     model.tie_weights()
     return model.eval()
+
+
+def small_tree() -> tuple[torch.Tensor, list[int], torch.Tensor, torch.Tensor]:
+    """A 6-node draft tree for attention tests: tokens [1, 6] (root 5; 6, 7 children of the
+    root; 8, 9 of 6; 10 of 8), parents, depths [1, 6] and the ancestor mask [6, 6]."""
+    tokens = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    parents = [-1, 0, 0, 1, 1, 3]
+    mask = torch.eye(6, dtype=torch.bool)
+    for i in range(1, 6):
+        mask[i] |= mask[parents[i]]
+    return tokens, parents, torch.tensor([[0, 1, 1, 2, 2, 3]]), mask
+
+
+def root_path(node: int, parents: list[int]) -> list[int]:
+    """The nodes from the root down to ``node``."""
+    path = []
+    while node >= 0:
+        path.insert(0, node)
+        node = parents[node]
+    return path

@@ -9,7 +9,7 @@ import torch
 from specdecode.model.cpu_int4 import avx512_bf16_lib
 from specdecode.model.loader import load_model
 from specdecode.model.quant import quantize_model_
-from tests.tiny import make_tiny_checkpoint
+from tests.tiny import make_tiny_checkpoint, root_path, small_tree
 
 pytestmark = pytest.mark.skipif(avx512_bf16_lib() is None, reason="needs our int4 kernel (AVX512-BF16 + a C compiler)")
 
@@ -49,19 +49,10 @@ def test_chain_pass_equals_one_token_steps(model):
 def test_tree_nodes_equal_their_paths(model):
     torch.manual_seed(1)
     prompt = torch.randint(3, 90, (1, 10))
-    tokens = torch.tensor([[5, 6, 7, 8, 9, 10]])  # root 5; 6, 7 children of root; 8, 9 of 6; 10 of 8
-    parents = [-1, 0, 0, 1, 1, 3]
-    depth = torch.tensor([[0, 1, 1, 2, 2, 3]])
-    mask = torch.eye(6, dtype=torch.bool)
-    for i in range(1, 6):
-        mask[i] |= mask[parents[i]]
+    tokens, parents, depth, mask = small_tree()
     tree = model(tokens, 10 + depth, prefilled(model, prompt), block_mask=mask[None], batch_invariant=True)
     for node in range(6):
-        path, n = [], node
-        while n >= 0:
-            path.append(n)
-            n = parents[n]
-        path = path[::-1]
+        path = root_path(node, parents)
         cache = prefilled(model, prompt)
         for i, n in enumerate(path):
             out = model(tokens[:, n : n + 1], torch.tensor([[10 + i]]), cache, batch_invariant=True)

@@ -12,7 +12,7 @@ from specdecode.model.cpu_int4 import avx512_bf16_lib
 from specdecode.model.loader import load_model
 from specdecode.model.quant import describe_kernels, quantize_model_
 from specdecode.paged_cache import new_paged_cache
-from tests.tiny import make_tiny_checkpoint
+from tests.tiny import make_tiny_checkpoint, root_path, small_tree
 
 pytestmark = pytest.mark.skipif(avx512_bf16_lib() is None, reason="needs our kernels (AVX512-BF16 + a C compiler)")
 
@@ -110,19 +110,11 @@ def test_batch_invariant_without_being_asked(model):
 def test_tree_nodes_equal_their_paths(model):
     torch.manual_seed(2)
     prompt = torch.randint(3, 120, (1, 10))
-    tokens = torch.tensor([[5, 6, 7, 8, 9, 10]])  # root 5; 6, 7 children of root; 8, 9 of 6; 10 of 8
-    parents = [-1, 0, 0, 1, 1, 3]
-    mask = torch.eye(6, dtype=torch.bool)
-    for i in range(1, 6):
-        mask[i] |= mask[parents[i]]
-    depth = torch.tensor([[0, 1, 1, 2, 2, 3]])
+    tokens, parents, depth, mask = small_tree()
     cache = paged(model, [10], prompt, 6)
     tree = model(tokens, 10 + depth, cache, block_mask=mask[None])
     for node in (4, 5):
-        path, n = [], node
-        while n >= 0:
-            path.insert(0, n)
-            n = parents[n]
+        path = root_path(node, parents)
         chain = model(tokens[:, path], 10 + torch.arange(len(path))[None], paged(model, [10], prompt, 6))
         assert torch.equal(chain[0, -1], tree[0, node])
 
