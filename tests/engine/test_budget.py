@@ -272,3 +272,17 @@ def test_the_fixed_cost_of_drafting_is_paid_by_all_the_positions_together():
     assert policy.budgets(reqs, torch.full((32,), 4), engine=None).sum() >= 32
     policy.draft_overhead = 100.0  # far more than any gain: no drafts
     assert policy.budgets(reqs, torch.full((32,), 4), engine=None).sum() == 0
+
+
+def test_drafts_must_beat_no_drafts_by_a_margin():
+    """A plan with drafts is taken only if its predicted tokens per second beat the plan
+    without any by MIN_GAIN: here one row, free verification, and a fixed drafting cost δ
+    tuned so that the gain is just below, then just above, the margin."""
+    from specdecode.engine.budget import MIN_GAIN
+
+    policy = AdaptiveBudget(VerifyCost([(1, 1.0), (50, 1.0)]), max_gamma=1)  # verification free
+    policy.reached, policy.accepted = torch.full((1,), 100.0), torch.full((1,), 50.0)
+    s = float(policy.sts(torch.tensor([[0.5]]))[0, 0])  # the calibrated survival the planner sees
+    for gain, drafts in ((MIN_GAIN * 0.8, 0), (MIN_GAIN * 1.2, 1)):
+        policy.draft_overhead = (1 + s) / (1 + gain) - 1.0  # rate with the draft = (1 + gain) x without
+        assert policy.budgets([req("r")], torch.tensor([1]), engine=None).tolist() == [drafts]
