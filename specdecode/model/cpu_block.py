@@ -54,10 +54,14 @@ class _Pass(ctypes.Structure):
     ]  # fmt: skip
 
 
-def _fingerprint(model: nn.Module) -> tuple[int, int]:
-    """Where the first and last blocks' weights live: ``.to`` moves them. (Swapping a linear
-    goes through quant.set_submodule, which drops the structs.) ~3 us a pass."""
-    return model.layers[0].attn.qkv.weight.data_ptr(), model.layers[-1].mlp.down.weight.data_ptr()
+def _fingerprint(model: nn.Module) -> tuple[int, ...]:
+    """Where the first and last blocks' norms and weights live: ``.to`` / ``.float()`` move the
+    norms (int4 weights are integers and stay). The structs keep the old storages alive, so a
+    moved model is caught here rather than read stale. (Swapping a linear goes through
+    quant.set_submodule, which drops the structs.) ~5 us a pass."""
+    first, last = model.layers[0], model.layers[-1]
+    return (first.attn_norm.weight.data_ptr(), first.attn.qkv.weight.data_ptr(),
+            last.mlp_norm.weight.data_ptr(), last.mlp.down.weight.data_ptr())  # fmt: skip
 
 
 def _qlinear(lin: nn.Module) -> _QLinear | None:
@@ -96,7 +100,8 @@ class CpuBlocks:
         plain = plain and cfg.sliding_window is None
         G, D = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
         shapes = G <= 8 and D % 16 == 0 and D <= 256 and cfg.hidden_size % 32 == 0 and cfg.intermediate_size % 16 == 0
-        if not (plain and shapes) or avx512_bf16_lib() is None or model.embed.weight.dtype != torch.bfloat16:
+        bf16 = model.embed.weight.dtype == torch.bfloat16 and model.norm.weight.dtype == torch.bfloat16
+        if not (plain and shapes and bf16) or avx512_bf16_lib() is None:
             return None
         weights, keep = [], []
         for block in model.layers:
@@ -104,29 +109,40 @@ class CpuBlocks:
             norms = (block.attn_norm.weight, block.mlp_norm.weight)
             if None in lins or any(n.dtype != torch.bfloat16 or n.device.type != "cpu" for n in norms):
                 return None
+            H, I, Q = cfg.hidden_size, cfg.intermediate_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * D
+            shapes = [(Q, H), (H, cfg.num_heads * D), (2 * I, H), (H, I)]  # the kernel sizes its buffers so
+            if [(q.n, q.k) for q in lins] != shapes:
+                return None
             weights.append(_BlockWeights(
                 cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, D, cfg.intermediate_size,
                 cfg.rms_norm_eps, block.attn.scale, norms[0].data_ptr(), norms[1].data_ptr(), *lins,
             ))  # fmt: skip
-            keep += [*block.parameters(), *block.buffers()]
+            keep += [t.detach() for t in (*block.parameters(), *block.buffers())]  # the storages, not the Parameters
         head = _qlinear(model.lm_head)  # any module; only a plain bf16 Linear is ours to run
         head = head if head is not None and head.bf16 else None
-        keep += [] if head is None else [model.lm_head.weight]
+        keep += [] if head is None else [model.lm_head.weight.detach()]
         return CpuBlocks(model, weights, keep, head)
 
-    def applies(self, x: Tensor, model: nn.Module) -> bool:
-        """For ``x`` [..., H], the pass's inputs: bf16 on CPU, no autograd, at most MAX_POSITIONS.
-        Raises if ``model``'s weights moved since `build` (the structs would point at the old ones)."""
+    def applies(self, x: Tensor, model: nn.Module, batch_invariant: bool) -> bool:
+        """For ``x`` [..., H], the pass's inputs: bf16 on CPU, no autograd, at most MAX_POSITIONS
+        unless ``batch_invariant`` (then every pass, so that no position's logits depend on
+        which path its pass took). Raises if ``model``'s weights moved since `build`."""
         ok = x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.is_grad_enabled()
-        if not (ok and x.numel() <= MAX_POSITIONS * x.shape[-1]):
+        if not (ok and (batch_invariant or x.numel() <= MAX_POSITIONS * x.shape[-1])):
             return False
         if _fingerprint(model) != self._built_from:
             raise SpecDecodeError("the model's weights moved after use_cpu_blocks(); call it again")
         return True
 
+    @staticmethod
+    def fits(store: StorageIndex | None) -> bool:
+        """Whether the kernel can write the cache in place: bf16, CPU, contiguous storage."""
+        k = None if store is None else store.keys[0]
+        return k is not None and k.dtype == torch.bfloat16 and k.device.type == "cpu" and k.is_contiguous()
+
     def head(self, x: Tensor, lm_head: nn.Module) -> Tensor:
         """``lm_head(x)`` [..., V]: through our bf16 GEMM when the head is a bf16 weight."""
-        if self._head is None:
+        if self._head is None or x.dtype != torch.bfloat16:
             return lm_head(x)
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         y = torch.empty(x2.shape[0], self._head.n, dtype=torch.bfloat16)

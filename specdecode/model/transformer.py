@@ -356,8 +356,8 @@ class Transformer(nn.Module):
         as the linears are row-invariant too (our int4 CPU kernel is; bf16 GEMMs are not).
         ``valid`` [B, T] bool marks the real tokens of a padded batch (rows drafting fewer
         tokens than the widest): the linears and the LM head then run on the real tokens
-        only, so a row pays for its own draft length, not the batch's widest. Padding
-        still writes (zero) K/V past its row's length, and its logits come back as 0.
+        only, so a row pays for its own draft length, not the batch's widest. Padding may
+        write (zero) K/V past its row's length, never visible; its logits come back as 0.
         ``embeds`` [B, T, H] replaces the token embeddings (``tokens`` is then None): a
         learned drafter feeds the layers its own inputs (EAGLE's fused features).
         """
@@ -376,8 +376,9 @@ class Transformer(nn.Module):
         if bad:
             raise ValueError(f"hidden_layers must be in [0, {cfg.num_layers}) or -1, got {bad}")
         store = None
-        if self.cpu_blocks is not None and self.cpu_blocks.applies(x, self):
+        if self.cpu_blocks is not None and self.cpu_blocks.applies(x, self, batch_invariant):
             store = cache.storage_index(slots, kv_len)
+            store = store if CpuBlocks.fits(store) else None
         if store is not None:  # one C call per block (cpu_block.py); batch-invariant by construction
             x, hiddens = self.cpu_blocks.run(x, positions, cache.lengths, store, block_mask, step.pack, want)
         else:
