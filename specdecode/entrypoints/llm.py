@@ -94,6 +94,8 @@ class LLM:
     ``batch_invariant=True`` computes each position's attention alone in decode and verify
     passes: with row-invariant linears (int4 / gguf on our CPU kernel) speculative greedy
     output then equals plain greedy bit for bit; it costs one attention call per position.
+    Where the fused CPU block runs (``llm.kernels`` ends in "fused CPU blocks"), passes of up
+    to 64 positions are invariant without it, and with it longer passes run the block too.
     Prompts run through the continuous-batching `ServingEngine` the server uses, at most
     ``max_num_seqs`` at a time; the rest queue. ``num_blocks`` sizes each engine's paged KV
     pool in blocks of 16 tokens (vLLM's ``num_gpu_blocks_override``; default: 256 MiB, at
