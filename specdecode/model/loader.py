@@ -164,7 +164,8 @@ def load_model(
         use_gguf_blocks_(model, config, blocks)
     elif quant is not None:
         quantize_model_(model, quant.mode, quant.group_size)
-    model.use_cpu_blocks()
+    else:
+        model.use_cpu_blocks()  # (the two branches above build it from their new weights)
     return LoadedModel(model, config, load_tokenizer(folder), name, str(folder))
 
 

@@ -353,7 +353,8 @@ class Transformer(nn.Module):
         stream after those layers ([B, T, H] each; -1 = the final normed hidden).
         ``batch_invariant`` runs attention one query at a time over exactly its visible
         keys, so a position's logits do not depend on what else is in the pass, as long
-        as the linears are row-invariant too (our int4 CPU kernel is; bf16 GEMMs are not).
+        as the linears are row-invariant too (our int4 and bf16 CPU kernels are; torch's bf16 GEMMs
+        are not). Where `cpu_blocks` runs, every pass is computed that way (cpu_block.py).
         ``valid`` [B, T] bool marks the real tokens of a padded batch (rows drafting fewer
         tokens than the widest): the linears and the LM head then run on the real tokens
         only, so a row pays for its own draft length, not the batch's widest. Padding may
