@@ -83,13 +83,10 @@ class CpuBlocks:
     def __init__(
         self, model: nn.Module, weights: list[_BlockWeights], keep: list[Tensor], head: _QLinear | None
     ) -> None:
-        from specdecode.model.masks import FULL
-
         self.weights, self._head = weights, head  # head: a bf16 LM head, which our GEMM reads faster than torch
         self._built_from = _fingerprint(model)
         self._addresses = [ctypes.addressof(w) for w in weights]
         self._keep = keep  # the tensors the structs point into: alive as long as this is
-        self.inv_freq, self.rope_scale = getattr(model, f"inv_freq_{FULL}").float(), model.rope_scale[FULL]
 
     @staticmethod
     def build(model: nn.Module) -> CpuBlocks | None:
@@ -153,7 +150,7 @@ class CpuBlocks:
     def run(
         self,
         x: Tensor,
-        positions: Tensor,
+        rope: tuple[Tensor, Tensor],
         lengths: Tensor,
         store: StorageIndex,
         block_mask: Tensor | None,
@@ -161,18 +158,17 @@ class CpuBlocks:
         want: set[int],
     ) -> tuple[Tensor, dict[int, Tensor]]:
         """The layers over ``x`` ([B, T, H], or [N, H] for the real tokens ``pack`` of a padded
-        pass): the residual stream after the last layer, and after each layer in ``want``."""
-        B, T = positions.shape
+        pass): the residual stream after the last layer, and after each layer in ``want``.
+        ``rope`` is the pass's cos and sin [B, T, D/2] (`Transformer.rope_angles`)."""
+        B, T, half = rope[0].shape
         flat = torch.arange(B * T) if pack is None else pack.cpu()
         row, t = flat // T, flat % T
         prefix = lengths.cpu()[row]
-        own = t[:, None] == torch.arange(T)  # [M, T]
         if block_mask is None:
-            vis = t[:, None] >= torch.arange(T)
+            vis = t[:, None] >= torch.arange(T)  # [M, T]
         else:
-            vis = block_mask.cpu().to(torch.bool)[row, t] | own
-        freqs = positions.reshape(-1)[flat].float()[:, None] * self.inv_freq  # [M, D/2]
-        cos, sin = (freqs.cos() * self.rope_scale).contiguous(), (freqs.sin() * self.rope_scale).contiguous()
+            vis = block_mask.cpu().to(torch.bool)[row, t] | (t[:, None] == torch.arange(T))  # and itself
+        cos, sin = (r.reshape(B * T, half)[flat].contiguous() for r in rope)  # [M, D/2]
         row32, t32, prefix32 = row.int(), t.int(), prefix.int()
         vis8, index = vis.to(torch.uint8).contiguous(), store.index.contiguous()
         args = _Pass(

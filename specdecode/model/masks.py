@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from specdecode.model.transformer import ModelConfig
+    from specdecode.model.model_config import ModelConfig
 
 FULL, SLIDING = "full", "sliding"
 
