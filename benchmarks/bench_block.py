@@ -6,8 +6,11 @@ T tokens over an empty cache. Each cell: median ms of ``--rounds`` passes, the t
 interleaved round by round so that machine noise hits both. The torch blocks are the same
 model with its ``cpu_blocks`` set to None, which is what `Transformer.forward` checks.
 Passes over `MAX_POSITIONS` positions run the torch blocks either way (reported as such).
+With ``--compiled`` a third path runs the torch blocks compiled by `specdecode.model.compiled`
+(what ``compile=True`` builds), interleaved with the other two; its first round, which
+builds the graphs, is dropped like every path's.
 
-    python benchmarks/bench_block.py [--modes none gguf] [--threads 2] [--rounds 9]
+    python benchmarks/bench_block.py [--modes none gguf] [--threads 2] [--rounds 9] [--compiled]
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 
 import torch
 
+from specdecode.model.compiled import compile_blocks
 from specdecode.model.cpu_block import MAX_POSITIONS
 from specdecode.model.loader import load_model
 
@@ -44,20 +48,30 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["none", "gguf"], help="quantization: none (bf16 weights), gguf")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--compiled", action="store_true", help="also the torch blocks under torch.compile")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"| weights | pass | B x T | fused ms | torch ms | torch / fused |\n|---|---|---|---|---|---|")
+    paths = ["fused", "torch"] + ["compiled"] * args.compiled
+    extra = " compiled ms | compiled / fused |" if args.compiled else ""
+    print(f"| weights | pass | B x T | fused ms | torch ms | torch / fused |{extra}")
+    print("|---" * (6 + 2 * args.compiled) + "|")
     for mode in args.modes:
         model = load_model(None, dtype="bfloat16", device="cpu", quantization=None if mode == "none" else mode).model
         fused = model.cpu_blocks
         assert fused is not None, "the fused block does not apply on this machine"
+        graphs = []
+        if args.compiled:
+            compile_blocks(model, "default")
+            graphs = [block._compiled_call_impl for block in model.layers]
         cells = [("decode/verify", B, T, 100) for B, T in DECODE] + [("prefill", 1, T, 0) for T in PREFILL]
         with torch.inference_mode():
             for kind, B, T, prompt in cells:
-                times: dict[str, list[float]] = {"fused": [], "torch": []}
+                times: dict[str, list[float]] = {name: [] for name in paths}
                 for r in range(args.rounds + 1):
-                    for name in ("fused", "torch") if r % 2 else ("torch", "fused"):
+                    for name in paths[r % len(paths):] + paths[: r % len(paths)]:  # rotated each round
                         model.cpu_blocks = fused if name == "fused" else None
+                        for block, graph in zip(model.layers, graphs):  # nn.Module.compile sets this one field
+                            block._compiled_call_impl = graph if name == "compiled" else None
                         ms = one_pass(model, B, T, prompt)
                         if r:  # the first round warms both up
                             times[name].append(ms)
@@ -65,7 +79,9 @@ def main() -> None:
                 f, t = statistics.median(times["fused"]), statistics.median(times["torch"])
                 note = "" if B * T <= MAX_POSITIONS else " (both torch: over MAX_POSITIONS)"
                 w = "bf16" if mode == "none" else mode
-                print(f"| {w} | {kind}{note} | {B} x {T} | {f:.1f} | {t:.1f} | {t / f:.2f}x |", flush=True)
+                c = statistics.median(times["compiled"]) if args.compiled else 0.0
+                cols = f" {c:.1f} | {c / f:.2f}x |" if args.compiled else ""
+                print(f"| {w} | {kind}{note} | {B} x {T} | {f:.1f} | {t:.1f} | {t / f:.2f}x |{cols}", flush=True)
         del model
 
 

@@ -33,10 +33,17 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--quantization", default=None, help="weights of the linears: none, int8, int4[-g32|-g64|-g128], gguf")
     g.add_argument("--batch-invariant", action="store_true",
                    help="attention one position at a time: exact greedy equality with int4/gguf weights")
+    _add_compile(g)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--compare", action="store_true", help="also run plain decoding and report the speedup")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
+
+
+def _add_compile(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile", nargs="?", const="auto", default="none",
+                   help="torch.compile the target's torch blocks, warmed up at load: auto (CUDA graphs on CUDA), "
+                        "default, reduce-overhead, max-autotune-no-cudagraphs, none (the default)")
 
 
 def _add_theory(sub: argparse._SubParsersAction) -> None:
@@ -62,6 +69,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--device", default="auto", help="auto, cpu, cuda")
     s.add_argument("--quantization", default=None, help="weights of the linears: none, int8, int4[-g32|-g64|-g128], gguf")
     s.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    _add_compile(s)
     s.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
@@ -190,7 +198,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from specdecode import LLM
 
     llm = LLM(model=args.model, speculative_config=spec, dtype=args.dtype, device=args.device,
-              quantization=args.quantization, batch_invariant=args.batch_invariant)  # fmt: skip
+              quantization=args.quantization, batch_invariant=args.batch_invariant, compile=args.compile)  # fmt: skip
     prompt_ids = llm.encode_chat(args.prompt) if args.chat else llm.tokenize(args.prompt)
     streamer = None if args.json else _TextStreamer(llm)
     out = llm.generate([prompt_ids], params, on_tokens=streamer)[0]
@@ -202,6 +210,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "finish_reason": out.finish_reason,
         "speculative_config": spec.to_dict() if spec else None,
         "kernels": llm.kernels,
+        "compile": llm.compile_mode,
         "metrics": out.metrics.to_dict(),
         "tokens_per_s": out.metrics.tokens_per_s,
     }
@@ -231,7 +240,7 @@ def _print_stats(r: dict[str, Any], speculative: bool) -> None:
         if m["lossy"]:
             lines.append("LOSSY: typical acceptance; the output is not guaranteed to follow the target's distribution")
     lines.append(f"tokens/s: {r['tokens_per_s']:.1f}  ({m['num_generated_tokens']} tokens in {m['wall_time_s']:.2f} s)")
-    lines.append(f"kernels: {r['kernels']}")
+    lines.append(f"kernels: {r['kernels']}" + (f"; torch blocks compiled ({r['compile']})" if r.get("compile") else ""))
     if "speedup" in r:
         lines.append(f"plain decoding: {r['baseline_tokens_per_s']:.1f} tokens/s  speedup: {r['speedup']:.2f}x")
         if r["identical"] is not None:
@@ -242,9 +251,13 @@ def _print_stats(r: dict[str, Any], speculative: bool) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import socket
 
+    import torch
+
     from specdecode.config import SpecConfig
+    from specdecode.model.compiled import parse_compile
 
     SpecConfig.parse(args.speculative_config)  # bad JSON fails before the model loads
+    parse_compile(args.compile, torch.device("cpu"))
     if not 0 <= args.port <= 65535:
         raise SpecDecodeError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_num_seqs < 1:
@@ -259,14 +272,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except OSError as e:
         raise SpecDecodeError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     if args.threads is not None:
-        import torch
-
         torch.set_num_threads(args.threads)
     from specdecode.entrypoints.server import run_server
 
     run_server(model=args.model, speculative_config=args.speculative_config, host=args.host, port=args.port,
                max_num_seqs=args.max_num_seqs, api_key=args.api_key, dtype=args.dtype, device=args.device,
-               quantization=args.quantization, max_model_len=args.max_model_len, log_level=args.log_level)  # fmt: skip
+               quantization=args.quantization, max_model_len=args.max_model_len, log_level=args.log_level,
+               compile=args.compile)  # fmt: skip
     return 0
 
 

@@ -97,7 +97,11 @@ class LLM:
     Where the fused CPU block runs (``llm.kernels`` ends in "fused CPU blocks"), passes of up
     to 64 positions are invariant without it, and with it longer passes run the block too.
     Prompts run through the continuous-batching `ServingEngine` the server uses, at most
-    ``max_num_seqs`` at a time; the rest queue. ``num_blocks`` sizes each engine's paged KV
+    ``max_num_seqs`` at a time; the rest queue. ``compile`` (True / "auto", or a torch.compile
+    mode) compiles the target's torch blocks and warms the decode, verify and prefill shapes
+    up at load; ``llm.compile_mode`` says what runs (None: eager, also after a failed
+    compile). Where the fused CPU block runs, it keeps the passes it takes and the graphs
+    serve the longer ones. ``num_blocks`` sizes each engine's paged KV
     pool in blocks of 16 tokens (vLLM's ``num_gpu_blocks_override``; default: 256 MiB, at
     least one full sequence): raise it to keep many long sequences resident.
     """
@@ -113,12 +117,15 @@ class LLM:
         batch_invariant: bool = False,
         max_num_seqs: int = 16,
         num_blocks: int | None = None,
+        compile: bool | str = False,
     ) -> None:
-        from specdecode.model.loader import load_model
+        from specdecode.model.compiled import compile_target, parse_compile
+        from specdecode.model.loader import load_model, resolve_device
         from specdecode.model.quant import describe_kernels, parse_quantization
 
         spec = SpecConfig.parse(speculative_config)  # fail on a bad config before loading anything
         parse_quantization(quantization)
+        compile_mode = parse_compile(compile, resolve_device(device))
         self.target = load_model(model, dtype=dtype, device=device, quantization=quantization)
         self.kernels = describe_kernels(self.target.model)
         context = self.target.config.max_position_embeddings
@@ -129,9 +136,19 @@ class LLM:
         self.spec = spec
         engine_args = dict(max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, num_blocks=num_blocks,
                            batch_invariant=batch_invariant)  # fmt: skip
-        self.engine = ServingEngine(self.target, spec, quantization=quantization, **engine_args)
-        # plain decoding of the same model, for baselines: its own engine, so no drafter work is timed
-        self._plain = ServingEngine(self.target, None, **engine_args) if spec is not None else self.engine
+        self.compile_mode = None
+        if compile_mode is not None:  # warmed up on throwaway engines, so no dummy request leaves state behind
+            self.compile_mode = compile_target(self.target.model, compile_mode, lambda: self._build_engines(
+                spec, quantization, engine_args))  # fmt: skip
+        self.engine, self._plain = self._build_engines(spec, quantization, engine_args)
+
+    def _build_engines(
+        self, spec: SpecConfig | None, quantization: str | None, engine_args: dict
+    ) -> tuple[ServingEngine, ServingEngine]:
+        """The engine, and one for plain decoding of the same model (for baselines: its own
+        engine, so no drafter work is timed; the same one when there is no drafter)."""
+        engine = ServingEngine(self.target, spec, quantization=quantization, **engine_args)
+        return engine, (ServingEngine(self.target, None, **engine_args) if spec is not None else engine)
 
     def generate(
         self,

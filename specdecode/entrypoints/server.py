@@ -352,21 +352,31 @@ def run_server(
     quantization: str | None = None,
     max_model_len: int | None = None,
     log_level: str = "info",
+    compile: bool | str = False,
 ) -> None:
-    """Load the model, build the engine and serve until SIGTERM / SIGINT (then drain)."""
+    """Load the model, build the engine and serve until SIGTERM / SIGINT (then drain).
+    ``compile`` as for `LLM`: the target's blocks compiled and warmed up before the port opens."""
     from specdecode.config import SpecConfig
     from specdecode.engine.serving import ServingEngine
-    from specdecode.model.loader import load_model
+    from specdecode.model.compiled import compile_target, parse_compile
+    from specdecode.model.loader import load_model, resolve_device
     from specdecode.model.quant import parse_quantization
 
     spec = SpecConfig.parse(speculative_config)  # bad input fails before the model loads
     parse_quantization(quantization)
+    compile_mode = parse_compile(compile, resolve_device(device))
     target = load_model(model, dtype=dtype, device=device, quantization=quantization)
     context = target.config.max_position_embeddings
     if max_model_len is not None and not 1 < max_model_len <= context:
         raise SpecDecodeError(f"max_model_len must be in [2, {context}], got {max_model_len}")
     max_model_len = max_model_len or context
-    engine = ServingEngine(target, spec, max_model_len=max_model_len, max_num_seqs=max_num_seqs, quantization=quantization)
+
+    def new_engine() -> ServingEngine:
+        return ServingEngine(target, spec, max_model_len=max_model_len, max_num_seqs=max_num_seqs, quantization=quantization)
+
+    if compile_mode is not None:
+        compile_target(target.model, compile_mode, lambda: [new_engine()])
+    engine = new_engine()
     app = create_app(engine, target.tokenizer, target.name, max_model_len=max_model_len,
                      vocab_size=target.config.vocab_size, api_key=api_key, aliases=[model] if model else [])  # fmt: skip
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level)

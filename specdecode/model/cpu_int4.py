@@ -121,6 +121,15 @@ def pack_avx512_bf16(q: Tensor, scales: Tensor, zeros: Tensor, group_size: int, 
 
 
 def avx512_bf16_mm(x: Tensor, packed: Tensor, sz: Tensor) -> Tensor:
+    """y [M, N] bf16 = x [M, K] bf16 @ the packed int4 weight. Inside torch.compile it runs as
+    the opaque custom op below (a ctypes call cannot be traced); eagerly it is called directly,
+    since the op dispatcher would add its overhead to every linear of every step."""
+    if torch.compiler.is_compiling():
+        return _int4_mm_op(x, packed, sz)
+    return _int4_mm(x, packed, sz)
+
+
+def _int4_mm(x: Tensor, packed: Tensor, sz: Tensor) -> Tensor:
     M, K = x.shape
     N = packed.shape[0] * 32
     y = torch.empty(M, N, dtype=torch.bfloat16)
@@ -142,6 +151,19 @@ def avx512_rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float) -> Ten
 
 
 def fast_cpu_norm(x: Tensor, weight: Tensor) -> bool:
-    """Whether our CPU library normalises ``x``: bf16 on a CPU it compiled for, and no autograd."""
+    """Whether our CPU library normalises ``x``: bf16 on a CPU it compiled for, no autograd, and
+    not inside torch.compile (which fuses the torch norm into its neighbours instead)."""
+    if torch.compiler.is_compiling():
+        return False
     ok = x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
     return ok and x.shape[-1] % 16 == 0 and not torch.is_grad_enabled() and avx512_bf16_lib() is not None
+
+
+@torch.library.custom_op("specdecode::int4_avx512_bf16_mm", mutates_args=())
+def _int4_mm_op(x: Tensor, packed: Tensor, sz: Tensor) -> Tensor:
+    return _int4_mm(x, packed, sz)
+
+
+@_int4_mm_op.register_fake
+def _(x: Tensor, packed: Tensor, sz: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0] * 32, dtype=torch.bfloat16)

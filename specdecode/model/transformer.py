@@ -82,6 +82,17 @@ class Attention(nn.Module):
             q, k = apply_rope(self.q_norm(q), *rope), apply_rope(self.k_norm(k), *rope)
         else:  # one RoPE over q and k together
             q, k = apply_rope(qkv[:, :, : H + Hkv], *rope).split((H, Hkv), dim=2)
+        out = self._attend(q, k, v, mask, step)
+        return self.o(step.pack_rows(out.reshape(B, T, H * D)))
+
+    # Eager even inside a compiled block (see model/compiled.py): the cache's bookkeeping, the
+    # layer index and the pass's KV length would otherwise specialise a graph per layer and step.
+    @torch.compiler.disable
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, step: _Step) -> Tensor:
+        """Write this pass's K/V [B, T, Hkv, D] and attend with queries [B, T, H, D]; the output
+        holds B·T·H·D values (callers reshape it to [B, T, H·D])."""
+        B, T = step.slots.shape
+        Hkv, G, D = self.kv_heads, self.group, self.head_dim
         k, v = step.cache.append(self.layer, k.transpose(1, 2), v.transpose(1, 2), step.slots, step.kv_len)
         if step.visible is not None:
             out = self._attend_rowwise(q, k, v, step.visible[self.kind])
@@ -95,7 +106,7 @@ class Attention(nn.Module):
             q = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
             out = out.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4)
-        return self.o(step.pack_rows(out.reshape(B, T, H * D)))
+        return out
 
     def _attend_split(self, q: Tensor, k: Tensor, v: Tensor, rows: Tensor, first: Tensor, rest: Tensor) -> Tensor:
         """A padded pass where few rows draft deep: every row's first query in one SDPA, and
