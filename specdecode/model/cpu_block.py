@@ -87,6 +87,7 @@ class CpuBlocks:
         self._built_from = _fingerprint(model)
         self._addresses = [ctypes.addressof(w) for w in weights]
         self._keep = keep  # the tensors the structs point into: alive as long as this is
+        self._causal_tables: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}
 
     @staticmethod
     def build(model: nn.Module) -> CpuBlocks | None:
@@ -137,6 +138,15 @@ class CpuBlocks:
         k = None if store is None else store.keys[0]
         return k is not None and k.dtype == torch.bfloat16 and k.device.type == "cpu" and k.is_contiguous()
 
+    def _causal(self, B: int, T: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Row and step of each of B·T unpacked positions (int32 [B·T]) and their causal
+        visibility within the pass (uint8 [B·T, T]): built once per (B, T), read-only."""
+        if (B, T) not in self._causal_tables:
+            t = torch.arange(T).repeat(B)
+            vis = (t[:, None] >= torch.arange(T)).to(torch.uint8)
+            self._causal_tables[B, T] = (torch.arange(B).repeat_interleave(T).int(), t.int(), vis)
+        return self._causal_tables[B, T]
+
     def head(self, x: Tensor, lm_head: nn.Module) -> Tensor:
         """``lm_head(x)`` [..., V]: through our bf16 GEMM when the head is a bf16 weight."""
         if self._head is None or x.dtype != torch.bfloat16:
@@ -161,18 +171,24 @@ class CpuBlocks:
         pass): the residual stream after the last layer, and after each layer in ``want``.
         ``rope`` is the pass's cos and sin [B, T, D/2] (`Transformer.rope_angles`)."""
         B, T, half = rope[0].shape
-        flat = torch.arange(B * T) if pack is None else pack.cpu()
-        row, t = flat // T, flat % T
-        prefix = lengths.cpu()[row]
-        if block_mask is None:
-            vis = t[:, None] >= torch.arange(T)  # [M, T]
+        cos, sin = (r.reshape(B * T, half) for r in rope)  # [M, D/2]: views of contiguous tables
+        if pack is None and block_mask is None:  # every chain and decode pass: constants per (B, T)
+            row32, t32, vis8 = self._causal(B, T)
+            prefix32 = lengths.cpu().int()
+            prefix32 = prefix32 if T == 1 else prefix32.repeat_interleave(T)
         else:
-            vis = block_mask.cpu().to(torch.bool)[row, t] | (t[:, None] == torch.arange(T))  # and itself
-        cos, sin = (r.reshape(B * T, half)[flat].contiguous() for r in rope)  # [M, D/2]
-        row32, t32, prefix32 = row.int(), t.int(), prefix.int()
-        vis8, index = vis.to(torch.uint8).contiguous(), store.index.contiguous()
+            flat = torch.arange(B * T) if pack is None else pack.cpu()
+            row, t = flat // T, flat % T
+            if block_mask is None:
+                vis = t[:, None] >= torch.arange(T)  # [M, T]
+            else:
+                vis = block_mask.cpu().to(torch.bool)[row, t] | (t[:, None] == torch.arange(T))  # and itself
+            cos, sin = cos[flat], sin[flat]
+            row32, t32, prefix32 = row.int(), t.int(), lengths.cpu()[row].int()
+            vis8 = vis.to(torch.uint8).contiguous()
+        cos, sin, index = cos.contiguous(), sin.contiguous(), store.index.contiguous()
         args = _Pass(
-            flat.numel(), T, row32.data_ptr(), t32.data_ptr(), prefix32.data_ptr(), vis8.data_ptr(),
+            row32.numel(), T, row32.data_ptr(), t32.data_ptr(), prefix32.data_ptr(), vis8.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), index.data_ptr(), index.shape[1],
             store.slot_stride, store.head_stride, torch.get_num_threads(),
         )  # fmt: skip

@@ -323,6 +323,8 @@ class Transformer(nn.Module):
         """cos and sin [..., D/2] in fp32 (attention scaling included) for one layer type."""
         freqs = positions[..., None].float() * getattr(self, f"inv_freq_{kind}").float()  # [..., D/2]
         scale = self.rope_scale[kind]
+        if scale == 1.0:  # most models: two ops fewer per pass, and x * 1.0 == x exactly
+            return freqs.cos(), freqs.sin()
         return freqs.cos() * scale, freqs.sin() * scale
 
     def rope_tables(self, kind: str, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
