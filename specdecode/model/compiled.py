@@ -50,6 +50,10 @@ def parse_compile(mode: str | bool | None, device: torch.device) -> str | None:
 def compile_blocks(model: torch.nn.Module, mode: str) -> None:
     """Compile every block of ``model`` (a `Transformer`) in place, lazily: graphs are built
     at the first pass of each shape bucket."""
+    # Every bucket (one or several rows and tokens, with or without a mask or packed rows) is
+    # a recompile of the same code; torch's default limit of 8 is reached by one model's
+    # buckets and a second model's in one process, after which new shapes would run eagerly.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for block in model.layers:
         block.compile(dynamic=True, mode=mode)
 
