@@ -6,11 +6,12 @@ T tokens over an empty cache. Each cell: median ms of ``--rounds`` passes, the t
 interleaved round by round so that machine noise hits both. The torch blocks are the same
 model with its ``cpu_blocks`` set to None, which is what `Transformer.forward` checks.
 Passes over `MAX_POSITIONS` positions run the torch blocks either way (reported as such).
-With ``--compiled`` a third path runs the torch blocks compiled by `specdecode.model.compiled`
-(what ``compile=True`` builds), interleaved with the other two; its first round, which
-builds the graphs, is dropped like every path's.
+With ``--compiled [MODE]`` a third path runs the torch blocks compiled by
+`specdecode.model.compiled` (what ``compile=True`` builds), interleaved with the other two;
+its first round, which builds the graphs, is dropped like every path's. ``--device cuda``
+times the torch blocks eager against compiled (``auto``: CUDA graphs), with no fused path.
 
-    python benchmarks/bench_block.py [--modes none gguf] [--threads 2] [--rounds 9] [--compiled]
+    python benchmarks/bench_block.py [--modes none gguf] [--threads 2] [--rounds 9] [--compiled [MODE]] [--device cuda]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 
 import torch
 
-from specdecode.model.compiled import compile_blocks
+from specdecode.model.compiled import compile_blocks, parse_compile
 from specdecode.model.cpu_block import MAX_POSITIONS
 from specdecode.model.loader import load_model
 
@@ -31,37 +32,46 @@ PREFILL = [16, 64]
 
 def one_pass(model, B: int, T: int, prompt: int) -> float:
     """ms of one forward of B x T new tokens after ``prompt`` cached tokens per row."""
+    device = model.embed.weight.device
     cache = model.new_cache(B, prompt + T + 1)
     g = torch.Generator().manual_seed(B * 100 + T)
     if prompt:
-        model(torch.randint(0, 1000, (B, prompt), generator=g), torch.arange(prompt).expand(B, prompt), cache)
-        cache.commit(torch.full((B,), prompt))
-    toks = torch.randint(0, 1000, (B, T), generator=g)
-    pos = cache.lengths[:, None] + torch.arange(T)
+        ids = torch.randint(0, 1000, (B, prompt), generator=g).to(device)
+        model(ids, torch.arange(prompt, device=device).expand(B, prompt), cache)
+        cache.commit(torch.full((B,), prompt, device=device))
+    toks = torch.randint(0, 1000, (B, T), generator=g).to(device)
+    pos = cache.lengths[:, None] + torch.arange(T, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
     start = time.perf_counter()
     model(toks, pos, cache)
+    sync()
     return (time.perf_counter() - start) * 1e3
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modes", nargs="+", default=["none", "gguf"], help="quantization: none (bf16 weights), gguf")
+    ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (where the fused block does not run)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--compiled", action="store_true", help="also the torch blocks under torch.compile")
+    ap.add_argument("--compiled", nargs="?", const="auto", default=None,
+                    help="also the torch blocks under torch.compile, in this mode (auto: CUDA graphs on CUDA)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    paths = ["fused", "torch"] + ["compiled"] * args.compiled
-    extra = " compiled ms | compiled / fused |" if args.compiled else ""
-    print(f"| weights | pass | B x T | fused ms | torch ms | torch / fused |{extra}")
-    print("|---" * (6 + 2 * args.compiled) + "|")
+    device = torch.device(args.device)
+    compile_mode = parse_compile(args.compiled, device) if args.compiled else None
     for mode in args.modes:
-        model = load_model(None, dtype="bfloat16", device="cpu", quantization=None if mode == "none" else mode).model
+        model = load_model(args.model, dtype="bfloat16", device=args.device, quantization=None if mode == "none" else mode).model
         fused = model.cpu_blocks
-        assert fused is not None, "the fused block does not apply on this machine"
+        paths = ["fused"] * (fused is not None) + ["torch"] + ["compiled"] * (compile_mode is not None)
+        print(f"\n| weights | pass | B x T | {' | '.join(f'{p} ms' for p in paths)} | "
+              + " | ".join(f"{p} / {paths[0]}" for p in paths[1:]) + " |")
+        print("|---" * (3 + 2 * len(paths) - 1) + "|")
         graphs = []
-        if args.compiled:
-            compile_blocks(model, "default")
+        if compile_mode is not None:
+            compile_blocks(model, compile_mode)
             graphs = [block._compiled_call_impl for block in model.layers]
         cells = [("decode/verify", B, T, 100) for B, T in DECODE] + [("prefill", 1, T, 0) for T in PREFILL]
         with torch.inference_mode():
@@ -73,15 +83,14 @@ def main() -> None:
                         for block, graph in zip(model.layers, graphs):  # nn.Module.compile sets this one field
                             block._compiled_call_impl = graph if name == "compiled" else None
                         ms = one_pass(model, B, T, prompt)
-                        if r:  # the first round warms both up
+                        if r:  # the first round warms every path up (and builds the graphs)
                             times[name].append(ms)
                 model.cpu_blocks = fused
-                f, t = statistics.median(times["fused"]), statistics.median(times["torch"])
-                note = "" if B * T <= MAX_POSITIONS else " (both torch: over MAX_POSITIONS)"
+                med = [statistics.median(times[name]) for name in paths]
+                note = " (fused: torch, over MAX_POSITIONS)" if fused is not None and B * T > MAX_POSITIONS else ""
                 w = "bf16" if mode == "none" else mode
-                c = statistics.median(times["compiled"]) if args.compiled else 0.0
-                cols = f" {c:.1f} | {c / f:.2f}x |" if args.compiled else ""
-                print(f"| {w} | {kind}{note} | {B} x {T} | {f:.1f} | {t:.1f} | {t / f:.2f}x |{cols}", flush=True)
+                ratios = " | ".join(f"{m / med[0]:.2f}x" for m in med[1:])
+                print(f"| {w} | {kind}{note} | {B} x {T} | {' | '.join(f'{m:.1f}' for m in med)} | {ratios} |", flush=True)
         del model
 
 

@@ -28,48 +28,62 @@ def test_modes_parse_and_bad_ones_name_the_supported():
         parse_compile("fast", cpu)
 
 
-def test_compiled_blocks_give_eager_logits_on_every_pass_shape(tiny):
-    model = load_model(tiny, dtype="float32", device="cpu", progress=False).model
+def _passes(model) -> list[torch.Tensor]:
+    """prefill of 2 rows, then per row lengths 9 and 7: 1-token decode, a 4-token verify, and a
+    padded pass where row 1 has only 2 real tokens (the packed path); then one row alone."""
+    dev = model.embed.weight.device
     torch.manual_seed(0)
-    prompt = torch.randint(0, 100, (2, 9))
+    prompt = torch.randint(0, 100, (2, 9)).to(dev)
+    cache = model.new_cache(2, 32)
+    out = [model(prompt, torch.arange(9, device=dev).expand(2, 9), cache)]
+    cache.commit(torch.tensor([9, 7], device=dev))
+    for T, valid in ((1, None), (4, None), (4, torch.tensor([[True] * 4, [True, True, False, False]]))):
+        tokens = torch.randint(0, 100, (2, T), generator=torch.Generator().manual_seed(T)).to(dev)
+        positions = cache.lengths[:, None] + torch.arange(T, device=dev)
+        out.append(model(tokens, positions, cache, valid=None if valid is None else valid.to(dev)).clone())
+        cache.commit(torch.tensor([1, 1], device=dev))
+    one = model.new_cache(1, 32)  # one row: its own graphs (sizes 1 are specialised)
+    out.append(model(prompt[:1], torch.arange(9, device=dev)[None], one).clone())
+    one.commit(torch.tensor([9], device=dev))
+    out.append(model(prompt[:1, :1], torch.tensor([[9]], device=dev), one).clone())
+    return out
 
-    def passes() -> list[torch.Tensor]:
-        """prefill of 2 rows, then per row lengths 9 and 7: 1-token decode, a 4-token verify, and a
-        padded pass where row 1 has only 2 real tokens (the packed path)."""
-        cache = model.new_cache(2, 32)
-        out = [model(prompt, torch.arange(9).expand(2, 9), cache)]
-        cache.commit(torch.tensor([9, 7]))
-        for T, valid in ((1, None), (4, None), (4, torch.tensor([[True] * 4, [True, True, False, False]]))):
-            tokens = torch.randint(0, 100, (2, T), generator=torch.Generator().manual_seed(T))
-            positions = cache.lengths[:, None] + torch.arange(T)
-            out.append(model(tokens, positions, cache, valid=valid))
-            cache.commit(torch.tensor([1, 1]))
-        one = model.new_cache(1, 32)  # one row: its own graphs (sizes 1 are specialised)
-        out.append(model(prompt[:1], torch.arange(9)[None], one))
-        one.commit(torch.tensor([9]))
-        out.append(model(prompt[:1, :1], torch.tensor([[9]]), one))
-        return out
 
+@pytest.mark.parametrize(
+    "device, mode",
+    [("cpu", "default"),
+     pytest.param("cuda", "reduce-overhead", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))],
+)  # fmt: skip
+def test_compiled_blocks_give_eager_logits_on_every_pass_shape(tiny, device, mode):
+    """On CUDA, ``reduce-overhead`` also replays each bucket as a CUDA graph."""
+    model = load_model(tiny, dtype="float32", device=device, progress=False).model
     with torch.inference_mode():
-        eager = passes()
-        compile_blocks(model, "default")
+        eager = _passes(model)
+        compile_blocks(model, mode)
         try:
-            got = passes()
+            got = _passes(model)
+            again = _passes(model)  # graphs replayed (CUDA graphs: after their recording)
         finally:
             uncompile_blocks(model)
-    for e, g in zip(eager, got):
+    for e, g, a in zip(eager, got, again):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_compiled_speculative_greedy_equals_plain_greedy(tiny, dtype):
+@pytest.mark.parametrize(
+    "device, dtype",
+    [("cpu", "float32"), ("cpu", "bfloat16"),
+     pytest.param("cuda", "float32", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))],
+)  # fmt: skip
+def test_compiled_speculative_greedy_equals_plain_greedy(tiny, device, dtype):
     """fp32: every pass compiled. bf16: the fused CPU block keeps the short passes, and the
-    warm-up's prefill, longer than it takes, builds the torch blocks' graphs (they run then)."""
+    warm-up's prefill, longer than it takes, builds the torch blocks' graphs (they run then).
+    CUDA: ``compile=True`` means CUDA graphs."""
     torch._dynamo.utils.counters.clear()
-    llm = LLM(model=tiny, speculative_config=NGRAM, dtype=dtype, device="cpu", compile=True)
+    llm = LLM(model=tiny, speculative_config=NGRAM, dtype=dtype, device=device, compile=True)
     try:
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the warm-up compiled
-        assert llm.compile_mode == "default"
+        assert llm.compile_mode == ("reduce-overhead" if device == "cuda" else "default")
         params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
         prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10]]
         spec = llm.generate(prompts, params)

