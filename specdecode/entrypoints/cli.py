@@ -41,9 +41,14 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_compile(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--compile", nargs="?", const="auto", default="none",
-                   help="torch.compile the target's torch blocks, warmed up at load: auto (CUDA graphs on CUDA), "
-                        "default, reduce-overhead, max-autotune-no-cudagraphs, none (the default)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the target's torch blocks, warmed up at load")
+    p.add_argument("--compile-mode", default=None,
+                   help="with --compile: default (also 'auto'), reduce-overhead (CUDA graphs), max-autotune-no-cudagraphs")
+
+
+def _compile(args: argparse.Namespace) -> bool | str:
+    """``LLM(compile=...)`` from the flags: a mode implies --compile."""
+    return args.compile_mode or args.compile
 
 
 def _add_theory(sub: argparse._SubParsersAction) -> None:
@@ -198,7 +203,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from specdecode import LLM
 
     llm = LLM(model=args.model, speculative_config=spec, dtype=args.dtype, device=args.device,
-              quantization=args.quantization, batch_invariant=args.batch_invariant, compile=args.compile)  # fmt: skip
+              quantization=args.quantization, batch_invariant=args.batch_invariant, compile=_compile(args))  # fmt: skip
     prompt_ids = llm.encode_chat(args.prompt) if args.chat else llm.tokenize(args.prompt)
     streamer = None if args.json else _TextStreamer(llm)
     out = llm.generate([prompt_ids], params, on_tokens=streamer)[0]
@@ -251,13 +256,11 @@ def _print_stats(r: dict[str, Any], speculative: bool) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import socket
 
-    import torch
-
     from specdecode.config import SpecConfig
     from specdecode.model.compiled import parse_compile
 
     SpecConfig.parse(args.speculative_config)  # bad JSON fails before the model loads
-    parse_compile(args.compile, torch.device("cpu"))
+    parse_compile(_compile(args))
     if not 0 <= args.port <= 65535:
         raise SpecDecodeError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_num_seqs < 1:
@@ -272,13 +275,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except OSError as e:
         raise SpecDecodeError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     if args.threads is not None:
+        import torch
+
         torch.set_num_threads(args.threads)
     from specdecode.entrypoints.server import run_server
 
     run_server(model=args.model, speculative_config=args.speculative_config, host=args.host, port=args.port,
                max_num_seqs=args.max_num_seqs, api_key=args.api_key, dtype=args.dtype, device=args.device,
                quantization=args.quantization, max_model_len=args.max_model_len, log_level=args.log_level,
-               compile=args.compile)  # fmt: skip
+               compile=_compile(args))  # fmt: skip
     return 0
 
 

@@ -125,7 +125,7 @@ class LLM:
 
         spec = SpecConfig.parse(speculative_config)  # fail on a bad config before loading anything
         parse_quantization(quantization)
-        compile_mode = parse_compile(compile, resolve_device(device))
+        compile_mode = parse_compile(compile)
         self.target = load_model(model, dtype=dtype, device=device, quantization=quantization)
         self.kernels = describe_kernels(self.target.model)
         context = self.target.config.max_position_embeddings

@@ -364,7 +364,7 @@ def run_server(
 
     spec = SpecConfig.parse(speculative_config)  # bad input fails before the model loads
     parse_quantization(quantization)
-    compile_mode = parse_compile(compile, resolve_device(device))
+    compile_mode = parse_compile(compile)
     target = load_model(model, dtype=dtype, device=device, quantization=quantization)
     context = target.config.max_position_embeddings
     if max_model_len is not None and not 1 < max_model_len <= context:

@@ -11,7 +11,10 @@ every context length. A block sees only tensors of the pass's shape, the cache, 
 pass's KV length, which dynamic shapes keep symbolic. Dynamo still specialises sizes 0
 and 1, so one token, one row and several of each are separate graphs: the "buckets".
 Layers of the same structure share their graphs (modules are inlined, not guarded by
-identity). On CUDA, ``mode="reduce-overhead"`` also captures each bucket as a CUDA graph.
+identity). ``mode="reduce-overhead"`` also captures each bucket as a CUDA graph on CUDA
+(not yet validated on a GPU; ``compile=True`` means "default"). After the warm-up, a shape
+that fails to compile raises as any error of the pass would: nothing here changes torch's
+process-wide error handling (only its recompile limit, raised for the buckets).
 
 With the fused CPU block (cpu_block.py) the passes it takes (≤ MAX_POSITIONS tokens) stay
 one C call per layer, faster than any compiled graph on this CPU (docs/benchmarks.md); the
@@ -33,15 +36,17 @@ from specdecode.config import SpecDecodeError
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune-no-cudagraphs")
 
 
-def parse_compile(mode: str | bool | None, device: torch.device) -> str | None:
+def parse_compile(mode: str | bool | None) -> str | None:
     """``compile`` as given by a user -> a torch.compile mode, or None for eager.
 
-    ``True`` / "auto" pick "reduce-overhead" (CUDA graphs) on CUDA and "default" on CPU.
+    ``True`` / "auto" pick "default" everywhere for now. "reduce-overhead" (CUDA graphs) is
+    there to ask for on CUDA, but it is not yet validated on a GPU: it records a graph per
+    prefill length, and per thread (the server's engine thread records its own).
     """
     if mode in (None, False, "none"):
         return None
     if mode is True or mode == "auto":
-        return "reduce-overhead" if device.type == "cuda" else "default"
+        return "default"
     if mode not in COMPILE_MODES:
         raise SpecDecodeError(f"unknown compile mode {mode!r}; supported: auto, {', '.join(COMPILE_MODES)}")
     return mode
@@ -50,10 +55,22 @@ def parse_compile(mode: str | bool | None, device: torch.device) -> str | None:
 def compile_blocks(model: torch.nn.Module, mode: str) -> None:
     """Compile every block of ``model`` (a `Transformer`) in place, lazily: graphs are built
     at the first pass of each shape bucket."""
+    from specdecode.model.transformer import Attention
+
+    # Attention and the cache write stay eager between a block's two graphs. Marked here, once
+    # per process, rather than where it is defined: the mark imports dynamo (~1 s), which no
+    # eager run should pay; eagerly it costs ~0.5 us a call.
+    if not getattr(Attention._attend, "_specdecode_eager", False):
+        eager = torch.compiler.disable(Attention._attend)
+        eager._specdecode_eager = True
+        Attention._attend = eager
     # Every bucket (one or several rows and tokens, with or without a mask or packed rows) is
     # a recompile of the same code; torch's default limit of 8 is reached by one model's
     # buckets and a second model's in one process, after which new shapes would run eagerly.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    # (The setting is process-wide; its name changed in torch 2.7.)
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), 64))
     for block in model.layers:
         block.compile(dynamic=True, mode=mode)
 
@@ -75,11 +92,17 @@ def compile_target(model: torch.nn.Module, mode: str, make_engines: Callable[[],
     """Compile ``model``'s blocks and warm them up on the engines ``make_engines()`` builds
     (throwaway: the caller builds its own afterwards). Returns ``mode``, or None after a
     failed compile: eager blocks again and a one-line warning, since a broken compiler
-    (no C++ toolchain, an unsupported op) must not stop generation."""
+    (no C++ toolchain, an unsupported op) must not stop generation. Errors of our own
+    (`SpecDecodeError`) are not compile failures and propagate."""
+    engines = list(dict.fromkeys(make_engines()))  # LLM's plain engine may be its engine
     try:
         compile_blocks(model, mode)
-        engines = list(dict.fromkeys(make_engines()))  # LLM's plain engine may be its engine
-        warm_up(engines, progress)
+        # a failure must raise here, whatever an earlier user of torch.compile set
+        with torch._dynamo.config.patch(suppress_errors=False):
+            warm_up(engines, progress)
+    except SpecDecodeError:
+        uncompile_blocks(model)
+        raise
     except Exception as e:  # noqa: BLE001 -- whatever the compiler raised, eager still works
         fall_back(model, e)
         return None
@@ -98,19 +121,17 @@ def warm_up(engines: Sequence, progress: bool = True) -> None:
     from specdecode.model.cpu_block import MAX_POSITIONS
 
     runs = [(engine, n) for engine in engines for n in (1, 2)]
-    with tqdm(total=len(runs), desc="compiling (warm-up)", unit="pass", disable=not progress) as bar:
+    with tqdm(total=len(runs), desc="compiling (warm-up)", unit="batch", disable=not progress) as bar:
         for engine, n in runs:
             vocab = engine.target.config.vocab_size
-            params = SamplingParams(temperature=0.0, max_tokens=engine.gamma + 6, ignore_eos=True)
-            length = min(MAX_POSITIONS + 16, engine.max_model_len - params.max_tokens - n)
+            room = engine.max_model_len - 1  # a prompt of >= 1 token, then >= 1 new token
+            params = SamplingParams(temperature=0.0, max_tokens=max(1, min(engine.gamma + 6, room // 2)),
+                                    ignore_eos=True)  # fmt: skip
+            length = max(1, min(MAX_POSITIONS + 16, engine.max_model_len - params.max_tokens))
             pattern = [(37 * i + 11) % vocab for i in range(8)]  # repeated, so n-gram drafters propose
             prompt = (pattern * (length // 8 + 1))[:length]
-            for i in range(n):
-                engine.add_request(f"__warm_up_{n}_{i}__", prompt[i:], params)
+            for i in range(n):  # rotated: rows of the same length, different tokens
+                engine.add_request(f"__warm_up_{n}_{i}__", prompt[i:] + prompt[:i], params)
             while engine.has_unfinished():
                 engine.step()
             bar.update(1)
-    # From here on, a frame that fails to compile (a shape the warm-up did not meet) runs
-    # eagerly, with torch's log line, instead of failing a request. During the warm-up a
-    # failure raises, so the caller can fall back to eager as a whole and say so.
-    torch._dynamo.config.suppress_errors = True

@@ -172,9 +172,9 @@ class CpuBlocks:
         ``rope`` is the pass's cos and sin [B, T, D/2] (`Transformer.rope_angles`)."""
         B, T, half = rope[0].shape
         cos, sin = (r.reshape(B * T, half) for r in rope)  # [M, D/2]: views of contiguous tables
-        if pack is None and block_mask is None:  # every chain and decode pass: constants per (B, T)
+        if pack is None and block_mask is None and B * T <= MAX_POSITIONS:  # chains, decode: constants per (B, T)
             row32, t32, vis8 = self._causal(B, T)
-            prefix32 = lengths.cpu().int()
+            prefix32 = lengths.cpu().int().contiguous()
             prefix32 = prefix32 if T == 1 else prefix32.repeat_interleave(T)
         else:
             flat = torch.arange(B * T) if pack is None else pack.cpu()

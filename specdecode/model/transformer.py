@@ -85,9 +85,10 @@ class Attention(nn.Module):
         out = self._attend(q, k, v, mask, step)
         return self.o(step.pack_rows(out.reshape(B, T, H * D)))
 
-    # Eager even inside a compiled block (see model/compiled.py): the cache's bookkeeping, the
-    # layer index and the pass's KV length would otherwise specialise a graph per layer and step.
-    @torch.compiler.disable
+    # Eager even inside a compiled block: model/compiled.py marks it so when it first compiles
+    # (not here: torch.compiler.disable imports dynamo, ~1 s at every start). The cache's
+    # bookkeeping, the layer index and the pass's KV length would otherwise specialise a
+    # graph per layer and step.
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, step: _Step) -> Tensor:
         """Write this pass's K/V [B, T, Hkv, D] and attend with queries [B, T, H, D]; the output
         holds B·T·H·D values (callers reshape it to [B, T, H·D])."""

@@ -78,6 +78,7 @@ def test_generate_streams_text_then_stats(capsys, tiny):
         (["--top-p", "0"], "top_p"),
         (["--top-p", "1.5"], "top_p"),
         (["--model", "/no/such/model"], "not found"),
+        (["--compile", "--compile-mode", "fast"], "unknown compile mode 'fast'; supported: auto, none, default"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(capsys, tiny, extra, match):

@@ -401,7 +401,7 @@ def test_serve_bad_flags_are_one_line_and_exit_2(capsys):
             (["--speculative-config", '{"method": "nope"}'], "nope"),
             (["--port", "70000"], "--port"),
             (["--max-num-seqs", "0"], "--max-num-seqs"),
-            (["--compile", "fast"], "unknown compile mode 'fast'"),
+            (["--compile", "--compile-mode", "fast"], "unknown compile mode 'fast'"),
             (["--port", str(taken.getsockname()[1])], "cannot listen"),
         ]:
             assert cli_main(["serve", *argv]) == 2
