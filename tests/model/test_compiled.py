@@ -138,9 +138,11 @@ def test_a_compiler_error_falls_back_even_if_errors_were_suppressed(tiny, monkey
 
     torch._dynamo.reset()  # compile anew, through the broken backend
     monkeypatch.setattr(compile_fx, "compile_fx", broken)
-    monkeypatch.setattr(torch._dynamo.config, "suppress_errors", True)
-    with pytest.warns(UserWarning, match="torch.compile failed, running eagerly"):
-        llm = LLM(model=tiny, speculative_config=NGRAM, dtype="float32", device="cpu", compile=True)
+    # config.patch, not monkeypatch: undoing a monkeypatch of dynamo's config module deletes
+    # the setting (pytest 9.2), which breaks every later use of it in the process
+    with torch._dynamo.config.patch(suppress_errors=True):
+        with pytest.warns(UserWarning, match="torch.compile failed, running eagerly"):
+            llm = LLM(model=tiny, speculative_config=NGRAM, dtype="float32", device="cpu", compile=True)
     assert llm.compile_mode is None
     torch._dynamo.reset()
 
