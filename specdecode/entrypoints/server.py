@@ -359,7 +359,7 @@ def run_server(
     from specdecode.config import SpecConfig
     from specdecode.engine.serving import ServingEngine
     from specdecode.model.compiled import compile_target, parse_compile
-    from specdecode.model.loader import load_model, resolve_device
+    from specdecode.model.loader import load_model
     from specdecode.model.quant import parse_quantization
 
     spec = SpecConfig.parse(speculative_config)  # bad input fails before the model loads
