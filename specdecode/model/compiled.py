@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from specdecode.config import SpecDecodeError
+from specdecode.model.cpu_block import MAX_POSITIONS
 
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune-no-cudagraphs")
 
@@ -112,13 +113,13 @@ def compile_target(model: torch.nn.Module, mode: str, make_engines: Callable[[],
 def warm_up(engines: Sequence, progress: bool = True) -> None:
     """Build the graphs now rather than at the first requests: each engine (a `ServingEngine`)
     serves a dummy greedy request alone, then two together, which runs a prefill chunk,
-    1-token decode passes and, with a drafter, its verify passes, at one and two rows. The
-    prompt is longer than the fused CPU block takes (cpu_block.MAX_POSITIONS), so that where
-    the fused block runs the small passes, the prefill still builds the torch blocks' graphs."""
+    1-token decode passes and, with a drafter, its verify passes, at one and two rows; then
+    each model's remaining buckets (`_warm_buckets`). The prompt is longer than the fused CPU
+    block takes (cpu_block.MAX_POSITIONS), so that where the fused block runs the small
+    passes, the prefill still builds the torch blocks' graphs."""
     from tqdm import tqdm
 
     from specdecode.config import SamplingParams
-    from specdecode.model.cpu_block import MAX_POSITIONS
 
     runs = [(engine, n) for engine in engines for n in (1, 2)]
     with tqdm(total=len(runs), desc="compiling (warm-up)", unit="batch", disable=not progress) as bar:
@@ -135,3 +136,23 @@ def warm_up(engines: Sequence, progress: bool = True) -> None:
             while engine.has_unfinished():
                 engine.step()
             bar.update(1)
+    for model in dict.fromkeys(engine.target.model for engine in engines):
+        _warm_buckets(model)
+
+
+def _warm_buckets(model: torch.nn.Module) -> None:
+    """The buckets the dummy requests may not reach: several rows of several tokens, causal,
+    packed (rows of different lengths) and tree-masked, over 64 positions each, so that where the
+    fused CPU block runs the shorter passes these still run the torch blocks. Dynamic shapes
+    make one such pass stand for every batch and width of its kind. A scratch cache."""
+    dev = model.embed.weight.device
+    B, T = 2, MAX_POSITIONS // 2 + 16  # packed: 48 + 24 real tokens, still over MAX_POSITIONS
+    cache = model.new_cache(B, T)
+    tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
+    positions = torch.arange(T, device=dev).expand(B, T)
+    valid = torch.ones(B, T, dtype=torch.bool, device=dev)
+    valid[1, T // 2 :] = False
+    tree = torch.ones(T, T, dtype=torch.bool, device=dev).tril().expand(B, T, T)
+    with torch.inference_mode():
+        for extra in ({}, {"valid": valid}, {"block_mask": tree}):
+            model(tokens, positions, cache, **extra)

@@ -120,6 +120,32 @@ def test_compiled_speculative_greedy_equals_plain_greedy(tiny, device, dtype, mo
         uncompile_blocks(llm.target.model)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_warm_up_leaves_no_bucket_to_compile_while_serving(tiny, dtype):
+    """After load, passes of other batch sizes and widths, causal, packed or tree-masked,
+    reuse the warm-up's graphs: nothing compiles (a stall, or a failure) mid-request. In bf16
+    the fused CPU block takes the passes up to 64 positions, so these are wider."""
+    llm = LLM(model=tiny, speculative_config=NGRAM, dtype=dtype, device="cpu", compile=True)
+    model = llm.target.model
+    try:
+        built = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        B, T = (3, 5) if dtype == "float32" else (5, 17)
+        cache = model.new_cache(B, 2 * T)
+        tokens = torch.randint(0, 100, (B, T))
+        positions = torch.arange(T).expand(B, T)
+        valid = torch.ones(B, T, dtype=torch.bool)
+        valid[0, 2:] = False
+        tree = torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T)
+        with torch.inference_mode():
+            for extra in ({}, {"valid": valid}, {"block_mask": tree}):
+                model(tokens, positions, cache, **extra)
+            cache.commit(torch.full((B,), T))
+            model(tokens[:, :1], cache.lengths[:, None], cache)  # B rows decoding one token
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == built
+    finally:
+        uncompile_blocks(model)
+
+
 def test_the_warm_up_fits_a_tiny_context(tiny):
     llm = LLM(model=tiny, speculative_config=NGRAM, dtype="float32", device="cpu", compile=True, max_model_len=12)
     try:
