@@ -142,9 +142,10 @@ def warm_up(engines: Sequence, progress: bool = True) -> None:
 
 def _warm_buckets(model: torch.nn.Module) -> None:
     """The buckets the dummy requests may not reach: several rows of several tokens, causal,
-    packed (rows of different lengths) and tree-masked, over 64 positions each, so that where the
-    fused CPU block runs the shorter passes these still run the torch blocks. Dynamic shapes
-    make one such pass stand for every batch and width of its kind. A scratch cache."""
+    packed (rows of different lengths) and tree-masked, and many rows of one token. Each is
+    over 64 positions, so that where the fused CPU block runs the shorter passes, these still
+    run the torch blocks. Dynamic shapes make one such pass stand for every batch and width of
+    its kind. Scratch caches."""
     dev = model.embed.weight.device
     B, T = 2, MAX_POSITIONS // 2 + 16  # packed: 48 + 24 real tokens, still over MAX_POSITIONS
     cache = model.new_cache(B, T)
@@ -156,3 +157,6 @@ def _warm_buckets(model: torch.nn.Module) -> None:
     with torch.inference_mode():
         for extra in ({}, {"valid": valid}, {"block_mask": tree}):
             model(tokens, positions, cache, **extra)
+        rows = MAX_POSITIONS + 1  # and decoding one token on each of more rows than that
+        one = torch.zeros(rows, 1, dtype=torch.long, device=dev)
+        model(one, torch.zeros_like(one), model.new_cache(rows, 1))

@@ -141,6 +141,8 @@ def test_the_warm_up_leaves_no_bucket_to_compile_while_serving(tiny, dtype):
                 model(tokens, positions, cache, **extra)
             cache.commit(torch.full((B,), T))
             model(tokens[:, :1], cache.lengths[:, None], cache)  # B rows decoding one token
+            rows = 3 if dtype == "float32" else 70
+            model(torch.ones(rows, 1, dtype=torch.long), torch.zeros(rows, 1, dtype=torch.long), model.new_cache(rows, 1))
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == built
     finally:
         uncompile_blocks(model)
