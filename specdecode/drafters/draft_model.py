@@ -90,7 +90,9 @@ class DraftModelDrafter:
     def draft_network(self, spec: SpecConfig, ctx: DrafterContext) -> Transformer:
         """The network that drafts: the checkpoint at ``model`` (layer_skip: the target's first layers)."""
         path = spec.options.model
-        loaded = load_model(path, dtype=ctx.dtype, device=ctx.device, quantization=ctx.quantization)
+        # a GGUF target's draft keeps its own GGUF blocks if it has them ("auto"), else runs dense
+        quantization = "auto" if ctx.quantization == "gguf" else ctx.quantization
+        loaded = load_model(path, dtype=ctx.dtype, device=ctx.device, quantization=quantization)
         check_same_vocab(ctx.target, loaded, path)
         return loaded.model
 

@@ -82,6 +82,8 @@ class Engine:
         param = self.model.embed.weight  # the activation dtype (linears may hold quantized weights)
         self.device = param.device
         self.drafter = drafter
+        if quantization == "auto":  # the drafters' weights in the format the target's got
+            quantization = target.quantization
         if spec is not None and drafter is None:
             ctx = DrafterContext(target=target, dtype=param.dtype, device=param.device, quantization=quantization)
             self.drafter = create_drafter(spec, ctx)

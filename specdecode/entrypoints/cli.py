@@ -30,7 +30,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--dtype", default="auto", help="auto (bfloat16), float32, bfloat16, float16")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda")
-    g.add_argument("--quantization", default=None, help="weights of the linears: none, int8, int4[-g32|-g64|-g128], gguf")
+    g.add_argument("--quantization", default="auto",
+                   help="weights of the linears: auto (a GGUF's own blocks where our CPU kernel runs them, else none), "
+                        "none, int8, int4[-g32|-g64|-g128], gguf")
     g.add_argument("--batch-invariant", action="store_true",
                    help="attention one position at a time: exact greedy equality with int4/gguf weights")
     _add_compile(g)
@@ -73,7 +75,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/*")
     s.add_argument("--dtype", default="auto", help="auto (bfloat16), float32, bfloat16, float16")
     s.add_argument("--device", default="auto", help="auto, cpu, cuda")
-    s.add_argument("--quantization", default=None, help="weights of the linears: none, int8, int4[-g32|-g64|-g128], gguf")
+    s.add_argument("--quantization", default="auto",
+                   help="weights of the linears: auto (a GGUF's own blocks where our CPU kernel runs them, else none), "
+                        "none, int8, int4[-g32|-g64|-g128], gguf")
     s.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     _add_compile(s)
     s.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")

@@ -349,7 +349,7 @@ def run_server(
     api_key: str | None = None,
     dtype: str = "auto",
     device: str = "auto",
-    quantization: str | None = None,
+    quantization: str | None = "auto",
     max_model_len: int | None = None,
     log_level: str = "info",
     compile: bool | str = False,

@@ -242,6 +242,16 @@ def decode_int4_groups(raw: np.ndarray, type_name: str, n: int, k: int) -> Int4G
     return Int4Groups(torch.from_numpy(q), torch.from_numpy(d.copy()), torch.from_numpy(zero), 1, type_name)
 
 
+def gguf_keeps_blocks(gguf_path: Path) -> bool:
+    """Whether ``quantization="gguf"`` can keep this file's weights as they are: every 2-D
+    projection in a GGUF_INT4_TYPES or dense type, and at least one quantized (a header scan)."""
+    from gguf import GGUFReader
+
+    kinds = {t.tensor_type.name for t in GGUFReader(str(gguf_path)).tensors
+             if len(t.shape) == 2 and not t.name.endswith("norm.weight")}  # fmt: skip
+    return bool(kinds & set(GGUF_INT4_TYPES)) and kinds <= set(GGUF_INT4_TYPES + GGUF_DENSE_TYPES)
+
+
 def gguf_int4_weights(gguf_path: Path, num_heads: int, num_kv_heads: int) -> dict[str, Int4Groups]:
     """transformers' name -> Int4Groups for every 2-D projection of a GGUF stored in a GGUF_INT4_TYPES
     type; dense (F32/F16/BF16) weights are left out. Any other type raises, naming the supported ones."""

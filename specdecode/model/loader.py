@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdecode.config import SpecDecodeError
-from specdecode.model.gguf_convert import Int4Groups, cache_root, converted_folder, gguf_int4_weights
+from specdecode.model.cpu_int4 import avx512_bf16_lib
+from specdecode.model.gguf_convert import Int4Groups, cache_root, converted_folder, gguf_int4_weights, gguf_keeps_blocks
 from specdecode.model.quant import Int4Linear, parse_quantization, quantize_model_, set_submodule
 from specdecode.model.transformer import ModelConfig, Transformer
 
@@ -47,6 +48,7 @@ class LoadedModel:
     tokenizer: transformers.PreTrainedTokenizerBase | None  # None when the checkpoint has none
     name: str  # short display name
     path: str  # the folder the weights were read from
+    quantization: str | None = None  # the weight format the linears got ("auto" resolved)
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -135,13 +137,20 @@ def load_model(
     weights are exact); later loads read that folder. ``dtype`` is the activation
     (and embedding) dtype; ``quantization`` picks the weights of the linears:
     None / "none" (``dtype``), "int8" (per channel), "int4" (group 32; "int4-g64",
-    "int4-g128") or "gguf" (a .gguf's own Q4_0/Q4_1/Q4_K/Q8_0 blocks as int4 groups).
+    "int4-g128"), "gguf" (a .gguf's own Q4_0/Q4_1/Q4_K/Q8_0 blocks as int4 groups), or
+    "auto": "gguf" for a .gguf whose blocks all stay quantized, on a CPU our int4 kernel runs
+    on (there it is ~2.5x faster than bf16 and exact to the file), else none (vLLM, too,
+    keeps a GGUF quantized unless told otherwise). ``.quantization`` says what it became.
     """
     from transformers import AutoConfig
 
     dtype, device = resolve_dtype(dtype), resolve_device(device)  # before any slow conversion
     quant = parse_quantization(quantization)
     source, name = _resolve(path)
+    if quant is not None and quant.mode == "auto":
+        native = source.is_file() and source.suffix == ".gguf" and device.type == "cpu"
+        native = native and avx512_bf16_lib() is not None and gguf_keeps_blocks(source)
+        quant = parse_quantization("gguf" if native else None)
     if source.is_file():
         if source.suffix != ".gguf":
             raise SpecDecodeError(f"not a model folder or .gguf file: {source}")
@@ -166,7 +175,8 @@ def load_model(
         quantize_model_(model, quant.mode, quant.group_size)
     else:
         model.use_cpu_blocks()  # (the two branches above build it from their new weights)
-    return LoadedModel(model, config, load_tokenizer(folder), name, str(folder))
+    effective = None if quant is None else quant.mode if quant.mode != "int4" else f"int4-g{quant.group_size}"
+    return LoadedModel(model, config, load_tokenizer(folder), name, str(folder), effective)
 
 
 def use_gguf_blocks_(

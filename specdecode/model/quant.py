@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from specdecode.config import SpecDecodeError
 from specdecode.model.cpu_int4 import avx512_bf16_mm, pack_avx512_bf16, pick_cpu_kernel
 
-QUANTIZATIONS = ("none", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "gguf")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "gguf")
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 32
 LINEAR_NAMES = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # per Block, plus lm_head
@@ -43,7 +43,7 @@ LINEAR_NAMES = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # per Block, p
 
 @dataclass(frozen=True)
 class Quantization:
-    mode: str  # "int8" | "int4" | "gguf"
+    mode: str  # "int8" | "int4" | "gguf" | "auto" (load_model resolves it to "gguf" or none)
     group_size: int | None = None  # int4 only
 
 

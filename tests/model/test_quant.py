@@ -262,8 +262,21 @@ def test_gguf_native_greedy_matches_fp32_dequantized(tmp_path, arch, kind):
     assert (got - ref).norm() / ref.norm() < 0.02  # bf16 activations; the weights are the file's
 
 
+def test_auto_keeps_a_gguf_quantized_only_where_it_can(tmp_path, tiny_folder):
+    """"auto" (the LLM / CLI default): a GGUF's own blocks where every projection's type stays
+    quantized and our CPU kernel runs them; dense for other GGUFs and for HF folders."""
+    q8, _ = make_tiny_gguf(tmp_path / "q8.gguf", "llama", quant="Q8_0")
+    q5, _ = make_tiny_gguf(tmp_path / "q5.gguf", "llama", quant="Q5_0")
+    native = avx512_bf16_lib() is not None
+    for path, want in ((q8, "gguf" if native else None), (q5, None), (tiny_folder, None)):
+        lm = load_model(str(path), device="cpu", progress=False, quantization="auto")
+        assert lm.quantization == want, path
+        assert any(isinstance(m, Int4Linear) for m in lm.model.modules()) == (want == "gguf")
+    assert load_model(str(q8), device="cpu", progress=False).quantization is None  # the library's default: dense
+
+
 def test_bad_quantization_values_raise(tmp_path, tiny_folder):
-    with pytest.raises(SpecDecodeError, match="supported: none, int8, int4"):
+    with pytest.raises(SpecDecodeError, match="supported: auto, none, int8, int4"):
         load_model(str(tiny_folder), device="cpu", progress=False, quantization="int2")
     with pytest.raises(SpecDecodeError, match="needs a .gguf file"):
         load_model(str(tiny_folder), device="cpu", progress=False, quantization="gguf")
