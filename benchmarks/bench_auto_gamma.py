@@ -26,13 +26,14 @@ def main() -> None:
     ap.add_argument("--gammas", nargs="+", type=int, default=[2, 3])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--quantization", default="none", help="weights: none (the documented runs: bf16), gguf, int8, int4, auto")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = json.loads((HERE / "prompts_learned.json").read_text())
     configs = {f"γ={g}": {"method": args.method, "num_speculative_tokens": g} for g in args.gammas}
     configs["auto"] = {"method": args.method, "num_speculative_tokens": "auto"}
-    llms = {name: LLM(speculative_config=spec, dtype="bfloat16") for name, spec in configs.items()}
+    llms = {name: LLM(speculative_config=spec, dtype="bfloat16", quantization=args.quantization) for name, spec in configs.items()}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     ratios: dict[str, list[float]] = {name: [] for name in configs}
     for kind, texts in prompts.items():

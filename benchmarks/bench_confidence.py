@@ -30,16 +30,18 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--quantization", default="none", help="weights: none (the documented runs: bf16), gguf, int8, int4, auto")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = [t for texts in json.loads((HERE / "prompts_learned.json").read_text()).values() for t in texts]
     head = {"method": "eagle", "num_speculative_tokens": "auto", **({"model": args.head} if args.head else {})}
-    llm = LLM(speculative_config=head, dtype="bfloat16")
+    llm = LLM(speculative_config=head, dtype="bfloat16", quantization=args.quantization)
     if llm.engine.drafter.net.confidence is None:
         raise SystemExit("that eagle folder has no confidence head (train one with --init and confidence_head)")
     # the same net without its head: online estimates only
-    online = LLM(speculative_config={"method": "eagle", "num_speculative_tokens": "auto"}, dtype="bfloat16")
+    online = LLM(speculative_config={"method": "eagle", "num_speculative_tokens": "auto"}, dtype="bfloat16",
+                 quantization=args.quantization)
     online.engine.drafter.net.confidence = None  # ablation: the same drafts, budgeted without the head
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
     for name, engine_llm in (("online estimates", online), ("confidence head", llm)):

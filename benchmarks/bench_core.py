@@ -65,6 +65,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", default="none", help="weights: none (the documented runs: bf16), gguf, int8, int4, auto")
     ap.add_argument("--gamma", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
@@ -74,7 +75,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     prompts = json.loads((HERE / "prompts.json").read_text())
     spec = {"method": "ngram", "num_speculative_tokens": args.gamma, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
-    llm = LLM(model=args.model, speculative_config=spec, dtype=args.dtype, device="cpu")
+    llm = LLM(model=args.model, speculative_config=spec, dtype=args.dtype, device="cpu", quantization=args.quantization)
     dtype = next(llm.target.model.parameters()).dtype
     hf = load_hf(llm, dtype)
     timer = Timer(llm.engine.drafter, "propose")  # draft cost per round, for c

@@ -64,6 +64,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", default="none", help="weights: none (the documented runs: bf16), gguf, int8, int4, auto")
     ap.add_argument("--configs", nargs="+", default=["2,5,4"], help="W,N,G[,noprompt][,nooutput] ...")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -73,7 +74,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     prompts = json.loads((HERE / "prompts.json").read_text())
-    llms = {text: LLM(model=args.model, speculative_config=parse_config(text), dtype=args.dtype, device="cpu")
+    llms = {text: LLM(model=args.model, speculative_config=parse_config(text), dtype=args.dtype, device="cpu", quantization=args.quantization)
             for text in args.configs}  # fmt: skip
     engines = {text: llm.engine for text, llm in llms.items()}
     timers = {text: [Timer(e.drafter, "propose"), Timer(e.drafter, "on_verified")] for text, e in engines.items()}

@@ -59,6 +59,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", default="none", help="weights: none (the documented runs: bf16), gguf, int8, int4, auto")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--prompts", type=int, default=len(PROMPTS))
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -69,7 +70,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     spec = {"method": "suffix"} | ({"num_speculative_tokens": args.gamma} if args.gamma else {})
-    llm = LLM(model=args.model, speculative_config=spec, dtype=args.dtype, device="cpu")
+    llm = LLM(model=args.model, speculative_config=spec, dtype=args.dtype, device="cpu", quantization=args.quantization)
     drafter = llm.engine.drafter
     timers = [Timer(drafter, "propose"), Timer(drafter, "on_verified")]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)

@@ -29,6 +29,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", default="none", help="weights: none (the documented runs: bf16), gguf, int8, int4, auto")
     ap.add_argument("--positions", type=int, default=9)
     ap.add_argument("--matches", type=int, default=4)
     ap.add_argument("--depth", type=int, default=8)
@@ -36,9 +37,9 @@ def main() -> None:
     args = ap.parse_args()
     prompts = json.loads((HERE / "prompts.json").read_text())
     n = args.positions - 1
-    chain = LLM(model=args.model, dtype=args.dtype, device="cpu",
+    chain = LLM(model=args.model, dtype=args.dtype, device="cpu", quantization=args.quantization,
                 speculative_config={"method": "ngram", "num_speculative_tokens": n})  # fmt: skip
-    tree = LLM(model=args.model, dtype=args.dtype, device="cpu", speculative_config={
+    tree = LLM(model=args.model, dtype=args.dtype, device="cpu", quantization=args.quantization, speculative_config={
         "method": "ngram", "num_speculative_tokens": args.depth, "max_matches": args.matches, "num_draft_tokens": n})  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     warm = chain.encode_chat("Hi")
