@@ -247,8 +247,11 @@ def gguf_keeps_blocks(gguf_path: Path) -> bool:
     projection in a GGUF_INT4_TYPES or dense type, and at least one quantized (a header scan)."""
     from gguf import GGUFReader
 
-    kinds = {t.tensor_type.name for t in GGUFReader(str(gguf_path)).tensors
-             if len(t.shape) == 2 and not t.name.endswith("norm.weight")}  # fmt: skip
+    try:
+        tensors = GGUFReader(str(gguf_path)).tensors
+    except Exception:  # noqa: BLE001 -- not a readable GGUF: the conversion says so, in one line
+        return False
+    kinds = {t.tensor_type.name for t in tensors if len(t.shape) == 2 and not t.name.endswith("norm.weight")}
     return bool(kinds & set(GGUF_INT4_TYPES)) and kinds <= set(GGUF_INT4_TYPES + GGUF_DENSE_TYPES)
 
 

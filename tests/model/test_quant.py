@@ -273,6 +273,9 @@ def test_auto_keeps_a_gguf_quantized_only_where_it_can(tmp_path, tiny_folder):
         assert lm.quantization == want, path
         assert any(isinstance(m, Int4Linear) for m in lm.model.modules()) == (want == "gguf")
     assert load_model(str(q8), device="cpu", progress=False).quantization is None  # the library's default: dense
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf")
+    with pytest.raises(SpecDecodeError, match="not a readable GGUF file"):  # one line, as without auto
+        load_model(str(tmp_path / "junk.gguf"), device="cpu", progress=False, quantization="auto")
 
 
 def test_bad_quantization_values_raise(tmp_path, tiny_folder):
