@@ -139,13 +139,16 @@ class CpuBlocks:
         return k is not None and k.dtype == torch.bfloat16 and k.device.type == "cpu" and k.is_contiguous()
 
     def _causal(self, B: int, T: int) -> tuple[Tensor, Tensor, Tensor]:
-        """Row and step of each of B·T unpacked positions (int32 [B·T]) and their causal
-        visibility within the pass (uint8 [B·T, T]): built once per (B, T), read-only."""
-        if (B, T) not in self._causal_tables:
+        """Row and step (int64 [B·T]) of each position of an unpacked B x T pass, and its causal
+        visibility within the pass (uint8 [B·T, T]); kept for the passes the kernel takes by
+        default (at most MAX_POSITIONS), which are most passes: never written after."""
+        tables = self._causal_tables.get((B, T))
+        if tables is None:
             t = torch.arange(T).repeat(B)
-            vis = (t[:, None] >= torch.arange(T)).to(torch.uint8)
-            self._causal_tables[B, T] = (torch.arange(B).repeat_interleave(T).int(), t.int(), vis)
-        return self._causal_tables[B, T]
+            tables = (torch.arange(B).repeat_interleave(T), t, (t[:, None] >= torch.arange(T)).to(torch.uint8))
+            if B * T <= MAX_POSITIONS:
+                self._causal_tables[B, T] = tables
+        return tables
 
     def head(self, x: Tensor, lm_head: nn.Module) -> Tensor:
         """``lm_head(x)`` [..., V]: through our bf16 GEMM when the head is a bf16 weight."""
@@ -171,22 +174,15 @@ class CpuBlocks:
         pass): the residual stream after the last layer, and after each layer in ``want``.
         ``rope`` is the pass's cos and sin [B, T, D/2] (`Transformer.rope_angles`)."""
         B, T, half = rope[0].shape
-        cos, sin = (r.reshape(B * T, half) for r in rope)  # [M, D/2]: views of contiguous tables
-        if pack is None and block_mask is None and B * T <= MAX_POSITIONS:  # chains, decode: constants per (B, T)
-            row32, t32, vis8 = self._causal(B, T)
-            prefix32 = lengths.cpu().int().contiguous()
-            prefix32 = prefix32 if T == 1 else prefix32.repeat_interleave(T)
-        else:
-            flat = torch.arange(B * T) if pack is None else pack.cpu()
-            row, t = flat // T, flat % T
-            if block_mask is None:
-                vis = t[:, None] >= torch.arange(T)  # [M, T]
-            else:
-                vis = block_mask.cpu().to(torch.bool)[row, t] | (t[:, None] == torch.arange(T))  # and itself
-            cos, sin = cos[flat], sin[flat]
-            row32, t32, prefix32 = row.int(), t.int(), lengths.cpu()[row].int()
-            vis8 = vis.to(torch.uint8).contiguous()
-        cos, sin, index = cos.contiguous(), sin.contiguous(), store.index.contiguous()
+        row, t, vis8 = self._causal(B, T)
+        cos, sin = (r.reshape(B * T, half) for r in rope)  # [B·T, D/2]
+        if pack is not None:  # a padded pass: its real tokens only
+            flat = pack.cpu()
+            row, t, vis8, cos, sin = row[flat], t[flat], vis8[flat], cos[flat], sin[flat]
+        if block_mask is not None:  # a tree: what the mask lets each token see, and itself
+            vis8 = (block_mask.cpu().to(torch.bool)[row, t] | (t[:, None] == torch.arange(T))).to(torch.uint8)
+        row32, t32, prefix32 = row.int(), t.int(), lengths.cpu()[row].int()
+        cos, sin, vis8, index = cos.contiguous(), sin.contiguous(), vis8.contiguous(), store.index.contiguous()
         args = _Pass(
             row32.numel(), T, row32.data_ptr(), t32.data_ptr(), prefix32.data_ptr(), vis8.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), index.data_ptr(), index.shape[1],
