@@ -36,7 +36,7 @@ def _passes(model) -> list[torch.Tensor]:
     torch.manual_seed(0)
     prompt = torch.randint(0, 100, (2, 9)).to(dev)
     cache = model.new_cache(2, 32)
-    out = [model(prompt, torch.arange(9, device=dev).expand(2, 9), cache)]
+    out = [model(prompt, torch.arange(9, device=dev).expand(2, 9), cache).clone()]  # (CUDA graphs reuse outputs)
     cache.commit(torch.tensor([9, 7], device=dev))
     for T, valid in ((1, None), (4, None), (4, torch.tensor([[True] * 4, [True, True, False, False]]))):
         tokens = torch.randint(0, 100, (2, T), generator=torch.Generator().manual_seed(T)).to(dev)
