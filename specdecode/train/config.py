@@ -45,6 +45,7 @@ class TrainConfig:
     cache_topk: int = 0  # > 0: keep each training window's target outputs in memory after its first
     #   epoch (features in bf16, the top-k logits), so later epochs skip the target
     init: str | None = None  # a trained folder to start from; its weights stay frozen
+    finetune: bool = False  # with init: its weights train too (a warm start on new data)
     time_limit: float | None = None  # seconds of training; the run ends at --steps or here, whichever
     #   comes first, and the schedule follows whichever is further along
 
@@ -81,6 +82,8 @@ class TrainConfig:
                 raise SpecDecodeError(f"data path not found: {path}")
         if self.init is not None and not (Path(self.init) / "config.json").is_file():
             raise SpecDecodeError(f"--init {self.init} is not a trained drafter folder (no config.json)")
+        if self.finetune and self.init is None:
+            raise SpecDecodeError("--finetune needs --init: the trained folder to continue from")
         if self.init is not None and self.method == "draft_model":
             raise SpecDecodeError("--init applies to medusa, eagle, eagle3, mtp and dflash nets, not draft_model")
         if not self.out:
@@ -118,6 +121,7 @@ class TrainConfig:
             save_every=args.save_every, max_tokens=args.max_tokens, heldout=args.heldout, seed=args.seed,
             threads=args.threads, dtype=args.dtype, device=args.device, resume=args.resume,
             progress=not args.quiet, cache_topk=args.cache_topk, time_limit=args.time_limit, init=args.init,
+            finetune=args.finetune,
         )  # fmt: skip
 
 
@@ -156,6 +160,8 @@ def add_train_arguments(t: argparse.ArgumentParser) -> None:
     t.add_argument("--init", default=None,
                    help="start from this trained folder (same method and target) with its weights frozen: only "
                         "what it lacks trains, e.g. --net-config '{\"confidence_head\": true}'")
+    t.add_argument("--finetune", action="store_true",
+                   help="with --init: train the folder's weights too (continue training it, e.g. on new data)")
     t.add_argument("--time-limit", type=float, default=None,
                    help="seconds of training: stop at --steps or here, whichever comes first (the learning-rate "
                         "schedule follows whichever is further along)")

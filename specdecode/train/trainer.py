@@ -187,15 +187,15 @@ def train_step(net: Any, opt: torch.optim.Optimizer, batch: TrainBatch, lr: floa
     return float(loss.detach()), metrics
 
 
-def init_from(net: torch.nn.Module, folder: str, target: Transformer) -> None:
-    """Load a trained folder's weights into ``net`` and freeze them, so that only what the folder
-    lacks (a new confidence head, say) trains."""
+def init_from(net: torch.nn.Module, folder: str, target: Transformer, freeze: bool = True) -> None:
+    """Load a trained folder's weights into ``net``; with ``freeze`` they stay fixed, so that only
+    what the folder lacks (a new confidence head, say) trains."""
     _, state = read_net(net.method, folder, target)
     unexpected = net.load_state_dict(state, strict=False).unexpected_keys
     if unexpected:
         raise SpecDecodeError(f"--init {folder}: tensors the net does not have: {unexpected[:3]}")
     for name, p in net.named_parameters():
-        if name in state:
+        if name in state and freeze:
             p.requires_grad_(False)
 
 
@@ -234,7 +234,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     counts = torch.bincount(corpus.train.tokens[corpus.train.mask], minlength=target.config.vocab_size)
     net.prepare(counts[: target.config.vocab_size].to(target.embed.weight.device))
     if cfg.init:  # after prepare: the folder's draft vocabulary wins
-        init_from(net, cfg.init, target)
+        init_from(net, cfg.init, target, freeze=not cfg.finetune)
     params = [p for p in net.parameters() if p.requires_grad]
     if not params:
         raise SpecDecodeError(f"the {cfg.method} net has no trainable parameters")

@@ -30,3 +30,31 @@ def test_answers_are_written_as_chat_records(tmp_path):
         halves += [json.loads(line) for line in (tmp_path / f"s{k}.jsonl").read_text().splitlines()]
     prompts = sorted(r["messages"][0]["content"] for r in records)
     assert sorted(r["messages"][0]["content"] for r in halves) == prompts
+
+
+def test_instructions_keep_clear_of_the_benchmark_prompts():
+    """No instruction mentions a benchmark prompt's subject, and none is a benchmark prompt."""
+    import re
+    from pathlib import Path
+
+    from specdecode.train.instructions import HELD_OUT, chat_questions
+
+    made = instructions(3000, seed=1) + chat_questions()
+    words = re.compile(r"\b(" + "|".join(re.escape(w) for w in HELD_OUT) + r")s?\b", re.IGNORECASE)
+    assert not [p for p in made if words.search(p.split("\n")[0])]  # the instruction line; quoted texts are docs
+    bench = Path(__file__).parents[2] / "benchmarks"
+    prompts = {p for f in ("prompts.json", "prompts_learned.json")
+               for ps in json.loads((bench / f).read_text()).values() for p in ps}  # fmt: skip
+    assert not prompts & set(made)
+    learned = [p for ps in json.loads((bench / "prompts_learned.json").read_text()).values() for p in ps]
+    assert all(words.search(p) for p in learned)  # HELD_OUT names a subject of each learned-drafter prompt
+
+
+def test_passages_become_texts_to_summarise(tmp_path):
+    from specdecode.train.regenerate import read_passages
+
+    story = "The village held its harvest festival on Saturday. " * 10
+    path = tmp_path / "answers.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": story}]}) + "\n")
+    made = instructions(60, seed=2, passages=read_passages([str(path)]))
+    assert sum(story.strip() in p for p in made) == 1

@@ -142,3 +142,20 @@ def test_init_trains_only_what_the_folder_lacks(tiny_target, corpus, tmp_path):
     assert log["end"]["conf_err@1"] < log["start"]["conf_err@1"]
     with pytest.raises(SpecDecodeError, match="--init .* not a trained drafter folder"):
         replace(cfg, init=str(tmp_path))
+
+
+def test_finetune_continues_training_the_folder(tiny_target, corpus, tmp_path):
+    """--init with --finetune: the run starts where the folder ended and trains its weights."""
+    from safetensors.torch import load_file
+
+    first = tmp_path / "eagle"
+    trained = train(config(tiny_target, corpus, first, method="eagle", steps=10, lr=1e-2))
+    cfg = config(tiny_target, corpus, tmp_path / "more", method="eagle", steps=10, lr=1e-2, init=str(first),
+                 finetune=True)  # fmt: skip
+    log = train(cfg)
+    assert log["start"]["loss"] == pytest.approx(trained["end"]["loss"], rel=1e-3)  # not a fresh net
+    assert log["end"]["loss"] < log["start"]["loss"]
+    before, after = load_file(str(first / "model.safetensors")), load_file(str(tmp_path / "more" / "model.safetensors"))
+    assert set(before) == set(after) and not all(torch.equal(before[k], after[k]) for k in before)
+    with pytest.raises(SpecDecodeError, match="--finetune needs --init"):
+        replace(cfg, init=None)
