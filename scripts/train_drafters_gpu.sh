@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Rebuild the default model's shipped drafters on one CUDA GPU, as run on an H200:
 #   1. self-distillation data: the target's greedy answers (and a sampled pass at T = 0.8)
-#      to instructions built from offline text, in 4 parallel shards each;
+#      to instructions built from offline text (specdecode/train/instructions.py), in 4
+#      parallel shards each; then a second greedy pass whose texts to summarise are the
+#      first pass's prose answers (--passages), unless PASSAGES=0;
 #   2. every method trained at once on that data plus 18 standard-library modules, each
 #      for a fixed wall-clock time (--time-limit; the schedule follows the time).
 #   3. optionally (RESUME_S), every method resumed until RESUME_S seconds of training in all:
@@ -10,8 +12,9 @@
 # usage: scripts/train_drafters_gpu.sh TARGET OUT   (TARGET: .gguf, HF folder or alias)
 # The shipped weights: TRAIN_S=210 REGEN_S=110 RESUME_S=430 on one H200.
 # Knobs (environment): TRAIN_S (seconds per method, 200), REGEN_S (seconds of data generation,
-# 120), NUM_GREEDY (3000), NUM_SAMPLED (1200), BATCH (128 answered at once), MAX_NEW (256),
-# TRAIN_BATCH (16 windows of SEQ 512 tokens), RESUME_S (unset: no second stage), METHODS.
+# 120; the passages pass gets as long again), NUM_GREEDY (3000), NUM_SAMPLED (1200), BATCH (128
+# answered at once), MAX_NEW (256), TRAIN_BATCH (16 windows of SEQ 512 tokens), RESUME_S (unset:
+# no second stage), PASSAGES (1; 0 skips the passages pass), METHODS.
 set -euo pipefail
 TARGET=${1:?usage: $0 TARGET OUT}
 OUT=${2:?usage: $0 TARGET OUT}
@@ -34,6 +37,14 @@ for k in 0 1 2 3; do
     --threads 2 > "$OUT/logs/regen_sampled$k.log" 2>&1 &
 done
 wait
+if [ "${PASSAGES:-1}" != 0 ]; then
+  for k in 0 1 2 3; do
+    timeout "$REGEN_S" python -m specdecode.train.regenerate --target "$TARGET" --out "$OUT/data/passages$k.jsonl" \
+      --num "$NUM_GREEDY" --seed 23 --batch "$BATCH" --max-tokens "$MAX_NEW" --shard $k/4 --threads 2 \
+      --passages "$OUT"/data/greedy?.jsonl > "$OUT/logs/regen_passages$k.log" 2>&1 &
+  done
+  wait
+fi
 echo "self-distillation records: $(cat "$OUT"/data/*.jsonl 2>/dev/null | wc -l)"
 
 train_all() {  # $1: the time limit; further arguments go to every run

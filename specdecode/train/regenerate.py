@@ -24,13 +24,14 @@ from specdecode.train.instructions import instructions
 
 
 def read_passages(paths: list[str]) -> list[str]:
-    """The assistant answers of chat records (an earlier run's output) as texts to summarise."""
+    """The prose answers of chat records (an earlier run's output) as texts to summarise;
+    answers holding code are left out."""
     texts = []
     for path in paths:
         for line in Path(path).read_text(encoding="utf-8").splitlines():
             if line.strip():
                 texts += [m["content"] for m in json.loads(line)["messages"] if m["role"] == "assistant"]
-    return texts
+    return [t for t in texts if "```" not in t and "def " not in t]
 
 
 def main(argv: list[str] | None = None) -> int:
