@@ -88,6 +88,9 @@ def avx512_bf16_lib() -> ctypes.CDLL | None:
     lib.bf16_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     lib.bf16_gemm.argtypes += [ctypes.c_void_p, ctypes.c_int]
     lib.bf16_gemm.restype = None
+    lib.q8_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    lib.q8_gemm.argtypes += [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    lib.q8_gemm.restype = None
     lib.block_forward.argtypes = [ctypes.c_void_p] * 5
     lib.block_forward.restype = None
     return lib
@@ -118,6 +121,33 @@ def pack_avx512_bf16(q: Tensor, scales: Tensor, zeros: Tensor, group_size: int, 
     packed = (q[..., 0] | q[..., 1] << 4).permute(0, 2, 3, 1).contiguous()  # [NT, G, 16, 32]
     sz = torch.stack((s.view(NT, 32, G), z.view(NT, 32, G)), dim=2).permute(0, 3, 2, 1)  # [NT, G, 2, 32]
     return packed, sz.to(torch.float16).contiguous()
+
+
+def pack_q8_avx512_bf16(q: Tensor, d: Tensor, n_pad: int) -> tuple[Tensor, Tensor]:
+    """GGUF Q8_0 (q int8 [N, K], d [N, K/32], w = d q) -> q8_gemm's layout (see the kernel source):
+    q [N/32, G, 16, 64] int8, each 64 bytes a k pair of 32 columns; d [N/32, G, 32] fp16."""
+    N, K = q.shape
+    q, d = F.pad(q.to(torch.int8), (0, 0, 0, n_pad)), F.pad(d.float(), (0, 0, 0, n_pad))
+    NT, G = (N + n_pad) // 32, K // 32
+    # (tile, half, column, group, pair, k) -> (tile, group, pair, half, column, k)
+    packed = q.view(NT, 2, 16, G, 16, 2).permute(0, 3, 4, 1, 2, 5).reshape(NT, G, 16, 64).contiguous()
+    return packed, d.view(NT, 32, G).permute(0, 2, 1).to(torch.float16).contiguous()
+
+
+def q8_avx512_bf16_mm(x: Tensor, packed: Tensor, d: Tensor) -> Tensor:
+    """y [M, N] bf16 = x [M, K] bf16 @ the packed Q8_0 weight (a custom op inside torch.compile)."""
+    if torch.compiler.is_compiling():
+        return _q8_mm_op(x, packed, d)
+    return _q8_mm(x, packed, d)
+
+
+def _q8_mm(x: Tensor, packed: Tensor, d: Tensor) -> Tensor:
+    M, K = x.shape
+    N = packed.shape[0] * 32
+    y = torch.empty(M, N, dtype=torch.bfloat16)
+    avx512_bf16_lib().q8_gemm(x.data_ptr(), M, K, packed.data_ptr(), d.data_ptr(), N, y.data_ptr(),
+                              torch.get_num_threads())  # fmt: skip
+    return y
 
 
 def avx512_bf16_mm(x: Tensor, packed: Tensor, sz: Tensor) -> Tensor:
@@ -166,4 +196,14 @@ def _int4_mm_op(x: Tensor, packed: Tensor, sz: Tensor) -> Tensor:
 
 @_int4_mm_op.register_fake
 def _(x: Tensor, packed: Tensor, sz: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0] * 32, dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("specdecode::q8_avx512_bf16_mm", mutates_args=())
+def _q8_mm_op(x: Tensor, packed: Tensor, d: Tensor) -> Tensor:
+    return _q8_mm(x, packed, d)
+
+
+@_q8_mm_op.register_fake
+def _(x: Tensor, packed: Tensor, d: Tensor) -> Tensor:
     return x.new_empty(x.shape[0], packed.shape[0] * 32, dtype=torch.bfloat16)

@@ -187,6 +187,13 @@ class Int4Groups:
     planes: int
     source_type: str
 
+    def as_q8(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A Q8_0 weight's own (q int8 [N, K], d fp32 [N, K / 32]) back from its two planes."""
+        assert self.source_type == "Q8_0" and self.planes == 2
+        K = self.q.shape[1] // 2
+        hi, lo = self.q[:, :K].to(torch.int16), self.q[:, K:].to(torch.int16)
+        return (16 * (hi - 8) + lo).to(torch.int8), self.scales[:, self.scales.shape[1] // 2 :]
+
     def to_planes(self, planes: int) -> Int4Groups:
         """The same weight with extra all-zero planes (w = (8 - 8) * 0 + 0)."""
         extra = planes - self.planes

@@ -23,7 +23,7 @@ import torch
 from specdecode.config import SpecDecodeError
 from specdecode.model.cpu_int4 import avx512_bf16_lib
 from specdecode.model.gguf_convert import Int4Groups, cache_root, converted_folder, gguf_int4_weights, gguf_keeps_blocks
-from specdecode.model.quant import Int4Linear, parse_quantization, quantize_model_, set_submodule
+from specdecode.model.quant import Int4Linear, Q8Linear, parse_quantization, quantize_model_, set_submodule
 from specdecode.model.transformer import ModelConfig, Transformer
 
 if TYPE_CHECKING:
@@ -185,7 +185,8 @@ def use_gguf_blocks_(
     """Replace each linear whose GGUF parts were all block-quantized by one Int4Linear (group 32).
 
     Parts are fused along the outputs like the dense weights (q/k/v, gate/up); a part in two
-    planes (Q8_0) turns the others into two planes too. Linears with any dense part stay dense.
+    planes (Q8_0) turns the others into two planes too. A linear whose parts are all Q8_0 runs
+    them as they are (`Q8Linear`) where our CPU kernel does. Linears with any dense part stay dense.
     """
     blocks = {k.removeprefix("model."): v for k, v in blocks.items()}
     for i in range(config.num_layers):
@@ -206,12 +207,16 @@ def use_gguf_blocks_(
 def _swap_int4(model: Transformer, name: str, parts: list[Int4Groups | None], kernel: str) -> None:
     if any(p is None for p in parts):
         return
-    planes = max(p.planes for p in parts)
-    parts = [p.to_planes(planes) for p in parts]
     lin = model.get_submodule(name)
     device = lin.weight.device
-    q, s, z = (torch.cat([getattr(p, f) for p in parts]).to(device) for f in ("q", "scales", "zeros"))
     bias = None if lin.bias is None else lin.bias.detach()
+    if all(p.source_type == "Q8_0" for p in parts) and kernel != "stock" and Q8Linear.available(device):
+        q8, d = (torch.cat(t) for t in zip(*(p.as_q8() for p in parts)))
+        set_submodule(model, name, Q8Linear(q8, d, lin.in_features, bias))
+        return
+    planes = max(p.planes for p in parts)
+    parts = [p.to_planes(planes) for p in parts]
+    q, s, z = (torch.cat([getattr(p, f) for p in parts]).to(device) for f in ("q", "scales", "zeros"))
     source = "+".join(sorted({p.source_type for p in parts}))
     set_submodule(
         model, name, Int4Linear(q, s, z, 32, lin.in_features, bias, input_planes=planes, source=source, kernel=kernel)

@@ -17,6 +17,7 @@ from specdecode.model.loader import load_model
 from specdecode.model.quant import (
     Int4Linear,
     Int8Linear,
+    Q8Linear,
     dequantize_int4,
     dequantize_int8,
     describe_kernels,
@@ -247,14 +248,43 @@ def test_avx512_kernel_keeps_gguf_q4_1_scales_exactly():
     assert torch.equal(sz[0, :, 0].T, d) and torch.equal(sz[0, :, 1].T, m)
 
 
+@pytest.mark.skipif(avx512_bf16_lib() is None, reason="needs our AVX512-BF16 CPU library")
+def test_q8_0_kept_as_is_equals_the_dequantized_weight():
+    """Q8_0 runs on its own int8 blocks (`Q8Linear`): the blocks come back exactly from the two
+    int4 planes, the product is the fp32 product of the file's weight within bf16 rounding, a
+    row's result does not depend on the other rows, and it reads fewer bytes than the planes."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    N, K = 80, 192  # N pads to the kernel's 32-column tiles
+    w = np.random.default_rng(2).standard_normal((N, K)).astype(np.float32)
+    raw = quantize(w, gguf.GGMLQuantizationType.Q8_0)
+    g = decode_int4_groups(raw, "Q8_0", N, K)
+    q8, d = g.as_q8()
+    exact = torch.from_numpy(dequantize(raw, gguf.GGMLQuantizationType.Q8_0))
+    assert torch.equal((q8.float().view(N, -1, 32) * d[..., None]).view(N, K), exact)
+    lin = Q8Linear(q8, d, K, bias=torch.linspace(-1, 1, N))
+    x = torch.randn(9, K, generator=torch.Generator().manual_seed(0)).bfloat16()
+    y = lin(x)
+    ref = x.float() @ exact.T + torch.linspace(-1, 1, N)
+    assert y.shape == (9, N) and y.dtype == torch.bfloat16
+    assert ((y.float() - ref).abs().max() / ref.abs().max()) < 1e-2
+    assert torch.equal(torch.cat([lin(x[i : i + 1]) for i in range(9)]), y)
+    planes = Int4Linear(g.q, g.scales, g.zeros, 32, K, input_planes=2, kernel="avx512_bf16")
+    size = lambda m: sum(b.numel() * b.element_size() for b in m.buffers() if b is not None)  # noqa: E731
+    assert size(lin) < 0.9 * size(planes)
+    assert "q8_0 avx512_bf16" in lin.kernel()
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 def test_gguf_native_greedy_matches_fp32_dequantized(tmp_path, arch, kind):
     path, _ = make_tiny_gguf(tmp_path / f"{arch}-{kind}.gguf", arch, quant=kind, hidden_size=128)
     dense = load_model(str(path), dtype="float32", device="cpu", progress=False).model
     native = load_model(str(path), dtype="bfloat16", device="cpu", progress=False, quantization="gguf").model
-    assert isinstance(native.get_submodule("layers.1.attn.qkv"), Int4Linear)
-    assert isinstance(native.lm_head, Int4Linear)
+    own = Q8Linear if kind == "Q8_0" and avx512_bf16_lib() is not None else Int4Linear  # Q8_0 as it is, or planes
+    assert isinstance(native.get_submodule("layers.1.attn.qkv"), own)
+    assert isinstance(native.lm_head, own)
     assert f"({kind})" in describe_kernels(native)
     prompt = [5, 17, 33, 90, 41, 8]
     assert greedy(native, prompt, 12) == greedy(dense, prompt, 12)
@@ -271,7 +301,7 @@ def test_auto_keeps_a_gguf_quantized_only_where_it_can(tmp_path, tiny_folder):
     for path, want in ((q8, "gguf" if native else None), (q5, None), (tiny_folder, None)):
         lm = load_model(str(path), device="cpu", progress=False, quantization="auto")
         assert lm.quantization == want, path
-        assert any(isinstance(m, Int4Linear) for m in lm.model.modules()) == (want == "gguf")
+        assert any(isinstance(m, (Int4Linear, Q8Linear)) for m in lm.model.modules()) == (want == "gguf")
     assert load_model(str(q8), device="cpu", progress=False).quantization is None  # the library's default: dense
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf")
     with pytest.raises(SpecDecodeError, match="not a readable GGUF file"):  # one line, as without auto

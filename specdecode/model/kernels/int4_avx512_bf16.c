@@ -93,6 +93,74 @@ void int4_gemm(const uint16_t* x, int M, int K, const uint8_t* wp, const uint16_
   }
 }
 
+/* GGUF Q8_0 kept as it is (w = d q, q int8, one fp16 d per 32 inputs): 1.06 bytes a weight
+   against 1.25 as two int4 planes. Layout: q [N/32, G, 16, 64] int8, where 64 bytes hold k
+   pair p of 32 columns in the order of two bf16 vectors (column c's k = 2p, 2p + 1 side by
+   side, columns 0-15 then 16-31); d [N/32, G, 32] fp16. q converts to bf16 exactly (|q| <= 128). */
+static inline __attribute__((always_inline)) __m512bh q8_to_bf16(const int8_t* p) {
+  __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+  __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
+  return _mm512_cvtne2ps_pbh(hi, lo);  /* elements 0-15 from lo, 16-31 from hi */
+}
+
+static inline __attribute__((always_inline)) void q8_tile(
+    const int MB, const uint16_t* x, int K, const int8_t* wq, const uint16_t* d, int G, uint16_t* y, int ldy) {
+  __m512 o[8][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < MB; r++) o[r][0] = o[r][1] = _mm512_setzero_ps();
+  for (int g = 0; g < G; g++) {
+    __m512 acc[8][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < MB; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const int8_t* gp = wq + (size_t)g * 1024;
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; i++) _mm_prefetch((const char*)(gp + 2048 + 64 * i), _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int p = 0; p < 16; p++) {
+      __m512bh w0 = q8_to_bf16(gp + p * 64), w1 = q8_to_bf16(gp + p * 64 + 32);
+#pragma GCC unroll 8
+      for (int r = 0; r < MB; r++) {
+        uint32_t pair;
+        memcpy(&pair, x + (size_t)r * K + g * 32 + 2 * p, 4);
+        __m512bh a = (__m512bh)_mm512_set1_epi32((int)pair);
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, w0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
+      }
+    }
+    const uint16_t* dp = d + (size_t)g * 32;
+    __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)dp));
+    __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dp + 16)));
+#pragma GCC unroll 8
+    for (int r = 0; r < MB; r++) {
+      o[r][0] = _mm512_fmadd_ps(s0, acc[r][0], o[r][0]);
+      o[r][1] = _mm512_fmadd_ps(s1, acc[r][1], o[r][1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MB; r++) {
+    _mm256_storeu_si256((__m256i*)(y + (size_t)r * ldy), (__m256i)_mm512_cvtneps_pbh(o[r][0]));
+    _mm256_storeu_si256((__m256i*)(y + (size_t)r * ldy + 16), (__m256i)_mm512_cvtneps_pbh(o[r][1]));
+  }
+}
+
+#define Q8_TILE(MB) static void q8_tile##MB(const uint16_t* x, int K, const int8_t* wq, const uint16_t* d, \
+    int G, uint16_t* y, int ldy) { q8_tile(MB, x, K, wq, d, G, y, ldy); }
+Q8_TILE(1) Q8_TILE(2) Q8_TILE(3) Q8_TILE(4) Q8_TILE(5) Q8_TILE(6) Q8_TILE(7) Q8_TILE(8)
+typedef void (*q8_tile_fn)(const uint16_t*, int, const int8_t*, const uint16_t*, int, uint16_t*, int);
+static const q8_tile_fn Q8_TILES[9] = {0, q8_tile1, q8_tile2, q8_tile3, q8_tile4, q8_tile5, q8_tile6, q8_tile7,
+                                       q8_tile8};
+
+/* y [M, N] bf16 = x [M, K] bf16 @ W.T for Q8_0 weights; K % 32 == 0, N % 32 == 0. Jobs as int4_gemm's. */
+void q8_gemm(const uint16_t* x, int M, int K, const int8_t* wq, const uint16_t* d, int N, uint16_t* y, int threads) {
+  const int G = K / 32, NT = N / 32, MBN = (M + 7) / 8;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int job = 0; job < NT * MBN; job++) {
+    int t = job / MBN, r0 = job % MBN * 8, mbs = M - r0 < 8 ? M - r0 : 8;
+    Q8_TILES[mbs](x + (size_t)r0 * K, K, wq + (size_t)t * G * 1024, d + (size_t)t * G * 32, G,
+                  y + (size_t)r0 * N + t * 32, N);
+  }
+}
+
 static inline __m512 load_bf16x16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
