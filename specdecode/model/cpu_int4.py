@@ -134,39 +134,26 @@ def pack_q8_avx512_bf16(q: Tensor, d: Tensor, n_pad: int) -> tuple[Tensor, Tenso
     return packed, d.view(NT, 32, G).permute(0, 2, 1).to(torch.float16).contiguous()
 
 
-def q8_avx512_bf16_mm(x: Tensor, packed: Tensor, d: Tensor) -> Tensor:
-    """y [M, N] bf16 = x [M, K] bf16 @ the packed Q8_0 weight (a custom op inside torch.compile)."""
-    if torch.compiler.is_compiling():
-        return _q8_mm_op(x, packed, d)
-    return _q8_mm(x, packed, d)
-
-
-def _q8_mm(x: Tensor, packed: Tensor, d: Tensor) -> Tensor:
-    M, K = x.shape
-    N = packed.shape[0] * 32
-    y = torch.empty(M, N, dtype=torch.bfloat16)
-    avx512_bf16_lib().q8_gemm(x.data_ptr(), M, K, packed.data_ptr(), d.data_ptr(), N, y.data_ptr(),
-                              torch.get_num_threads())  # fmt: skip
-    return y
-
-
-def avx512_bf16_mm(x: Tensor, packed: Tensor, sz: Tensor) -> Tensor:
-    """y [M, N] bf16 = x [M, K] bf16 @ the packed int4 weight. Inside torch.compile it runs as
+def avx512_bf16_mm(x: Tensor, packed: Tensor, scales: Tensor) -> Tensor:
+    """y [M, N] bf16 = x [M, K] bf16 @ a packed weight: int4 (``packed`` uint8, ``scales`` the
+    scales and zeros) or Q8_0 (``packed`` int8, ``scales`` d). Inside torch.compile it runs as
     the opaque custom op below (a ctypes call cannot be traced); eagerly it is called directly,
     since the op dispatcher would add its overhead to every linear of every step."""
     if torch.compiler.is_compiling():
-        return _int4_mm_op(x, packed, sz)
-    return _int4_mm(x, packed, sz)
+        return _mm_op(x, packed, scales)
+    return _mm(x, packed, scales)
 
 
-def _int4_mm(x: Tensor, packed: Tensor, sz: Tensor) -> Tensor:
+def _mm(x: Tensor, packed: Tensor, scales: Tensor) -> Tensor:
     M, K = x.shape
     N = packed.shape[0] * 32
     y = torch.empty(M, N, dtype=torch.bfloat16)
-    xs = torch.empty(M * K // 32, dtype=torch.float32)
-    avx512_bf16_lib().int4_gemm(
-        x.data_ptr(), M, K, packed.data_ptr(), sz.data_ptr(), N, y.data_ptr(), xs.data_ptr(), torch.get_num_threads()
-    )
+    lib, threads = avx512_bf16_lib(), torch.get_num_threads()
+    if packed.dtype == torch.int8:  # Q8_0
+        lib.q8_gemm(x.data_ptr(), M, K, packed.data_ptr(), scales.data_ptr(), N, y.data_ptr(), threads)
+    else:
+        xs = torch.empty(M * K // 32, dtype=torch.float32)
+        lib.int4_gemm(x.data_ptr(), M, K, packed.data_ptr(), scales.data_ptr(), N, y.data_ptr(), xs.data_ptr(), threads)
     return y
 
 
@@ -189,21 +176,11 @@ def fast_cpu_norm(x: Tensor, weight: Tensor) -> bool:
     return ok and x.shape[-1] % 16 == 0 and not torch.is_grad_enabled() and avx512_bf16_lib() is not None
 
 
-@torch.library.custom_op("specdecode::int4_avx512_bf16_mm", mutates_args=())
-def _int4_mm_op(x: Tensor, packed: Tensor, sz: Tensor) -> Tensor:
-    return _int4_mm(x, packed, sz)
+@torch.library.custom_op("specdecode::avx512_bf16_mm", mutates_args=())
+def _mm_op(x: Tensor, packed: Tensor, scales: Tensor) -> Tensor:
+    return _mm(x, packed, scales)
 
 
-@_int4_mm_op.register_fake
-def _(x: Tensor, packed: Tensor, sz: Tensor) -> Tensor:
-    return x.new_empty(x.shape[0], packed.shape[0] * 32, dtype=torch.bfloat16)
-
-
-@torch.library.custom_op("specdecode::q8_avx512_bf16_mm", mutates_args=())
-def _q8_mm_op(x: Tensor, packed: Tensor, d: Tensor) -> Tensor:
-    return _q8_mm(x, packed, d)
-
-
-@_q8_mm_op.register_fake
-def _(x: Tensor, packed: Tensor, d: Tensor) -> Tensor:
+@_mm_op.register_fake
+def _(x: Tensor, packed: Tensor, scales: Tensor) -> Tensor:
     return x.new_empty(x.shape[0], packed.shape[0] * 32, dtype=torch.bfloat16)

@@ -4,14 +4,34 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline __attribute__((always_inline)) void tile(
-    const int MB, const uint16_t* x, int K, const float* xs, const uint8_t* wp,
-    const uint16_t* sz, int G, uint16_t* y, int ldy) {
+/* Int4 layout (see cpu_int4.py): a group of 32 inputs x 32 columns is 512 bytes, k pair p's
+   32 bytes holding q[k] | q[k+1] << 4; scales_and_zeros [N/32, G, 2, 32] fp16 (w = s q + z).
+   GGUF Q8_0 kept as it is (w = d q, q int8): a group is 1024 bytes, k pair p's 64 bytes
+   holding 32 columns in the order of two bf16 vectors (column c's k = 2p, 2p + 1 side by
+   side, columns 0-15 then 16-31); d [N/32, G, 32] fp16. 1.06 bytes a weight, against 1.25
+   for Q8_0 as two int4 planes. Both convert weights to bf16 exactly in registers. */
+static inline __attribute__((always_inline)) __m512bh int4_to_bf16(__m512i v) {
   const __m512i mask = _mm512_set1_epi32(0x000F000F);
   const __m512i lut = _mm512_set_epi16(
       0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
       0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
       0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);  /* bf16(15) ... bf16(0) */
+  /* (v | v << 12) & 0x000F000F: lo nibble in the low word, hi nibble in the high word */
+  v = _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), mask, 0xA8);
+  return (__m512bh)_mm512_permutexvar_epi16(v, lut);
+}
+
+static inline __attribute__((always_inline)) __m512bh q8_to_bf16(const uint8_t* p) {
+  __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+  __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
+  return _mm512_cvtne2ps_pbh(hi, lo);  /* elements 0-15 from lo, 16-31 from hi */
+}
+
+/* Rows [0, MB) of x times one 32-column tile; Q8 (a constant in each instance) picks the layout. */
+static inline __attribute__((always_inline)) void tile(
+    const int MB, const int Q8, const uint16_t* x, int K, const float* xs, const uint8_t* wp,
+    const uint16_t* sz, int G, uint16_t* y, int ldy) {
+  const int group_bytes = Q8 ? 1024 : 512;
   __m512 o[8][2];
 #pragma GCC unroll 8
   for (int r = 0; r < MB; r++) o[r][0] = o[r][1] = _mm512_setzero_ps();
@@ -19,19 +39,20 @@ static inline __attribute__((always_inline)) void tile(
     __m512 acc[8][2];
 #pragma GCC unroll 8
     for (int r = 0; r < MB; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    const uint8_t* gp = wp + (size_t)g * 512;
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; i++) _mm_prefetch((const char*)(gp + 2048 + 64 * i), _MM_HINT_T0);
+    const uint8_t* gp = wp + (size_t)g * group_bytes;
+#pragma GCC unroll 16
+    for (int i = 0; i < group_bytes / 64; i++) _mm_prefetch((const char*)(gp + 2048 + 64 * i), _MM_HINT_T0);
 #pragma GCC unroll 4
     for (int p = 0; p < 16; p++) {
-      __m256i b = _mm256_loadu_si256((const __m256i*)(gp + p * 32));
-      __m512i v0 = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(b));
-      __m512i v1 = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(b, 1));
-      /* (v | v << 12) & 0x000F000F: lo nibble in the low word, hi nibble in the high word */
-      v0 = _mm512_ternarylogic_epi32(v0, _mm512_slli_epi32(v0, 12), mask, 0xA8);
-      v1 = _mm512_ternarylogic_epi32(v1, _mm512_slli_epi32(v1, 12), mask, 0xA8);
-      __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(v0, lut);
-      __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(v1, lut);
+      __m512bh w0, w1;
+      if (Q8) {
+        w0 = q8_to_bf16(gp + p * 64);
+        w1 = q8_to_bf16(gp + p * 64 + 32);
+      } else {
+        __m256i b = _mm256_loadu_si256((const __m256i*)(gp + p * 32));
+        w0 = int4_to_bf16(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(b)));
+        w1 = int4_to_bf16(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(b, 1)));
+      }
 #pragma GCC unroll 8
       for (int r = 0; r < MB; r++) {
         uint32_t pair;
@@ -41,16 +62,24 @@ static inline __attribute__((always_inline)) void tile(
         acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
       }
     }
-    const uint16_t* sp = sz + (size_t)g * 64;
+    const uint16_t* sp = sz + (size_t)g * (Q8 ? 32 : 64);
     __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)sp));
     __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + 16)));
-    __m512 z0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + 32)));
-    __m512 z1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + 48)));
+    if (Q8) {
 #pragma GCC unroll 8
-    for (int r = 0; r < MB; r++) {
-      __m512 xv = _mm512_set1_ps(xs[r * G + g]);
-      o[r][0] = _mm512_fmadd_ps(s0, acc[r][0], _mm512_fmadd_ps(z0, xv, o[r][0]));
-      o[r][1] = _mm512_fmadd_ps(s1, acc[r][1], _mm512_fmadd_ps(z1, xv, o[r][1]));
+      for (int r = 0; r < MB; r++) {
+        o[r][0] = _mm512_fmadd_ps(s0, acc[r][0], o[r][0]);
+        o[r][1] = _mm512_fmadd_ps(s1, acc[r][1], o[r][1]);
+      }
+    } else {
+      __m512 z0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + 32)));
+      __m512 z1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + 48)));
+#pragma GCC unroll 8
+      for (int r = 0; r < MB; r++) {
+        __m512 xv = _mm512_set1_ps(xs[r * G + g]);
+        o[r][0] = _mm512_fmadd_ps(s0, acc[r][0], _mm512_fmadd_ps(z0, xv, o[r][0]));
+        o[r][1] = _mm512_fmadd_ps(s1, acc[r][1], _mm512_fmadd_ps(z1, xv, o[r][1]));
+      }
     }
   }
 #pragma GCC unroll 8
@@ -60,17 +89,37 @@ static inline __attribute__((always_inline)) void tile(
   }
 }
 
-#define TILE(MB) static void tile##MB(const uint16_t* x, int K, const float* xs, const uint8_t* wp, \
-    const uint16_t* sz, int G, uint16_t* y, int ldy) { tile(MB, x, K, xs, wp, sz, G, y, ldy); }
-TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7) TILE(8)
 typedef void (*tile_fn)(const uint16_t*, int, const float*, const uint8_t*, const uint16_t*, int, uint16_t*, int);
-static const tile_fn TILES[9] = {0, tile1, tile2, tile3, tile4, tile5, tile6, tile7, tile8};
+#define TILE(MB, Q8, NAME) static void NAME(const uint16_t* x, int K, const float* xs, const uint8_t* wp, \
+    const uint16_t* sz, int G, uint16_t* y, int ldy) { tile(MB, Q8, x, K, xs, wp, sz, G, y, ldy); }
+TILE(1, 0, i4t1) TILE(2, 0, i4t2) TILE(3, 0, i4t3) TILE(4, 0, i4t4)
+TILE(5, 0, i4t5) TILE(6, 0, i4t6) TILE(7, 0, i4t7) TILE(8, 0, i4t8)
+TILE(1, 1, q8t1) TILE(2, 1, q8t2) TILE(3, 1, q8t3) TILE(4, 1, q8t4)
+TILE(5, 1, q8t5) TILE(6, 1, q8t6) TILE(7, 1, q8t7) TILE(8, 1, q8t8)
+static const tile_fn INT4_TILES[9] = {0, i4t1, i4t2, i4t3, i4t4, i4t5, i4t6, i4t7, i4t8};
+static const tile_fn Q8_TILES[9] = {0, q8t1, q8t2, q8t3, q8t4, q8t5, q8t6, q8t7, q8t8};
+
+/* A job is one 32-column tile and one block of 8 rows, the row blocks of a tile consecutive:
+   a thread decodes a tile's weights from memory for its first row block and finds them in
+   cache for the next, and every thread gets an equal share of the columns. (Row blocks
+   outermost gave one thread all of 8 rows and the other the rest, each streaming every
+   weight: 9 positions cost 1.7x 8.) Each row's result is the same whatever the order. */
+static void run_tiles(const tile_fn* tiles, int Q8, const uint16_t* x, int M, int K, const float* xs,
+                      const uint8_t* wp, const uint16_t* sz, int N, uint16_t* y, int threads) {
+  const int G = K / 32, NT = N / 32, MBN = (M + 7) / 8;
+  const size_t tile_bytes = (size_t)G * (Q8 ? 1024 : 512), tile_scales = (size_t)G * (Q8 ? 32 : 64);
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int job = 0; job < NT * MBN; job++) {
+    int t = job / MBN, r0 = job % MBN * 8, mbs = M - r0 < 8 ? M - r0 : 8;
+    tiles[mbs](x + (size_t)r0 * K, K, xs ? xs + r0 * G : 0, wp + t * tile_bytes, sz + t * tile_scales, G,
+               y + (size_t)r0 * N + t * 32, N);
+  }
+}
 
 /* y [M, N] bf16 = x [M, K] bf16 @ W.T; K % 32 == 0, N % 32 == 0; xs: M * K / 32 floats of scratch */
 void int4_gemm(const uint16_t* x, int M, int K, const uint8_t* wp, const uint16_t* sz, int N, uint16_t* y,
                float* xs, int threads) {
-  const int G = K / 32, NT = N / 32, MBN = (M + 7) / 8;
-  for (int i = 0; i < M * G; i++) {
+  for (int i = 0; i < M * (K / 32); i++) {  /* each group's input sum, for the zeros */
     float s = 0;
     for (int j = 0; j < 32; j++) {
       uint32_t u = (uint32_t)x[(size_t)i * 32 + j] << 16;
@@ -80,85 +129,12 @@ void int4_gemm(const uint16_t* x, int M, int K, const uint8_t* wp, const uint16_
     }
     xs[i] = s;
   }
-  /* A job is one 32-column tile and one block of 8 rows, the row blocks of a tile consecutive:
-     a thread decodes a tile's weights from memory for its first row block and finds them in
-     cache for the next, and every thread gets an equal share of the columns. (Row blocks
-     outermost gave one thread all of 8 rows and the other the rest, each streaming every
-     weight: 9 positions cost 1.7x 8.) Each row's result is the same whatever the order. */
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int job = 0; job < NT * MBN; job++) {
-    int t = job / MBN, r0 = job % MBN * 8, mbs = M - r0 < 8 ? M - r0 : 8;
-    TILES[mbs](x + (size_t)r0 * K, K, xs + r0 * G, wp + (size_t)t * G * 512, sz + (size_t)t * G * 64, G,
-               y + (size_t)r0 * N + t * 32, N);
-  }
+  run_tiles(INT4_TILES, 0, x, M, K, xs, wp, sz, N, y, threads);
 }
 
-/* GGUF Q8_0 kept as it is (w = d q, q int8, one fp16 d per 32 inputs): 1.06 bytes a weight
-   against 1.25 as two int4 planes. Layout: q [N/32, G, 16, 64] int8, where 64 bytes hold k
-   pair p of 32 columns in the order of two bf16 vectors (column c's k = 2p, 2p + 1 side by
-   side, columns 0-15 then 16-31); d [N/32, G, 32] fp16. q converts to bf16 exactly (|q| <= 128). */
-static inline __attribute__((always_inline)) __m512bh q8_to_bf16(const int8_t* p) {
-  __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-  __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16))));
-  return _mm512_cvtne2ps_pbh(hi, lo);  /* elements 0-15 from lo, 16-31 from hi */
-}
-
-static inline __attribute__((always_inline)) void q8_tile(
-    const int MB, const uint16_t* x, int K, const int8_t* wq, const uint16_t* d, int G, uint16_t* y, int ldy) {
-  __m512 o[8][2];
-#pragma GCC unroll 8
-  for (int r = 0; r < MB; r++) o[r][0] = o[r][1] = _mm512_setzero_ps();
-  for (int g = 0; g < G; g++) {
-    __m512 acc[8][2];
-#pragma GCC unroll 8
-    for (int r = 0; r < MB; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    const int8_t* gp = wq + (size_t)g * 1024;
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; i++) _mm_prefetch((const char*)(gp + 2048 + 64 * i), _MM_HINT_T0);
-#pragma GCC unroll 4
-    for (int p = 0; p < 16; p++) {
-      __m512bh w0 = q8_to_bf16(gp + p * 64), w1 = q8_to_bf16(gp + p * 64 + 32);
-#pragma GCC unroll 8
-      for (int r = 0; r < MB; r++) {
-        uint32_t pair;
-        memcpy(&pair, x + (size_t)r * K + g * 32 + 2 * p, 4);
-        __m512bh a = (__m512bh)_mm512_set1_epi32((int)pair);
-        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, w0);
-        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
-      }
-    }
-    const uint16_t* dp = d + (size_t)g * 32;
-    __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)dp));
-    __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dp + 16)));
-#pragma GCC unroll 8
-    for (int r = 0; r < MB; r++) {
-      o[r][0] = _mm512_fmadd_ps(s0, acc[r][0], o[r][0]);
-      o[r][1] = _mm512_fmadd_ps(s1, acc[r][1], o[r][1]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < MB; r++) {
-    _mm256_storeu_si256((__m256i*)(y + (size_t)r * ldy), (__m256i)_mm512_cvtneps_pbh(o[r][0]));
-    _mm256_storeu_si256((__m256i*)(y + (size_t)r * ldy + 16), (__m256i)_mm512_cvtneps_pbh(o[r][1]));
-  }
-}
-
-#define Q8_TILE(MB) static void q8_tile##MB(const uint16_t* x, int K, const int8_t* wq, const uint16_t* d, \
-    int G, uint16_t* y, int ldy) { q8_tile(MB, x, K, wq, d, G, y, ldy); }
-Q8_TILE(1) Q8_TILE(2) Q8_TILE(3) Q8_TILE(4) Q8_TILE(5) Q8_TILE(6) Q8_TILE(7) Q8_TILE(8)
-typedef void (*q8_tile_fn)(const uint16_t*, int, const int8_t*, const uint16_t*, int, uint16_t*, int);
-static const q8_tile_fn Q8_TILES[9] = {0, q8_tile1, q8_tile2, q8_tile3, q8_tile4, q8_tile5, q8_tile6, q8_tile7,
-                                       q8_tile8};
-
-/* y [M, N] bf16 = x [M, K] bf16 @ W.T for Q8_0 weights; K % 32 == 0, N % 32 == 0. Jobs as int4_gemm's. */
-void q8_gemm(const uint16_t* x, int M, int K, const int8_t* wq, const uint16_t* d, int N, uint16_t* y, int threads) {
-  const int G = K / 32, NT = N / 32, MBN = (M + 7) / 8;
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int job = 0; job < NT * MBN; job++) {
-    int t = job / MBN, r0 = job % MBN * 8, mbs = M - r0 < 8 ? M - r0 : 8;
-    Q8_TILES[mbs](x + (size_t)r0 * K, K, wq + (size_t)t * G * 1024, d + (size_t)t * G * 32, G,
-                  y + (size_t)r0 * N + t * 32, N);
-  }
+/* The same for Q8_0 weights (q, d in the layout above). */
+void q8_gemm(const uint16_t* x, int M, int K, const uint8_t* wq, const uint16_t* d, int N, uint16_t* y, int threads) {
+  run_tiles(Q8_TILES, 1, x, M, K, 0, wq, d, N, y, threads);
 }
 
 static inline __m512 load_bf16x16(const uint16_t* p) {
