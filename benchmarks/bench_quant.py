@@ -1,7 +1,8 @@
 """Quantized weight-only linears on the default model: every ratio measured side by side in one run.
 
 CPU, batch 1, activations in bf16. For each quantization (none = bf16 weights, int8, int4 g32,
-gguf = the file's own Q4_1/Q8_0 blocks; "@stock" = torch's int4 CPU kernel instead of ours) it reports:
+gguf = the file's own Q4_1/Q8_0 blocks; "@stock" = torch's int4 CPU kernel instead of ours;
+"gguf@planes" = ours, with the Q8_0 head as two int4 planes instead of its own blocks) it reports:
   1. ms per forward of M = 1, 2, 5, 9, 16 new positions over a cached prompt (the verify cost
      curve of speculative decoding), and the M=5 / M=1 ratio;
   2. greedy decode tok/s (time after the first token) and its speedup over bf16;
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from dataclasses import replace
 import sys
 import time
 
@@ -30,13 +32,17 @@ PROMPT = "Explain in a few sentences why the sky is blue, then list three other 
 
 
 def load(mode: str):
-    """``mode`` is a quantization, or "int4@stock" / "gguf@stock" for torch's own int4 CPU kernel."""
+    """``mode`` is a quantization, or "int4@stock" / "gguf@stock" for torch's own int4 CPU kernel,
+    or "gguf@planes" for Q8_0 weights as two int4 planes (as before Q8Linear)."""
     quant, _, kernel = mode.partition("@")
     if not kernel:
         return load_model(None, dtype="bfloat16", device="cpu", progress=False, quantization=quant)
     lm = load_model(None, dtype="bfloat16", device="cpu", progress=False)
     if quant == "gguf":
         blocks = gguf_int4_weights(default_model_path(), lm.config.num_heads, lm.config.num_kv_heads)
+        if kernel == "planes":  # relabelled, Q8_0 blocks are not recognised as such: they stay planes
+            blocks = {k: replace(g, source_type=g.source_type + " planes") for k, g in blocks.items()}
+            kernel = "auto"
         use_gguf_blocks_(lm.model, lm.config, blocks, int4_kernel=kernel)
     else:
         quantize_model_(lm.model, quant, int4_kernel=kernel)
