@@ -33,7 +33,6 @@ from specdecode.drafters.dflash_net import DFlashNet
 from specdecode.drafters.learned import load_net, resolve_weights
 from specdecode.engine.batch import Batch
 from specdecode.drafters.draft_cache import DraftKVCache
-from specdecode.sampling import logits_to_probs, sample
 
 
 @dataclass(frozen=True)
@@ -94,9 +93,7 @@ class DFlashDrafter:
         head = self.net.head
         if batch.all_greedy:  # one-hot q: the verifier needs no distribution
             return Draft(tokens=head.vocab_ids[logits.argmax(dim=-1)])
-        full = head.full(logits, self.ctx.target.config.vocab_size)  # [B, γ, V]
-        q = logits_to_probs(full, batch.temperature, batch.top_k, batch.top_p)  # [B, γ, V]
-        tokens = torch.stack([sample(q[:, k], batch.generators) for k in range(gamma)], dim=1)  # [B, γ]
+        tokens, q = head.sample(logits, batch, self.ctx.target.config.vocab_size)  # [B, γ], [B, γ, V]
         return Draft(tokens=tokens, q=q)
 
     def on_verified(

@@ -31,7 +31,6 @@ from specdecode.drafters.eagle_net import FeatureNet
 from specdecode.drafters.learned import PendingFeatures, load_net, resolve_weights
 from specdecode.engine.batch import Batch, pad_right
 from specdecode.drafters.draft_cache import DraftKVCache
-from specdecode.sampling import logits_to_probs, sample
 from specdecode.tree import check_node_budget
 
 
@@ -106,10 +105,9 @@ class EagleDrafter:
             if batch.all_greedy:  # one-hot q: the verifier needs no distribution
                 token = self.net.head.vocab_ids[logits.argmax(dim=-1)]
             else:
-                full = self.net.head.full(logits, self.vocab_size)
-                q = logits_to_probs(full[:, None], batch.temperature, batch.top_k, batch.top_p)[:, 0]  # [B, V]
-                token = sample(q, batch.generators)
-                qs.append(q)
+                token, q = self.net.head.sample(logits[:, None], batch, self.vocab_size)  # [B, 1], [B, 1, V]
+                token = token[:, 0]
+                qs.append(q[:, 0])
             drafts.append(token)
             if k + 1 < num_tokens:  # entry (own output, d_k): its output predicts d_{k+1}
                 positions = self.cache.lengths[:, None]

@@ -36,7 +36,6 @@ from specdecode.drafters.draft_vocab import DraftVocabHead
 from specdecode.drafters.learned import TrainBatch, load_net, resolve_weights
 from specdecode.engine.batch import Batch
 from specdecode.model.transformer import Transformer
-from specdecode.sampling import logits_to_probs, sample
 from specdecode.tree import MAX_TREE_NODES, TreeBatch, TreeShape, parse_token_tree
 
 ACCEPTANCE = ("exact", "typical")
@@ -211,9 +210,7 @@ class MedusaDrafter:
         if batch.all_greedy or self.typical is not None:
             tokens = self.net.head.vocab_ids[logits.argmax(dim=-1)]  # [B, K], q one-hot
             return Draft(tokens=tokens, typical=self.typical)
-        full = self.net.head.full(logits, self.target.config.vocab_size)  # [B, K, V]
-        q = logits_to_probs(full, batch.temperature, batch.top_k, batch.top_p)  # [B, K, V]
-        tokens = torch.stack([sample(q[:, k], batch.generators) for k in range(K)], dim=1)  # [B, K]
+        tokens, q = self.net.head.sample(logits, batch, self.target.config.vocab_size)  # [B, K], [B, K, V]
         return Draft(tokens=tokens, q=q)
 
     def _fill_tree(self, batch: Batch, logits: Tensor) -> Draft:
