@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from dataclasses import replace
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
@@ -41,7 +41,8 @@ def load(mode: str):
     if quant == "gguf":
         blocks = gguf_int4_weights(default_model_path(), lm.config.num_heads, lm.config.num_kv_heads)
         if kernel == "planes":  # relabelled, Q8_0 blocks are not recognised as such: they stay planes
-            blocks = {k: replace(g, source_type=g.source_type + " planes") for k, g in blocks.items()}
+            blocks = {k: replace(g, source_type="Q8_0 planes") if g.source_type == "Q8_0" else g
+                      for k, g in blocks.items()}  # fmt: skip
             kernel = "auto"
         use_gguf_blocks_(lm.model, lm.config, blocks, int4_kernel=kernel)
     else:

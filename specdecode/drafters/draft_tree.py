@@ -24,7 +24,7 @@ from specdecode.drafters.base import Draft
 from specdecode.tree import DraftTree, TreeBatch, TreeShape
 
 # score(tokens [B, T], depth [B, T], mask [B, T, T], at [B, K], parent_states [B, T, F] | None)
-#   -> (logits [B, K, V], states [B, K, F] | None):
+#   -> (logits [B, K, V or Vd], states [B, K, F] | None):
 # the draft's next-token logits at block positions ``at``, for a block of tree nodes
 # (depth >= 1) that sees the committed history plus its ancestors in the block. A drafter
 # whose node input is its parent's output (EAGLE feeds the parent's predicted feature)
@@ -62,13 +62,20 @@ class _Pool:
 
 def grow_tree(
     score: ScoreFn, root_logits: torch.Tensor, root_tokens: list[int], depth: int, topk: int, budget: int,
-    root_states: torch.Tensor | None = None,
+    root_states: torch.Tensor | None = None, vocab_ids: torch.Tensor | None = None,
 ) -> Draft:  # fmt: skip
-    """A tree per row, at most ``depth`` deep and ``budget`` draft nodes. root_logits [B, V];
-    root_states [B, F]: the root's output state, for a drafter whose nodes take their parent's."""
+    """A tree per row, at most ``depth`` deep and ``budget`` draft nodes. root_logits [B, V or Vd];
+    root_states [B, F]: the root's output state, for a drafter whose nodes take their parent's.
+    ``vocab_ids`` [Vd]: the logits (the root's and ``score``'s) are over these tokens only (a
+    draft vocabulary: the same tree as over the full logits with -inf elsewhere, cheaper)."""
     B, device = root_logits.shape[0], root_logits.device
     pools = [_Pool() for _ in range(B)]
-    logq, tok = torch.log_softmax(root_logits.float(), dim=-1).topk(topk, dim=-1)  # [B, k]
+
+    def best(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # top-k (log q, token id)
+        logq, idx = torch.log_softmax(logits.float(), dim=-1).topk(min(topk, logits.shape[-1]), dim=-1)
+        return logq, idx if vocab_ids is None else vocab_ids[idx]
+
+    logq, tok = best(root_logits)  # [B, k]
     frontier = [[p.add(t, -1, s) for t, s in zip(tok[b].tolist(), logq[b].tolist())] for b, p in enumerate(pools)]
     for _ in range(depth - 1):
         block = [sorted({n for f in fr for n in p.path(f)}) for p, fr in zip(pools, frontier)]
@@ -88,7 +95,7 @@ def grow_tree(
                     parent_states[b, i] = p.states[p.parents[n]]
             at[b, : len(frontier[b])] = torch.tensor([where[f] for f in frontier[b]])
         logits, states = score(tokens.to(device), depths.to(device), mask.to(device), at.to(device), parent_states)
-        logq, tok = torch.log_softmax(logits.float(), dim=-1).topk(topk, dim=-1)  # [B, k, k]
+        logq, tok = best(logits)  # [B, k, k]
         for b, p in enumerate(pools):
             if states is not None:
                 p.states.update({f: states[b, i] for i, f in enumerate(frontier[b])})

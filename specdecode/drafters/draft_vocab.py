@@ -32,7 +32,8 @@ class Borrowed:
 
 
 class DraftVocabHead(nn.Module):
-    """x [..., H] -> draft-vocabulary logits [..., Vd]; ``full`` maps them onto the whole vocabulary."""
+    """x [..., H] -> draft-vocabulary logits [..., Vd]; ``sample`` draws from them and maps
+    tokens and q onto the whole vocabulary."""
 
     def __init__(self, target: Transformer, size: int) -> None:
         super().__init__()
@@ -74,9 +75,7 @@ class DraftVocabHead(nn.Module):
         """[..., V] target probabilities or logits -> [..., Vd] at the draft vocabulary."""
         return p[..., self.vocab_ids]
 
-    def sample(
-        self, logits: Tensor, batch: "Batch", vocab_size: int
-    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    def sample(self, logits: Tensor, batch: Batch, vocab_size: int) -> tuple[Tensor, Tensor]:
         """Draft tokens [B, T] sampled from ``logits`` [B, T, Vd] under the rows' temperature,
         top-k and top-p, and their q [B, T, V] (0 outside the draft vocabulary). Computed over
         the draft vocabulary and then scattered: the same distribution as filtering the full
@@ -88,10 +87,3 @@ class DraftVocabHead(nn.Module):
             return tokens, q
         full = q.new_zeros((*q.shape[:-1], vocab_size))
         return self.vocab_ids[tokens], full.scatter_(-1, self.vocab_ids.expand(*q.shape[:-1], -1), q)
-
-    def full(self, logits: Tensor, vocab_size: int) -> Tensor:
-        """[..., Vd] -> [..., V], -inf outside the draft vocabulary."""
-        if self.size == vocab_size:
-            return logits  # vocab_ids is then a permutation of all ids; prepare keeps them sorted
-        out = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
-        return out.scatter_(-1, self.vocab_ids.expand(*logits.shape[:-1], -1), logits)

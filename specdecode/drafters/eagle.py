@@ -96,8 +96,8 @@ class EagleDrafter:
         logits, out = self._feed_pending(batch)
         roots = [s.token_ids[-1] for s in batch.seqs]
         if self.topk > 1:
-            full = self.net.head.full(logits, self.vocab_size)
-            return grow_tree(self._score_block, full, roots, num_tokens, self.topk, self.budget, root_states=out)
+            return grow_tree(self._score_block, logits, roots, num_tokens, self.topk, self.budget, root_states=out,
+                             vocab_ids=self.net.head.vocab_ids)  # fmt: skip
         drafts, qs, confs = [], [], []
         for k in range(num_tokens):
             if self.net.confidence is not None:  # from the feature that gives this token's logits
@@ -122,11 +122,11 @@ class EagleDrafter:
         self, tokens: torch.Tensor, depths: torch.Tensor, mask: torch.Tensor, at: torch.Tensor,
         parent_states: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """A block of tree nodes, each fed its parent's output feature (not committed)."""
+        """A block of tree nodes, each fed its parent's output feature (not committed); logits
+        over the draft vocabulary."""
         assert parent_states is not None
         positions = self.cache.lengths[:, None] + depths - 1  # depth-1 nodes take the next free slot
-        logits, out = self.net(parent_states, tokens, positions, self.cache, block_mask=mask, logits_at=at)
-        return self.net.head.full(logits, self.vocab_size), out
+        return self.net(parent_states, tokens, positions, self.cache, block_mask=mask, logits_at=at)
 
     def on_verified(
         self, batch: Batch, num_accepted: torch.Tensor, aux_logits: torch.Tensor | None = None,

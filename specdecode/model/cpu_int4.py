@@ -1,7 +1,8 @@
-"""Our CPU int4 kernel (AVX512-BF16), compiled with the system C compiler on first use.
+"""Our CPU int4 and Q8_0 kernels (AVX512-BF16), compiled with the system C compiler on first use.
 
 Owns: compiling kernels/int4_avx512_bf16.c into the specdecode cache, deciding whether this
-machine can run it, packing int4 weights into its layout, and calling it through ctypes.
+machine can run it, packing int4 weights and GGUF Q8_0 blocks into its layouts, and calling
+it through ctypes.
 Does not own: the quantized Linear modules (quant.py), which fall back to torch's stock
 kernel wherever this one is unavailable (no compiler, no AVX512-BF16, or CUDA).
 """
@@ -32,8 +33,9 @@ from specdecode.config import SpecDecodeError
 # with w = s q + z (z = the stock kernel's zero - 8 s). Scales and zeros are fp16, so GGUF's
 # Q4_0 / Q4_1 / Q8_0 blocks (fp16 d and m) are kept bit-exact. Groups of 64 / 128 run as groups
 # of 32 with repeated scales. Layout: weight [N/32, G, 16, 32] bytes (q[k] | q[k+1] << 4 for
-# 32 columns), scales_and_zeros [N/32, G, 2, 32] fp16. Threads: OpenMP, which resolves to the
-# libgomp that torch has already loaded, so both share one thread pool.
+# 32 columns), scales_and_zeros [N/32, G, 2, 32] fp16. Q8_0 (`pack_q8_avx512_bf16`): int8
+# converted to bf16 the same way, one fp16 d per group and no zero term. Threads: OpenMP, which
+# resolves to the libgomp that torch has already loaded, so both share one thread pool.
 
 INT4_CPU_KERNELS = ("auto", "avx512_bf16", "stock")
 _CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c", "fma")

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdecode.config import SpecDecodeError
-from specdecode.model.cpu_int4 import avx512_bf16_lib
+from specdecode.model.cpu_int4 import avx512_bf16_lib, pick_cpu_kernel
 from specdecode.model.gguf_convert import Int4Groups, cache_root, converted_folder, gguf_int4_weights, gguf_keeps_blocks
 from specdecode.model.quant import Int4Linear, Q8Linear, parse_quantization, quantize_model_, set_submodule
 from specdecode.model.transformer import ModelConfig, Transformer
@@ -210,7 +210,8 @@ def _swap_int4(model: Transformer, name: str, parts: list[Int4Groups | None], ke
     lin = model.get_submodule(name)
     device = lin.weight.device
     bias = None if lin.bias is None else lin.bias.detach()
-    if all(p.source_type == "Q8_0" for p in parts) and kernel != "stock" and Q8Linear.available(device):
+    q8 = all(p.source_type == "Q8_0" for p in parts)
+    if q8 and Q8Linear.available(device) and pick_cpu_kernel(kernel) == "avx512_bf16":
         q8, d = (torch.cat(t) for t in zip(*(p.as_q8() for p in parts)))
         set_submodule(model, name, Q8Linear(q8, d, lin.in_features, bias))
         return

@@ -35,7 +35,11 @@ from torch import Tensor, nn
 
 from specdecode.config import SpecDecodeError
 from specdecode.model.cpu_int4 import (
-    avx512_bf16_lib, avx512_bf16_mm, pack_avx512_bf16, pack_q8_avx512_bf16, pick_cpu_kernel,
+    avx512_bf16_lib,
+    avx512_bf16_mm,
+    pack_avx512_bf16,
+    pack_q8_avx512_bf16,
+    pick_cpu_kernel,
 )
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "gguf")

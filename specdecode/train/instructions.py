@@ -2,17 +2,18 @@
 
 Owns: the word lists and templates, and `instructions(num, seed, passages)`, which mixes
 about a third each of chat questions, code tasks and texts to summarise. Chat questions
-pair ~200 topics and ~100 everyday activities with ~30 question shapes (explain, advise,
-compare, list, story ...); code tasks come from ~120 small programming tasks and from the
-standard library's one-line docstrings; texts to summarise are paragraphs of the standard
-library's and /usr/share/doc's text, plus ``passages``: narrative texts (the target's
-own answers to `NEWS_TEMPLATES`, from an earlier run), since offline documentation holds
-few news-like stories.
+pair ~210 topics and ~80 everyday activities with ~30 question shapes (explain, advise,
+compare, list, story, news ...); code tasks come from ~100 small programming tasks and from
+the standard library's one-line docstrings (~900 in all with Python 3.11's library); texts
+to summarise are paragraphs of the standard library's and /usr/share/doc's text (deduplicated),
+plus ``passages``: prose from an earlier run's answers, since offline documentation holds few
+stories. A smaller pool than asked for gives fewer instructions, not repeats.
 
 A drafter learns what the target says to the kind of request it will serve, so variety
 of requests is what the held-out acceptance needs (the first data had 360 distinct chat
 questions, and its drafters overfit them). The benchmark prompts (benchmarks/prompts*.json)
-are kept apart: no template or list entry here is one of their subjects (tested).
+are kept apart: no instruction is one of them or names a subject in `HELD_OUT` (tested);
+neighbouring subjects remain (other instruments, remote work, camping).
 
 Does not own: answering them (regenerate.py).
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 import ast
 import random
 import sysconfig
+from collections.abc import Sequence
 from pathlib import Path
 
 TOPICS = (
@@ -230,14 +232,15 @@ def code_tasks(rng: random.Random, n: int) -> list[str]:
                 if 20 <= len(doc) <= 160:
                     args = ", ".join(a.arg for a in node.args.args)
                     tasks.append(f"Write a Python function `{node.name}({args})`. {doc} Include a short example.")
+    tasks = list(dict.fromkeys(tasks))  # a name documented twice in the library makes one task
     rng.shuffle(tasks)
     return tasks[:n]
 
 
-def paragraphs(rng: random.Random, n: int, passages: list[str] = ()) -> list[str]:  # type: ignore[assignment]
+def paragraphs(rng: random.Random, n: int, passages: Sequence[str] = ()) -> list[str]:
     """``passages`` of 300-1500 characters first, then paragraphs of 300-1200 characters from
     module docstrings and /usr/share/doc text files, shuffled, at most ``n``."""
-    own = [p.strip() for p in passages if 300 <= len(p.strip()) <= 1500]
+    own = list(dict.fromkeys(p.strip() for p in passages if 300 <= len(p.strip()) <= 1500))
     found = []
     for path in _stdlib_files():
         try:
@@ -249,6 +252,7 @@ def paragraphs(rng: random.Random, n: int, passages: list[str] = ()) -> list[str
         if path.is_file() and path.suffix in ("", ".txt", ".md") and path.stat().st_size < 200_000:
             text = path.read_text(encoding="utf-8", errors="replace")
             found += [p for p in text.split("\n\n") if 300 <= len(p) <= 1200 and p.count(" ") > 40]
+    found = list(dict.fromkeys(found))  # licence texts repeat across /usr/share/doc
     rng.shuffle(own)
     rng.shuffle(found)
     picked = own[: (2 * n) // 3] if found else own[:n]  # narrative first, but keep some documentation
@@ -257,7 +261,7 @@ def paragraphs(rng: random.Random, n: int, passages: list[str] = ()) -> list[str
     return picked
 
 
-def instructions(num: int, seed: int, passages: list[str] = ()) -> list[str]:  # type: ignore[assignment]
+def instructions(num: int, seed: int, passages: Sequence[str] = ()) -> list[str]:
     """About a third each of chat questions, code tasks and summaries, shuffled."""
     rng = random.Random(seed)
     chat = chat_questions()

@@ -2,8 +2,8 @@
 
 Owns: answering the instructions of instructions.py with the target through our engine,
 written as chat records (``{"messages": [...]}`` per line) that `specdecode train --data`
-reads. ``--passages`` takes the answers of an earlier run (news reports and stories) as
-texts to summarise.
+reads. ``--passages`` takes the prose answers of an earlier run (explanations, posts,
+stories, news reports) as texts to summarise.
 A drafter trained on the target's own outputs learns what the target will say, which
 is what acceptance measures.
 
@@ -29,8 +29,11 @@ def read_passages(paths: list[str]) -> list[str]:
     texts = []
     for path in paths:
         for line in Path(path).read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                texts += [m["content"] for m in json.loads(line)["messages"] if m["role"] == "assistant"]
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # blank, or the last line of a run stopped mid-write
+                continue
+            texts += [m["content"] for m in record.get("messages", []) if m.get("role") == "assistant"]
     return [t for t in texts if "```" not in t and "def " not in t]
 
 

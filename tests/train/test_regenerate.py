@@ -55,6 +55,9 @@ def test_passages_become_texts_to_summarise(tmp_path):
 
     story = "The village held its harvest festival on Saturday. " * 10
     path = tmp_path / "answers.jsonl"
-    path.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": story}]}) + "\n")
+    code = "Here it is:\n```python\ndef f():\n    return 1\n```\n" + "x " * 200
+    records = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": t}]} for t in (story, code)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"messages": [{"ro')  # a run stopped mid-line
+    assert read_passages([str(path)]) == [story]  # prose only; the torn last line is skipped
     made = instructions(60, seed=2, passages=read_passages([str(path)]))
     assert sum(story.strip() in p for p in made) == 1
