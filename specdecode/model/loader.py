@@ -210,8 +210,8 @@ def _swap_int4(model: Transformer, name: str, parts: list[Int4Groups | None], ke
     lin = model.get_submodule(name)
     device = lin.weight.device
     bias = None if lin.bias is None else lin.bias.detach()
-    q8 = all(p.source_type == "Q8_0" for p in parts)
-    if q8 and Q8Linear.available(device) and pick_cpu_kernel(kernel) == "avx512_bf16":
+    all_q8 = all(p.source_type == "Q8_0" for p in parts)
+    if all_q8 and Q8Linear.available(device) and pick_cpu_kernel(kernel) == "avx512_bf16":
         q8, d = (torch.cat(t) for t in zip(*(p.as_q8() for p in parts)))
         set_submodule(model, name, Q8Linear(q8, d, lin.in_features, bias))
         return
