@@ -2,7 +2,8 @@
 
 Owns: `Int8Linear` (``torch._weight_int8pack_mm``), `Int4Linear` (on CPU our AVX512-BF16 kernel,
 compiled on first use, else torch's ``_weight_int4pack_mm_for_cpu``; on CUDA
-``_weight_int4pack_mm``), `Q8Linear` (GGUF Q8_0 blocks as they are, on our CPU kernel), the quantize / dequantize helpers that define their numerics,
+``_weight_int4pack_mm``), `Q8Linear` (GGUF Q8_0 blocks as they are, on our CPU kernel),
+the quantize / dequantize helpers that define their numerics,
 `quantize_model_` (swap a Transformer's linears in place), the parsing of the ``quantization``
 setting and `describe_kernels`.
 Does not own: reading GGUF blocks (gguf_convert.py), choosing when to quantize (loader.py).
