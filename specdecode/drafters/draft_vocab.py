@@ -82,8 +82,8 @@ class DraftVocabHead(nn.Module):
         logits (-inf outside; ``vocab_ids`` are sorted, so argmax ties break alike), at a sixth
         of the cost of the softmax and of the random draws."""
         q = logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p)  # [B, T, Vd]
-        tokens = torch.stack([sample(q[:, k], batch.generators) for k in range(q.shape[1])], dim=1)  # [B, T]
-        if self.size == vocab_size:
+        tokens = self.vocab_ids[torch.stack([sample(q[:, k], batch.generators) for k in range(q.shape[1])], dim=1)]
+        if self.size == vocab_size:  # the whole vocabulary: vocab_ids, kept sorted by prepare, is every id in order
             return tokens, q
         full = q.new_zeros((*q.shape[:-1], vocab_size))
-        return self.vocab_ids[tokens], full.scatter_(-1, self.vocab_ids.expand(*q.shape[:-1], -1), q)
+        return tokens, full.scatter_(-1, self.vocab_ids.expand(*q.shape[:-1], -1), q)  # [B, T], [B, T, V]

@@ -21,6 +21,7 @@ Does not own: answering them (regenerate.py).
 from __future__ import annotations
 
 import ast
+import functools
 import random
 import sysconfig
 from collections.abc import Sequence
@@ -201,9 +202,17 @@ HELD_OUT = ("cat", "guitar", "hiking", "palindrome", "bank account", "ten most c
             "inventory")  # fmt: skip
 
 
-def _stdlib_files() -> list[Path]:
+@functools.cache
+def _stdlib_modules() -> tuple[ast.Module, ...]:
+    """The standard library's public top-level modules, parsed once for code tasks and paragraphs."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.glob("*.py") if not p.name.startswith("_"))
+    modules = []
+    for path in sorted(p for p in root.glob("*.py") if not p.name.startswith("_")):
+        try:
+            modules.append(ast.parse(path.read_text(encoding="utf-8", errors="replace")))
+        except SyntaxError:
+            continue
+    return tuple(modules)
 
 
 def chat_questions() -> list[str]:
@@ -221,11 +230,7 @@ def code_tasks(rng: random.Random, n: int) -> list[str]:
     tasks = [f"Write a Python function that {t}." for t in CODE_TASKS]
     tasks += [f"Write a Python function that {t}, with a few tests." for t in CODE_TASKS]
     tasks += [t.format(c=c) for c in CLASS_THINGS for t in CLASS_TEMPLATES]
-    for path in _stdlib_files():
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
-        except SyntaxError:
-            continue
+    for tree in _stdlib_modules():
         for node in tree.body:
             if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
                 doc = (ast.get_docstring(node) or "").strip().split("\n")[0]
@@ -242,11 +247,8 @@ def paragraphs(rng: random.Random, n: int, passages: Sequence[str] = ()) -> list
     module docstrings and /usr/share/doc text files, shuffled, at most ``n``."""
     own = list(dict.fromkeys(p.strip() for p in passages if 300 <= len(p.strip()) <= 1500))
     found = []
-    for path in _stdlib_files():
-        try:
-            doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8", errors="replace"))) or ""
-        except SyntaxError:
-            continue
+    for tree in _stdlib_modules():
+        doc = ast.get_docstring(tree) or ""
         found += [p for p in doc.split("\n\n") if 300 <= len(p) <= 1200]
     for path in sorted(Path("/usr/share/doc").glob("*/*"))[:2000]:
         if path.is_file() and path.suffix in ("", ".txt", ".md") and path.stat().st_size < 200_000:

@@ -69,10 +69,11 @@ def main(argv: list[str] | None = None) -> int:
               num_blocks=args.batch * -(-(max_len + 32) // 16))  # fmt: skip
     prompts = instructions(args.num, args.seed, read_passages(args.passages))[shard::num_shards]
     limit = args.max_prompt_tokens
-    fits = [p for p in prompts if len(llm.encode_chat(p)) <= limit]
+    encoded = [(p, llm.encode_chat(p)) for p in prompts]  # the chat template rendered once per instruction
+    fits = [(p, ids) for p, ids in encoded if len(ids) <= limit]
     if len(fits) < len(prompts):
         print(f"skipped {len(prompts) - len(fits)} instructions longer than {limit} tokens", file=sys.stderr)
-    prompts = fits
+    prompts, token_lists = [p for p, _ in fits], [ids for _, ids in fits]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed + i)
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     answers: dict[int, list[int]] = {}
     # one continuous batch over every instruction: a row that finishes makes room for the next
     with out.open("w") as f, tqdm(total=len(prompts), desc="answering", unit="prompt") as bar:
-        for e in llm.stream([llm.encode_chat(p) for p in prompts], params):
+        for e in llm.stream(token_lists, params):
             answers.setdefault(e.index, []).extend(e.new_token_ids)
             if e.finish_reason:
                 text = llm.decode(answers.pop(e.index))
