@@ -109,14 +109,18 @@ class Recording:
 
     def budgets(self, reqs, limits, engine, confidence=None):
         if isinstance(self.inner, AdaptiveBudget):
-            prior = (self.inner.accepted / self.inner.reached).tolist()
-            online = self.inner.confidences([r.request_id for r in reqs]).tolist()  # one batched call
-            self._planned = {r.request_id: (prior, c) for r, c in zip(reqs, online)}
+            ids = [r.request_id for r in reqs]
+            prior = self.inner.confidences(ids, own=False).tolist()  # batched calls
+            online = self.inner.confidences(ids).tolist()
+            self._planned = {r.request_id: (p, c) for r, p, c in zip(reqs, prior, online)}
         out = self.inner.budgets(reqs, limits, engine, confidence)
         self._budgets = out.tolist()
         return out
 
-    def observe(self, reqs, num_accepted, num_draft, seconds, draft_seconds, draft_depth=1):
+    def shadow(self):
+        return self.inner.shadow()
+
+    def observe(self, reqs, num_accepted, num_draft, seconds, draft_seconds, draft_depth=1, proposal=None):
         self.passes.append((len(reqs) + int(num_draft.sum()), seconds))
         acc, drafted = num_accepted.tolist(), num_draft.tolist()
         budget = sum(self._budgets) if len(self._budgets) == len(reqs) else 0
@@ -140,7 +144,7 @@ class Recording:
                     if k <= a:  # position k+1 was reached: tokens 1..k were accepted
                         pairs_c.append((conf[k], int(k < a)))
         self._planned, self._budgets = {}, []
-        self.inner.observe(reqs, num_accepted, num_draft, seconds, draft_seconds, draft_depth)
+        self.inner.observe(reqs, num_accepted, num_draft, seconds, draft_seconds, draft_depth, proposal)
 
 
 def ece(pairs: list[tuple[float, int]], bins: int = 10) -> float:

@@ -14,6 +14,19 @@ survive first) while the expected tokens per unit of time, (B + Σ s) / t(P), st
 rises. Below the compute/bandwidth threshold t(P) is flat and every useful position is
 kept; past it each extra position must pay for itself, so budgets shrink smoothly, per
 request, down to 0; speculation is never switched off wholesale.
+
+The estimate c_k is conditioned on the request's last observed round. Acceptance comes in
+runs (text copied from the prompt is accepted token after token, then a miss ends the
+run): measured with ngram drafts on the serving benchmark's input-reuse prompts, the
+first token after a fully accepted round was accepted 120 times in 120, against 42%
+after a round where the drafter found nothing. A request's counts, and the shared counts
+behind them, are kept apart for the two states.
+
+Rows that verify no drafts still teach it, through shadow rounds: when a proposal is made
+but a row's budget is 0, the tokens the row then generates show whether its proposal
+would have been accepted. For a one-hot q (ngram, suffix, any greedy row) the chance that
+the target's next token equals d_k is p(d_k), exactly the chance that d_k is accepted,
+so a shadow round is distributed as a real one and costs no verification.
 """
 
 from __future__ import annotations
@@ -44,6 +57,21 @@ PROBE_SHARE = 8  # a probe drafts on one row in this many (at least one)
 # per draft, the prefill that a closed loop brings in sooner) costs a few percent, so a
 # predicted gain below it was measured as a loss (0.97x of no drafts at 32 clients).
 MIN_GAIN = 0.05
+AFTER_MISS, AFTER_FULL = 0, 1  # a request's state: its last round had a rejection (or none yet), or none
+# Steps where no row drafts still propose, for shadow rounds, while proposing them costs at
+# most this share of the time spent in verify passes (ngram at 32 rows: ~1.6 ms of ~55).
+SHADOW_SHARE = 0.01
+
+
+@dataclasses.dataclass
+class _Request:
+    """One request's rounds (real and shadow) by state and position, its state, and the
+    shadow round it has in flight: (tokens before it, its draft tokens, state and raw c)."""
+
+    reached: list[list[float]]  # [state][k]: rounds that reached draft position k
+    accepted: list[list[float]]  # [state][k]: ... and accepted it
+    state: int = AFTER_MISS
+    shadow: tuple[int, list[int], int, torch.Tensor] | None = None
 
 
 class BudgetPolicy(Protocol):
@@ -57,10 +85,17 @@ class BudgetPolicy(Protocol):
 
     def observe(
         self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor, seconds: float, draft_seconds: float,
-        draft_depth: int = 1,
+        draft_depth: int = 1, proposal: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
         """What the step's verification accepted, per row, how long its target pass took, and how
-        long proposing ``draft_depth`` tokens deep took (0 seconds when the step did not draft)."""
+        long proposing ``draft_depth`` tokens deep took (0 seconds when the step did not draft).
+        ``proposal`` [B, w]: the chains proposed before budgets cut them, -1 padded, with -1 rows
+        where matching the generated tokens is not acceptance (a sampled row's non-one-hot q);
+        None when nothing was proposed or the proposal was a tree."""
+        ...
+
+    def shadow(self) -> bool:
+        """Whether to propose on a step where no row will verify drafts (see shadow rounds)."""
         ...
 
 
@@ -81,19 +116,22 @@ class FixedBudget:
 
     def observe(
         self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor, seconds: float, draft_seconds: float,
-        draft_depth: int = 1,
+        draft_depth: int = 1, proposal: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
         pass
+
+    def shadow(self) -> bool:
+        return False
 
 
 class AdaptiveBudget:
     """Per-request budgets that maximise expected accepted tokens per unit of step time.
 
     Raw confidences are online estimates from acceptance statistics (a request's own counts
-    by position, shrunk towards the counts shared by all requests), or a drafter's trained
-    head where its proposal carries one. Sequential Temperature Scaling, refitted every
-    ``refit_every`` steps that verified drafts on the most recent ``window`` rows' rounds,
-    calibrates them.
+    by state and position, shrunk towards the counts shared by all requests in that state;
+    real and shadow rounds alike), or a drafter's trained head where its proposal carries
+    one. Sequential Temperature Scaling, refitted every ``refit_every`` steps that learned
+    from a round, on the most recent ``window`` rounds, calibrates them.
     """
 
     def __init__(
@@ -107,10 +145,12 @@ class AdaptiveBudget:
     ) -> None:
         self.cost = cost
         self.max_verify_tokens = max_verify_tokens
-        # shared counts by position: rounds that reached position k, and accepted it (Laplace prior)
-        self.reached = torch.ones(max_gamma)
-        self.accepted = torch.full((max_gamma,), 0.5)
-        self.per_request: dict[str, tuple[list[float], list[float]]] = {}  # reached, accepted by position
+        # shared counts by state and position: rounds that reached position k, and accepted it (Laplace prior)
+        self.reached = torch.ones(2, max_gamma)
+        self.accepted = torch.full((2, max_gamma), 0.5)
+        self.per_request: dict[str, _Request] = {}
+        self._lengths: dict[str, int] = {}  # tokens each row held when it was last planned
+        self.pass_seconds = self.shadow_seconds = 0.0  # in verify passes; proposing for shadows only
         self.sts = SequentialTemperatureScaling(max_gamma)
         self.refit_every, self.window = refit_every, window
         self._raw: dict[str, torch.Tensor] = {}  # the raw confidences each row was budgeted with
@@ -127,27 +167,36 @@ class AdaptiveBudget:
         self.context = 1  # the longest row's tokens at the last planning: attention's length
         self.draft_cost = 0.0  # seconds proposing costs per draft depth (the drafter's c, in seconds)
         self.steps_without_drafts = 0
+        self.min_gain = MIN_GAIN
 
     def confidence(self, request_id: str) -> torch.Tensor:
         """[γ] raw c_k: the estimated chance draft token k survives given tokens 1..k-1 did."""
         return self.confidences([request_id])[0]
 
-    def confidences(self, request_ids: list[str]) -> torch.Tensor:
-        """[B, γ] raw c_k for several requests at once: each one's counts shrunk to the shared."""
-        gamma = self.reached.numel()
+    def confidences(self, request_ids: list[str], own: bool = True) -> torch.Tensor:
+        """[B, γ] raw c_k for several requests at once, each in its state: its own counts shrunk
+        to the shared ones (``own=False``: the shared ones alone)."""
+        gamma = self.reached.shape[1]
+        mine = [self.per_request.get(r) for r in request_ids]
+        states = [m.state if m is not None else AFTER_MISS for m in mine]
+        shared = (self.accepted / self.reached)[states]  # [B, γ]
+        if not own:
+            return shared
         zeros = [0.0] * gamma
-        mine = [self.per_request.get(r, (zeros, zeros)) for r in request_ids]
-        reached = torch.tensor([m[0] for m in mine])  # [B, γ]
-        accepted = torch.tensor([m[1] for m in mine])
-        shared = self.accepted / self.reached
+        reached = torch.tensor([m.reached[m.state] if m is not None else zeros for m in mine])  # [B, γ]
+        accepted = torch.tensor([m.accepted[m.state] if m is not None else zeros for m in mine])
         return (accepted + PRIOR_STRENGTH * shared) / (reached + PRIOR_STRENGTH)
+
+    def shadow(self) -> bool:
+        return self.shadow_seconds <= SHADOW_SHARE * self.pass_seconds
 
     def budgets(
         self, reqs: list[Any], limits: torch.Tensor, engine: ServingEngine, confidence: torch.Tensor | None = None
     ) -> torch.Tensor:
         B = len(reqs)
         cap = limits.tolist()
-        self.context = max((len(r.seq.token_ids) for r in reqs), default=1)
+        self._lengths = {r.request_id: len(r.seq.token_ids) for r in reqs}
+        self.context = max(self._lengths.values(), default=1)
         raw = self.confidences([r.request_id for r in reqs])  # [B, γ]
         if confidence is not None:  # a trained head's estimates, where it gave them
             w = min(raw.shape[1], confidence.shape[1])
@@ -165,7 +214,7 @@ class AdaptiveBudget:
         # positions of depth <= w in that order while they pay, then keep the budgets whose step
         # yields the most expected tokens per second.
         out, plain = self._fill(ranked, B, 0, 0.0, False)
-        best_rate = plain * (1 + MIN_GAIN)  # what drafts must beat
+        best_rate = plain * (1 + self.min_gain)  # what drafts must beat
         for w in range(1, max(cap, default=0) + 1):
             for split in (False, True):
                 budgets, rate = self._fill(ranked, B, w, self.draft_cost * w, split)  # proposing w deep
@@ -221,37 +270,68 @@ class AdaptiveBudget:
 
     def observe(
         self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor, seconds: float, draft_seconds: float,
-        draft_depth: int = 1,
+        draft_depth: int = 1, proposal: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
         self._observe_cost(len(reqs), num_draft.tolist(), seconds)
-        self.steps_without_drafts = 0 if int(num_draft.sum()) > 0 else self.steps_without_drafts + 1
+        drafted = int(num_draft.sum()) > 0
+        self.pass_seconds += seconds
         if draft_seconds > 0:  # a running mean of what proposing costs per draft depth
             per_depth = draft_seconds / max(1, draft_depth)
             self.draft_cost = per_depth if self.draft_cost == 0 else 0.9 * self.draft_cost + 0.1 * per_depth
-        gamma = self.reached.numel()
+            self.shadow_seconds += 0.0 if drafted else draft_seconds
+        gamma = self.reached.shape[1]
         live = {r.request_id for r in reqs if r.seq.finish_reason is None}
         self.per_request = {k: v for k, v in self.per_request.items() if k in live}  # finished or cancelled
-        for req, a, d in zip(reqs, num_accepted.tolist(), num_draft.tolist()):
-            if d == 0:
-                continue
-            if req.request_id in self._raw:
-                self.records.append((self._raw[req.request_id], d, a))
-            reached_k = min(a + 1, d)  # positions 1..a were accepted; a+1 was tried and rejected
-            if req.seq.finish_reason is None:
-                reached, accepted = self.per_request.setdefault(req.request_id, ([0.0] * gamma, [0.0] * gamma))
-                for k in range(reached_k):
-                    reached[k] += 1
-                for k in range(a):
-                    accepted[k] += 1
-            self.reached[:reached_k] += 1
-            self.accepted[:a] += 1
+        proposed = proposal.tolist() if proposal is not None else [None] * len(reqs)
+        learned = False  # whether any round, real or shadow, was recorded
+        for req, a, d, row in zip(reqs, num_accepted.tolist(), num_draft.tolist(), proposed):
+            rid = req.request_id
+            mine = self.per_request.get(rid)
+            if mine is None and req.seq.finish_reason is None:
+                mine = self.per_request[rid] = _Request([[0.0] * gamma, [0.0] * gamma], [[0.0] * gamma, [0.0] * gamma])
+            state = mine.state if mine is not None else AFTER_MISS
+            if d > 0:
+                self._record(mine, state, self._raw.get(rid), d, a)
+                state, learned = AFTER_FULL if a == d else AFTER_MISS, True
+            elif row is not None and mine is not None:
+                chain = [t for t in row if t >= 0]
+                if not chain:
+                    state = AFTER_MISS  # the drafter found nothing: a run of copied text, if any, ended
+                elif mine.shadow is None and rid in self._raw:
+                    mine.shadow = (self._lengths[rid], chain, state, self._raw[rid])
+            if mine is not None and mine.shadow is not None:
+                start, chain, at, raw = mine.shadow
+                made = req.seq.token_ids[start : start + len(chain)]
+                n = next((k for k, (t, m) in enumerate(zip(chain, made)) if t != m), len(made))
+                if n < len(made) or len(made) == len(chain):  # a miss, or the whole chain was generated
+                    self._record(mine, at, raw, len(chain), n)
+                    mine.shadow, learned = None, True
+                    if d == 0:  # a real round this step is newer news
+                        state = AFTER_FULL if n == len(chain) else AFTER_MISS
+            if mine is not None:
+                mine.state = state
+        # probes exist to learn again after drafting stopped; shadow rounds teach as well
+        self.steps_without_drafts = 0 if learned else self.steps_without_drafts + 1
         del self.records[: -self.window]
         # refit every refit_every steps, not rows: with 32 rows a row count would refit every
         # other step, and the fit costs about as much as the planning itself
-        self._since_fit += int(num_draft.sum()) > 0
+        self._since_fit += learned
         if self._since_fit >= self.refit_every:
             self.sts = SequentialTemperatureScaling(gamma).fit(self.rounds())
             self._since_fit = 0
+
+    def _record(self, mine: _Request | None, state: int, raw: torch.Tensor | None, drafted: int, accepted: int) -> None:
+        """One round (real or shadow): ``accepted`` of ``drafted`` tokens, from ``state``."""
+        if raw is not None:
+            self.records.append((raw, drafted, accepted))
+        reached = min(accepted + 1, drafted)  # positions 1..a were accepted; a+1 was tried and rejected
+        if mine is not None:
+            for k in range(reached):
+                mine.reached[state][k] += 1
+            for k in range(accepted):
+                mine.accepted[state][k] += 1
+        self.reached[state, :reached] += 1
+        self.accepted[state, :accepted] += 1
 
     def _observe_cost(self, rows: int, num_draft: list[int], seconds: float) -> None:
         """Refit the step time from the engine's own passes, which carry real batch sizes and
@@ -285,7 +365,7 @@ class AdaptiveBudget:
     def rounds(self) -> Rounds:
         """The recorded rounds, as STS fits them."""
         if not self.records:
-            return Rounds(torch.empty(0, self.reached.numel()), torch.empty(0, dtype=torch.long), torch.empty(0))
+            return Rounds(torch.empty(0, self.reached.shape[1]), torch.empty(0, dtype=torch.long), torch.empty(0))
         raw, drafted, accepted = zip(*self.records)
         return Rounds(torch.stack(raw), torch.tensor(drafted), torch.tensor(accepted))
 
@@ -296,7 +376,7 @@ class AdaptiveBudget:
         half = rounds.raw.shape[0] // 2
         fit = Rounds(rounds.raw[:half], rounds.drafted[:half], rounds.accepted[:half])
         test = Rounds(rounds.raw[half:], rounds.drafted[half:], rounds.accepted[half:])
-        sts = SequentialTemperatureScaling(self.reached.numel()).fit(fit)
+        sts = SequentialTemperatureScaling(self.reached.shape[1]).fit(fit)
         return sts.survival_ece(test, calibrated=False), sts.survival_ece(test)
 
 

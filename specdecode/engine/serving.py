@@ -300,8 +300,9 @@ class ServingEngine(Engine):
         # Propose only if the budget would use drafts at all, were every row to find its γ, and
         # no deeper than the longest budget: drafting tokens no row may verify is wasted time.
         want = int(self.budget.budgets(reqs, gammas, self).max()) if self.drafter is not None else 0
-        if want > 0:
-            start, depth = time.perf_counter(), min(want, self.gamma)
+        shadow: torch.Tensor | None = None
+        if want > 0 or (self.drafter is not None and self.budget.shadow()):
+            start, depth = time.perf_counter(), min(want or self.gamma, self.gamma)
             proposed = self.drafter.propose(self.batch, depth)
             draft_seconds = time.perf_counter() - start
             # budget over what was actually proposed: a row that found nothing costs nothing
@@ -309,16 +310,28 @@ class ServingEngine(Engine):
             budgets = self.budget.budgets(reqs, limits, self, proposed.confidence)  # [B] >= 0
             if int(budgets.max()) > 0 or proposed.aux is not None:
                 draft = apply_budgets(proposed, budgets)
+            shadow = self._shadow_chains(proposed)
         start = time.perf_counter()
         v = self._verify_round(self.batch, self.cache, draft)
         seconds = time.perf_counter() - start
         step_events = self._append_tokens(self.batch, v.out, v.num_accepted, v.num_draft)
         if self.drafter is not None:
             self.drafter.on_verified(self.batch, v.num_accepted, v.aux_logits, v.hidden)
-        self.budget.observe(reqs, v.num_accepted, v.num_draft, seconds, draft_seconds, depth)
+        self.budget.observe(reqs, v.num_accepted, v.num_draft, seconds, draft_seconds, depth, shadow)
         events = [self._event(self.running[e.request_id], e.new_token_ids) for e in step_events]
         self._remove_running([r.request_id for r in reqs if r.seq.finish_reason is not None])
         return events
+
+    def _shadow_chains(self, proposed: Draft) -> torch.Tensor | None:
+        """[B, w] the proposed chains (before budgets), for the budget's shadow rounds; -1 rows
+        where the generated tokens matching a draft is not its acceptance: a sampled row's
+        draft whose q is not one-hot. None for trees and for typical acceptance."""
+        if proposed.tree is not None or proposed.typical is not None:
+            return None
+        if proposed.q is None:
+            return proposed.tokens
+        greedy = (self.batch.temperature == 0)[:, None]
+        return torch.where(greedy, proposed.tokens, -1)
 
     def _reserve(self, room: list[int], prefill: bool = False) -> None:
         """Reserve ``room`` past each current row's length, preempting the newest running
