@@ -167,7 +167,6 @@ class AdaptiveBudget:
         self.context = 1  # the longest row's tokens at the last planning: attention's length
         self.draft_cost = 0.0  # seconds proposing costs per draft depth (the drafter's c, in seconds)
         self.steps_without_drafts = 0
-        self.min_gain = MIN_GAIN
 
     def confidence(self, request_id: str) -> torch.Tensor:
         """[γ] raw c_k: the estimated chance draft token k survives given tokens 1..k-1 did."""
@@ -214,7 +213,7 @@ class AdaptiveBudget:
         # positions of depth <= w in that order while they pay, then keep the budgets whose step
         # yields the most expected tokens per second.
         out, plain = self._fill(ranked, B, 0, 0.0, False)
-        best_rate = plain * (1 + self.min_gain)  # what drafts must beat
+        best_rate = plain * (1 + MIN_GAIN)  # what drafts must beat
         for w in range(1, max(cap, default=0) + 1):
             for split in (False, True):
                 budgets, rate = self._fill(ranked, B, w, self.draft_cost * w, split)  # proposing w deep
