@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from specdecode.config import SamplingParams, SpecConfig
-from specdecode.engine.budget import AdaptiveBudget, BudgetPolicy
+from specdecode.engine.budget import AFTER_FULL, AFTER_MISS, AdaptiveBudget, BudgetPolicy
 from specdecode.engine.cost import VerifyCost, least_squares_line
 from specdecode.engine.serving import ServingEngine
 from specdecode.model.loader import LoadedModel, load_model
@@ -166,13 +166,14 @@ def run_load(engine: ServingEngine, mix, clients: int, num_requests: int, max_to
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     policy: Recording = engine.budget
     first_step, first_pass = len(policy.steps), len(policy.passes)
-    submit, first, finish, n_out, stats = {}, {}, {}, {}, {}
+    submit, first, finish, n_out, stats, kind = {}, {}, {}, {}, {}, {}
     next_req, in_flight = 0, 0
     t0 = time.perf_counter()
     while next_req < num_requests or engine.has_unfinished():
         while in_flight < clients and next_req < num_requests:
             rid = f"r{next_req}"
-            engine.add_request(rid, mix[next_req % len(mix)][1], params)
+            kind[rid], prompt = mix[next_req % len(mix)]
+            engine.add_request(rid, prompt, params)
             submit[rid] = time.perf_counter()
             next_req += 1
             in_flight += 1
@@ -191,7 +192,12 @@ def run_load(engine: ServingEngine, mix, clients: int, num_requests: int, max_to
     accepted = sum(s.num_accepted_tokens for s in stats.values())
     rows = sum(s.rows for s in steps)
     passes = policy.passes[first_pass:]
-    return {
+    # per-user speed by prompt kind: speculation may speed one kind up and slow another down
+    by_kind = {
+        f"per_user[{k}]": statistics.fmean(n_out[r] / (finish[r] - submit[r]) for r in finish if kind[r] == k)
+        for k in sorted(set(kind.values()))
+    }
+    return by_kind | {
         "clients": clients,
         "requests": num_requests,
         "output_tokens": sum(n_out.values()),
@@ -281,6 +287,12 @@ def print_results(
               f"{r['per_user_decode']:.2f} | {r['ttft_s']:.2f} | {r['tau']:.2f} | {r['alpha']:.2f} | "
               f"{r['budget_per_row']:.2f} | {r['drafted_per_row']:.2f} | {r['positions_per_step']:.1f} | "
               f"{r['rows_per_step']:.1f} | {r['pass_ms']:.1f} | {r['pass_share']:.2f} |")  # fmt: skip
+    kinds = sorted(k for k in results[0] if k.startswith("per_user["))
+    print("\nPer-user tok/s (e2e) by prompt kind:\n")
+    print("| clients | config | " + " | ".join(k[len("per_user[") : -1] for k in kinds) + " |")
+    print("|---|---|" + "---|" * len(kinds))
+    for r in results:
+        print(f"| {r['clients']} | {r['config']} | " + " | ".join(f"{r[k]:.2f}" for k in kinds) + " |")
     variants = [k for k in configs if k.startswith("adaptive")]
     print("\n| clients | policy | / none (throughput) | best fixed | / best fixed (throughput) "
           "| / best fixed (per-user) | / none (per-user) |")  # fmt: skip
@@ -430,6 +442,10 @@ def main() -> None:
     print(f"adaptive's cost model at the end: t(P) through {[(p, round(t * 1e3, 1)) for p, t in adaptive.cost.points]} "
           f"ms, + {adaptive.attention_cost * 1e6:.3f} µs per attention query and context token, drafting {adaptive.draft_cost * 1e3:.2f} ms "
           f"per depth", flush=True)  # fmt: skip
+    for state, label in ((AFTER_MISS, "after a miss (or none yet)"), (AFTER_FULL, "after a fully accepted round")):
+        c = (adaptive.accepted[state] / adaptive.reached[state]).tolist()
+        print(f"adaptive's shared c_k {label}: {[round(x, 2) for x in c]} over "
+              f"{int(adaptive.reached[state, 0]) - 1} rounds (real and shadow)", flush=True)  # fmt: skip
     threshold = threshold_report(model, adaptive.cost)
     calib = {name: engines[name].budget.calib for name in configs if name.startswith("adaptive")}
     print_results(results, configs, args, threshold, calib)
