@@ -3,7 +3,8 @@
 Owns: answering the instructions of instructions.py with the target through our engine,
 written as chat records (``{"messages": [...]}`` per line) that `specdecode train --data`
 reads. ``--passages`` takes the prose answers of an earlier run (explanations, posts,
-stories, news reports) as texts to summarise.
+stories, news reports) as texts to summarise; ``--exclude`` skips the instructions that
+earlier runs answered, so that a new run adds new data.
 A drafter trained on the target's own outputs learns what the target will say, which
 is what acceptance measures.
 
@@ -23,9 +24,8 @@ from pathlib import Path
 from specdecode.train.instructions import instructions
 
 
-def read_passages(paths: list[str]) -> list[str]:
-    """The prose answers of chat records (an earlier run's output) as texts to summarise;
-    answers holding code are left out."""
+def read_messages(paths: list[str], role: str) -> list[str]:
+    """The ``role`` messages of chat records (an earlier run's output)."""
     texts = []
     for path in paths:
         for line in Path(path).read_text(encoding="utf-8").splitlines():
@@ -33,8 +33,19 @@ def read_passages(paths: list[str]) -> list[str]:
                 record = json.loads(line)
             except json.JSONDecodeError:  # blank, or the last line of a run stopped mid-write
                 continue
-            texts += [m["content"] for m in record.get("messages", []) if m.get("role") == "assistant"]
-    return [t for t in texts if "```" not in t and "def " not in t]
+            texts += [m["content"] for m in record.get("messages", []) if m.get("role") == role]
+    return texts
+
+
+def read_passages(paths: list[str]) -> list[str]:
+    """The prose answers of chat records as texts to summarise; answers holding code are left out."""
+    return [t for t in read_messages(paths, "assistant") if "```" not in t and "def " not in t]
+
+
+def new_instructions(num: int, seed: int, passages: list[str], answered: set[str]) -> list[str]:
+    """``num`` instructions that are not in ``answered`` (fewer if the pools run out)."""
+    pool = instructions(num + len(answered), seed, passages)
+    return [p for p in pool if p not in answered][:num]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer instructions")
     ap.add_argument("--shard", default="0/1", help="K/N: answer every N-th instruction from the K-th (parallel runs)")
     ap.add_argument("--passages", nargs="*", default=[], help="chat records whose answers become texts to summarise")
+    ap.add_argument("--exclude", nargs="*", default=[], help="chat records whose instructions are not asked again")
     args = ap.parse_args(argv)
     try:
         shard, num_shards = (int(x) for x in args.shard.split("/"))
@@ -67,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     max_len = args.max_prompt_tokens + args.max_tokens
     llm = LLM(model=args.target, max_model_len=max_len, max_num_seqs=args.batch,
               num_blocks=args.batch * -(-(max_len + 32) // 16))  # fmt: skip
-    prompts = instructions(args.num, args.seed, read_passages(args.passages))[shard::num_shards]
+    answered = set(read_messages(args.exclude, "user"))
+    prompts = new_instructions(args.num, args.seed, read_passages(args.passages), answered)[shard::num_shards]
     limit = args.max_prompt_tokens
     encoded = [(p, llm.encode_chat(p)) for p in prompts]  # the chat template rendered once per instruction
     fits = [(p, ids) for p, ids in encoded if len(ids) <= limit]

@@ -61,3 +61,13 @@ def test_passages_become_texts_to_summarise(tmp_path):
     assert read_passages([str(path)]) == [story]  # prose only; the torn last line is skipped
     made = instructions(60, seed=2, passages=read_passages([str(path)]))
     assert sum(story.strip() in p for p in made) == 1
+
+
+def test_a_new_run_skips_the_instructions_earlier_runs_answered():
+    from specdecode.train.regenerate import new_instructions
+
+    earlier = set(instructions(200, seed=5))
+    made = new_instructions(100, seed=5, passages=[], answered=earlier)
+    assert len(made) == 100 and not earlier & set(made)
+    kinds = [p.split(" ")[0] for p in made]
+    assert kinds.count("Summarize") >= 10  # still a mix
