@@ -15,18 +15,13 @@ rises. Below the compute/bandwidth threshold t(P) is flat and every useful posit
 kept; past it each extra position must pay for itself, so budgets shrink smoothly, per
 request, down to 0; speculation is never switched off wholesale.
 
-The estimate c_k is conditioned on the request's last observed round. Acceptance comes in
-runs (text copied from the prompt is accepted token after token, then a miss ends the
-run): measured with ngram drafts on the serving benchmark's input-reuse prompts, the
-first token after a fully accepted round was accepted 120 times in 120, against 42%
-after a round where the drafter found nothing. A request's counts, and the shared counts
-behind them, are kept apart for the two states.
-
-Rows that verify no drafts still teach it, through shadow rounds: when a proposal is made
-but a row's budget is 0, the tokens the row then generates show whether its proposal
-would have been accepted. For a one-hot q (ngram, suffix, any greedy row) the chance that
-the target's next token equals d_k is p(d_k), exactly the chance that d_k is accepted,
-so a shadow round is distributed as a real one and costs no verification.
+c_k is conditioned on the request's last round: acceptance comes in runs (with ngram on
+the serving benchmark's input-reuse prompts, the first token after a fully accepted round
+was accepted 120 times in 120; after a round where ngram found nothing, 42%). Rows that
+verify no drafts still teach it through shadow rounds: when a row's proposal is cut to
+0, the tokens it then generates show whether the proposal would have been accepted. For
+a one-hot q (ngram, suffix, any greedy row) the target generates d_k with probability
+p(d_k), exactly the chance that d_k is accepted: a shadow round is distributed as a real one.
 """
 
 from __future__ import annotations
@@ -47,9 +42,9 @@ if TYPE_CHECKING:
     from specdecode.engine.serving import ServingEngine
 
 PRIOR_STRENGTH = 4.0  # pseudo-rounds of the shared estimate behind a request's own counts
-# After this many steps in a row without drafts, one step drafts a token per row: estimates
-# only move when drafts are tried, so a policy that stopped on a few early rejections would
-# otherwise stay stopped (speculation switched off for good).
+# After this many steps in a row that learned nothing (no drafts verified, no shadow round
+# settled), one step drafts a token per row: a policy that stopped on a few early
+# rejections would otherwise stay stopped (speculation switched off for good).
 PROBE_EVERY = 16
 PROBE_SHARE = 8  # a probe drafts on one row in this many (at least one)
 # A step carries drafts only if the model predicts at least this much more expected tokens
@@ -57,14 +52,17 @@ PROBE_SHARE = 8  # a probe drafts on one row in this many (at least one)
 # per draft, the prefill that a closed loop brings in sooner) costs a few percent, so a
 # predicted gain below it was measured as a loss (0.97x of no drafts at 32 clients).
 MIN_GAIN = 0.05
-AFTER_MISS, AFTER_FULL = 0, 1  # a request's state: its last round had a rejection (or none yet), or none
+# A request's state: its last round rejected a token, its drafter found nothing, or it has
+# had no round yet (AFTER_MISS); or its last round accepted every draft token (AFTER_FULL).
+AFTER_MISS, AFTER_FULL = 0, 1
 # Steps where no row drafts still propose, for shadow rounds, while proposing them costs at
 # most this share of the time spent in verify passes (ngram at 32 rows: ~1.6 ms of ~55).
 SHADOW_SHARE = 0.01
+NOT_SHADOWED = -2  # a proposal row whose matching is not acceptance (see ServingEngine._shadow_chains)
 
 
 @dataclasses.dataclass
-class _Request:
+class _RequestRounds:
     """One request's rounds (real and shadow) by state and position, its state, and the
     shadow round it has in flight: (tokens before it, its draft tokens, state and raw c)."""
 
@@ -72,6 +70,10 @@ class _Request:
     accepted: list[list[float]]  # [state][k]: ... and accepted it
     state: int = AFTER_MISS
     shadow: tuple[int, list[int], int, torch.Tensor] | None = None
+
+    @staticmethod
+    def empty(gamma: int) -> _RequestRounds:
+        return _RequestRounds([[0.0] * gamma for _ in range(2)], [[0.0] * gamma for _ in range(2)])
 
 
 class BudgetPolicy(Protocol):
@@ -148,9 +150,11 @@ class AdaptiveBudget:
         # shared counts by state and position: rounds that reached position k, and accepted it (Laplace prior)
         self.reached = torch.ones(2, max_gamma)
         self.accepted = torch.full((2, max_gamma), 0.5)
-        self.per_request: dict[str, _Request] = {}
+        self.per_request: dict[str, _RequestRounds] = {}
         self._lengths: dict[str, int] = {}  # tokens each row held when it was last planned
-        self.pass_seconds = self.shadow_seconds = 0.0  # in verify passes; proposing for shadows only
+        # seconds of shadow proposing earned (SHADOW_SHARE of each pass) less spent; never above 0,
+        # so time unused while rows drafted is not spent all at once later
+        self.shadow_allowance = 0.0
         self.sts = SequentialTemperatureScaling(max_gamma)
         self.refit_every, self.window = refit_every, window
         self._raw: dict[str, torch.Tensor] = {}  # the raw confidences each row was budgeted with
@@ -187,7 +191,7 @@ class AdaptiveBudget:
         return (accepted + PRIOR_STRENGTH * shared) / (reached + PRIOR_STRENGTH)
 
     def shadow(self) -> bool:
-        return self.shadow_seconds <= SHADOW_SHARE * self.pass_seconds
+        return self.shadow_allowance >= 0
 
     def budgets(
         self, reqs: list[Any], limits: torch.Tensor, engine: ServingEngine, confidence: torch.Tensor | None = None
@@ -273,42 +277,30 @@ class AdaptiveBudget:
     ) -> None:  # fmt: skip
         self._observe_cost(len(reqs), num_draft.tolist(), seconds)
         drafted = int(num_draft.sum()) > 0
-        self.pass_seconds += seconds
+        spent = 0.0 if drafted else draft_seconds  # proposing on a step that verified nothing
+        self.shadow_allowance = min(0.0, self.shadow_allowance + SHADOW_SHARE * seconds - spent)
         if draft_seconds > 0:  # a running mean of what proposing costs per draft depth
             per_depth = draft_seconds / max(1, draft_depth)
             self.draft_cost = per_depth if self.draft_cost == 0 else 0.9 * self.draft_cost + 0.1 * per_depth
-            self.shadow_seconds += 0.0 if drafted else draft_seconds
         gamma = self.reached.shape[1]
+        rows = proposal.tolist() if proposal is not None else [None] * len(reqs)
+        learned = False  # whether any round, real or shadow, was recorded
+        for req, a, d, row in zip(reqs, num_accepted.tolist(), num_draft.tolist(), rows):
+            rid = req.request_id
+            mine = self.per_request.setdefault(rid, _RequestRounds.empty(gamma))
+            pending = mine.shadow is not None
+            learned |= self._settle_shadow(req, mine, verified=d > 0)
+            if d > 0:
+                self._record(mine, mine.state, self._raw.get(rid), d, a)
+                mine.state, learned = AFTER_FULL if a == d else AFTER_MISS, True
+            elif row is not None and row[0] != NOT_SHADOWED:
+                chain = row[: row.index(-1)] if -1 in row else row
+                if not chain:
+                    mine.state = AFTER_MISS  # the drafter found nothing: a run of copied text, if any, ended
+                elif not pending and rid in self._raw:  # one at a time, none reusing a settled one's tokens
+                    mine.shadow = (self._lengths[rid], chain, mine.state, self._raw[rid])
         live = {r.request_id for r in reqs if r.seq.finish_reason is None}
         self.per_request = {k: v for k, v in self.per_request.items() if k in live}  # finished or cancelled
-        proposed = proposal.tolist() if proposal is not None else [None] * len(reqs)
-        learned = False  # whether any round, real or shadow, was recorded
-        for req, a, d, row in zip(reqs, num_accepted.tolist(), num_draft.tolist(), proposed):
-            rid = req.request_id
-            mine = self.per_request.get(rid)
-            if mine is None and req.seq.finish_reason is None:
-                mine = self.per_request[rid] = _Request([[0.0] * gamma, [0.0] * gamma], [[0.0] * gamma, [0.0] * gamma])
-            state = mine.state if mine is not None else AFTER_MISS
-            if d > 0:
-                self._record(mine, state, self._raw.get(rid), d, a)
-                state, learned = AFTER_FULL if a == d else AFTER_MISS, True
-            elif row is not None and mine is not None:
-                chain = [t for t in row if t >= 0]
-                if not chain:
-                    state = AFTER_MISS  # the drafter found nothing: a run of copied text, if any, ended
-                elif mine.shadow is None and rid in self._raw:
-                    mine.shadow = (self._lengths[rid], chain, state, self._raw[rid])
-            if mine is not None and mine.shadow is not None:
-                start, chain, at, raw = mine.shadow
-                made = req.seq.token_ids[start : start + len(chain)]
-                n = next((k for k, (t, m) in enumerate(zip(chain, made)) if t != m), len(made))
-                if n < len(made) or len(made) == len(chain):  # a miss, or the whole chain was generated
-                    self._record(mine, at, raw, len(chain), n)
-                    mine.shadow, learned = None, True
-                    if d == 0:  # a real round this step is newer news
-                        state = AFTER_FULL if n == len(chain) else AFTER_MISS
-            if mine is not None:
-                mine.state = state
         # probes exist to learn again after drafting stopped; shadow rounds teach as well
         self.steps_without_drafts = 0 if learned else self.steps_without_drafts + 1
         del self.records[: -self.window]
@@ -319,16 +311,36 @@ class AdaptiveBudget:
             self.sts = SequentialTemperatureScaling(gamma).fit(self.rounds())
             self._since_fit = 0
 
-    def _record(self, mine: _Request | None, state: int, raw: torch.Tensor | None, drafted: int, accepted: int) -> None:
+    def _settle_shadow(self, req: Any, mine: _RequestRounds, verified: bool) -> bool:
+        """Record ``mine``'s shadow round once the tokens its row generated show a miss or the
+        whole chain, or the row finished (a round cut short), and set the request's state from
+        it. A row that verified drafts this step drops its shadow unrecorded: the real round
+        covers the same tokens. True if a round was recorded."""
+        if mine.shadow is None:
+            return False
+        start, chain, state, raw = mine.shadow
+        made = req.seq.token_ids[start : start + len(chain)]
+        n = next((k for k, (t, m) in enumerate(zip(chain, made)) if t != m), len(made))
+        settled = n < len(made) or len(made) == len(chain)  # a miss, or the whole chain generated
+        if verified or not (settled or req.seq.finish_reason is not None):
+            mine.shadow = None if verified else mine.shadow
+            return False
+        mine.shadow = None
+        if not made:
+            return False
+        self._record(mine, state, raw, len(chain) if settled else len(made), n)
+        mine.state = AFTER_FULL if n == len(chain) else AFTER_MISS
+        return True
+
+    def _record(self, mine: _RequestRounds, state: int, raw: torch.Tensor | None, drafted: int, accepted: int) -> None:
         """One round (real or shadow): ``accepted`` of ``drafted`` tokens, from ``state``."""
         if raw is not None:
             self.records.append((raw, drafted, accepted))
         reached = min(accepted + 1, drafted)  # positions 1..a were accepted; a+1 was tried and rejected
-        if mine is not None:
-            for k in range(reached):
-                mine.reached[state][k] += 1
-            for k in range(accepted):
-                mine.accepted[state][k] += 1
+        for k in range(reached):
+            mine.reached[state][k] += 1
+        for k in range(accepted):
+            mine.accepted[state][k] += 1
         self.reached[state, :reached] += 1
         self.accepted[state, :accepted] += 1
 

@@ -31,7 +31,7 @@ import torch
 from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Draft, Drafter
 from specdecode.engine.batch import Batch, Sequence, SpecStats
-from specdecode.engine.budget import AdaptiveBudget, BudgetPolicy, FixedBudget, apply_budgets
+from specdecode.engine.budget import NOT_SHADOWED, AdaptiveBudget, BudgetPolicy, FixedBudget, apply_budgets
 from specdecode.engine.cost import VerifyCost, measure_attention_cost
 from specdecode.engine.step import Engine
 from specdecode.model.loader import LoadedModel
@@ -118,6 +118,7 @@ class ServingEngine(Engine):
             )
         self.cache: PagedKVCache = new_paged_cache(self.model, num_blocks, block_size)
         self.budget = budget or self._default_budget()
+        self._shadows = True  # whether this drafter's proposals give shadow rounds (chains do)
         self.batch = Batch([], capacity=max_model_len, device=self.device)  # the decoding rows
         self.waiting: deque[_Request] = deque()
         self.prefilling: list[_Request] = []
@@ -301,16 +302,18 @@ class ServingEngine(Engine):
         # no deeper than the longest budget: drafting tokens no row may verify is wasted time.
         want = int(self.budget.budgets(reqs, gammas, self).max()) if self.drafter is not None else 0
         shadow: torch.Tensor | None = None
-        if want > 0 or (self.drafter is not None and self.budget.shadow()):
+        if want > 0 or (self.drafter is not None and self._shadows and self.budget.shadow()):
             start, depth = time.perf_counter(), min(want or self.gamma, self.gamma)
             proposed = self.drafter.propose(self.batch, depth)
             draft_seconds = time.perf_counter() - start
-            # budget over what was actually proposed: a row that found nothing costs nothing
-            limits = torch.minimum(proposed.num_tokens, gammas)
-            budgets = self.budget.budgets(reqs, limits, self, proposed.confidence)  # [B] >= 0
-            if int(budgets.max()) > 0 or proposed.aux is not None:
-                draft = apply_budgets(proposed, budgets)
+            if want > 0:  # else proposed only for the budget's shadow rounds: nothing is verified
+                # budget over what was actually proposed: a row that found nothing costs nothing
+                limits = torch.minimum(proposed.num_tokens, gammas)
+                budgets = self.budget.budgets(reqs, limits, self, proposed.confidence)  # [B] >= 0
+                if int(budgets.max()) > 0 or proposed.aux is not None:
+                    draft = apply_budgets(proposed, budgets)
             shadow = self._shadow_chains(proposed)
+            self._shadows = self._shadows and shadow is not None  # trees and typical acceptance give none
         start = time.perf_counter()
         v = self._verify_round(self.batch, self.cache, draft)
         seconds = time.perf_counter() - start
@@ -323,15 +326,15 @@ class ServingEngine(Engine):
         return events
 
     def _shadow_chains(self, proposed: Draft) -> torch.Tensor | None:
-        """[B, w] the proposed chains (before budgets), for the budget's shadow rounds; -1 rows
-        where the generated tokens matching a draft is not its acceptance: a sampled row's
-        draft whose q is not one-hot. None for trees and for typical acceptance."""
+        """[B, w] the proposed chains (before budgets), -1 padded, for the budget's shadow rounds;
+        rows of NOT_SHADOWED where the generated tokens matching a draft is not its acceptance:
+        a sampled row's draft whose q is not one-hot. None for trees and typical acceptance."""
         if proposed.tree is not None or proposed.typical is not None:
             return None
         if proposed.q is None:
             return proposed.tokens
         greedy = (self.batch.temperature == 0)[:, None]
-        return torch.where(greedy, proposed.tokens, -1)
+        return torch.where(greedy, proposed.tokens, NOT_SHADOWED)
 
     def _reserve(self, room: list[int], prefill: bool = False) -> None:
         """Reserve ``room`` past each current row's length, preempting the newest running

@@ -10,7 +10,7 @@ import torch
 
 from specdecode.config import SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Draft
-from specdecode.engine.budget import AdaptiveBudget, FixedBudget, _Request, apply_budgets
+from specdecode.engine.budget import AdaptiveBudget, FixedBudget, _RequestRounds, apply_budgets
 from specdecode.engine.cost import VerifyCost
 from specdecode.model.masks import attention_queries
 from specdecode.tree import TreeBatch
@@ -232,7 +232,7 @@ def test_a_probe_in_a_busy_batch_drafts_on_a_few_likely_rows():
     policy = AdaptiveBudget(roofline(knee=1, slope=0.5), max_gamma=4)
     reqs = [req(f"r{i}") for i in range(32)]
     for i, r in enumerate(reqs):  # row i accepted i of 31 first tokens: all too unlikely to draft
-        policy.per_request[r.request_id] = _Request([[31.0, 0, 0, 0], [0.0] * 4], [[0.3 * i / 31, 0, 0, 0], [0.0] * 4])
+        policy.per_request[r.request_id] = _RequestRounds([[31.0, 0, 0, 0], [0.0] * 4], [[0.3 * i / 31, 0, 0, 0], [0.0] * 4])
     policy.steps_without_drafts = PROBE_EVERY
     probe = policy.budgets(reqs, torch.full((32,), 4), engine=None)
     assert probe.tolist() == [0] * (32 - 32 // PROBE_SHARE) + [1] * (32 // PROBE_SHARE)
@@ -342,27 +342,64 @@ def test_shadow_chains_skip_rows_where_matching_is_not_acceptance():
     """A sampled row's draft with a non-one-hot q is accepted with min(1, p/q), not with the
     chance that the target generates it: its shadow row is dropped. Greedy rows and one-hot
     proposals keep theirs; trees give none."""
+    from specdecode.engine.budget import NOT_SHADOWED
     from specdecode.engine.serving import ServingEngine
 
     engine = SimpleNamespace(batch=SimpleNamespace(temperature=torch.tensor([0.0, 0.7])))
     tokens = torch.tensor([[1, 2], [3, 4]])
     one_hot = ServingEngine._shadow_chains(engine, Draft(tokens=tokens))
     sampled = ServingEngine._shadow_chains(engine, Draft(tokens=tokens, q=torch.full((2, 2, 5), 0.2)))
-    assert one_hot.tolist() == [[1, 2], [3, 4]] and sampled.tolist() == [[1, 2], [-1, -1]]
+    assert one_hot.tolist() == [[1, 2], [3, 4]] and sampled.tolist() == [[1, 2], [NOT_SHADOWED] * 2]
     tree = TreeBatch.from_parents(torch.tensor([[9, 1, 2]]), torch.tensor([[-1, 0, 0]]))
     assert ServingEngine._shadow_chains(engine, Draft.from_tree(tree)) is None
 
 
-def test_shadow_proposals_cost_at_most_their_share():
+def test_shadow_proposals_cost_at_most_their_share_of_recent_time():
+    """Proposing for shadows costs at most SHADOW_SHARE of the verify time, and of the recent
+    time: a long phase of drafting steps (no shadow proposals) banks no allowance for later."""
     from specdecode.engine.budget import SHADOW_SHARE
 
     policy = AdaptiveBudget(roofline(knee=1, slope=1.0), max_gamma=3)
     r = req("r")
-    shadows = 0
+    zero, one = torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long)
+    for _ in range(1000):  # drafting steps: their proposing is not for shadows
+        policy.observe([r], one, one, 0.1, 0.002)
+    shadows = []
     for _ in range(400):
         propose = policy.shadow()
-        shadows += propose
-        policy.observe([r], torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 0.1,
-                       0.002 if propose else 0.0)  # fmt: skip
-    assert policy.shadow_seconds <= SHADOW_SHARE * policy.pass_seconds + 0.002
-    assert shadows == pytest.approx(400 * SHADOW_SHARE * 0.1 / 0.002, rel=0.05)  # every ~2 steps: 1 ms of 100
+        shadows.append(propose)
+        policy.observe([r], zero, zero, 0.1, 0.002 if propose else 0.0)
+    assert sum(shadows[:20]) <= 11  # nothing banked from the drafting phase (banked: all 20)
+    assert sum(shadows) == pytest.approx(400 * SHADOW_SHARE * 0.1 / 0.002, rel=0.05)  # every 2nd step: 2 ms per 200
+
+
+def test_shadows_settle_when_a_row_finishes_and_drop_when_it_drafts():
+    """A shadow still matching when its row finishes is recorded cut short; a row that verifies
+    drafts for real drops its shadow (the real round covers the same tokens); a row whose
+    proposal was masked (NOT_SHADOWED) keeps its state."""
+    from specdecode.engine.budget import AFTER_FULL, NOT_SHADOWED
+
+    policy = AdaptiveBudget(roofline(knee=1, slope=1.0), max_gamma=3)
+    zero = torch.zeros(1, dtype=torch.long)
+    r = req("r", length=4)
+    policy.budgets([r], torch.tensor([3]), engine=None)
+    r.seq.token_ids.append(5)
+    policy.observe([r], zero, zero, 1.0, 0.0, 3, torch.tensor([[5, 6, 7]]))
+    r.seq.token_ids.append(6)
+    r.seq.finish_reason = "stop"
+    policy.observe([r], zero, zero, 1.0, 0.0)
+    assert policy.records[-1][1:] == (2, 2) and "r" not in policy.per_request  # 2 of 2 generated, matched
+
+    s = req("s", length=4)
+    policy.budgets([s], torch.tensor([3]), engine=None)
+    s.seq.token_ids.append(5)
+    policy.observe([s], zero, zero, 1.0, 0.0, 3, torch.tensor([[5, 6, 7]]))
+    policy.budgets([s], torch.tensor([3]), engine=None)
+    s.seq.token_ids += [6, 7]
+    policy.observe([s], torch.tensor([1]), torch.tensor([1]), 1.0, 0.0)  # a real round: 1 of 1 accepted
+    assert policy.records[-1][1:] == (1, 1) and len(policy.records) == 2  # the shadow was dropped
+    assert policy.per_request["s"].shadow is None and policy.per_request["s"].state == AFTER_FULL
+    policy.budgets([s], torch.tensor([3]), engine=None)
+    s.seq.token_ids.append(8)
+    policy.observe([s], zero, zero, 1.0, 0.0, 3, torch.tensor([[NOT_SHADOWED] * 3]))
+    assert policy.per_request["s"].state == AFTER_FULL and policy.per_request["s"].shadow is None

@@ -199,3 +199,29 @@ def test_chunked_prefill_matches_one_pass(plain, ckpts):
     engine.add_request("long", long_prompt, params)
     got = [t for _ in range(100) if engine.has_unfinished() for e in engine.step() for t in e.new_token_ids]
     assert got == want
+
+
+@pytest.mark.parametrize("name", ["ngram_adaptive", "ngram_tree"])
+def test_shadow_proposals_teach_the_budget_and_change_no_token(plain, ckpts, reference, name, monkeypatch):
+    """Under a cost where no draft ever pays, the adaptive budget verifies nothing, yet steps
+    still propose for its shadow rounds: the output stays plain greedy, chains settle shadow
+    rounds, and a tree drafter (no shadows possible) stops being asked after its first tree."""
+    from specdecode.engine import budget
+    from specdecode.engine.budget import AdaptiveBudget
+    from specdecode.engine.cost import VerifyCost
+
+    monkeypatch.setattr(budget, "PROBE_EVERY", 10**9)  # no probes: every recorded round is a shadow
+
+    spec = dict(SPECS[name], verify_budget="adaptive")
+    engine = ServingEngine(plain.target, SpecConfig.parse(spec), max_model_len=64, max_num_seqs=4, block_size=4)
+    assert isinstance(engine.budget, AdaptiveBudget)
+    engine.budget.cost = VerifyCost([(1, 1.0), (2, 2.0)])  # a position costs as much as a whole step
+    engine.budget.shadow = lambda: True  # propose on every step (the share is tested in test_budget.py)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    out = run_staggered(engine, params)
+    assert [out[f"r{i}"] for i in range(len(PROMPTS))] == reference
+    assert engine.stats().kv_blocks_used == 0
+    if name == "ngram_tree":
+        assert not engine._shadows and not engine.budget.records
+    else:
+        assert engine._shadows and len(engine.budget.records) > 5  # shadow rounds: nothing was verified
