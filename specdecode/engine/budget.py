@@ -219,7 +219,8 @@ class AdaptiveBudget:
         out, plain = self._fill(ranked, B, 0, 0.0, False)
         best_rate = plain * (1 + MIN_GAIN)  # what drafts must beat
         for w in range(1, max(cap, default=0) + 1):
-            for split in (False, True):
+            # splitting applies only if one drafting row keeps attention within a third of padded
+            for split in (False, True) if attention_queries(B, 1, 1 + w) < B * (1 + w) else (False,):
                 budgets, rate = self._fill(ranked, B, w, self.draft_cost * w, split)  # proposing w deep
                 if rate > best_rate:
                     best_rate, out = rate, budgets

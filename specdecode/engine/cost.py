@@ -8,6 +8,7 @@ the costs are spent on (engine/budget.py).
 
 from __future__ import annotations
 
+import bisect
 import time
 from typing import TYPE_CHECKING
 
@@ -41,6 +42,7 @@ class VerifyCost:
             top = max(top, t)
             pts.append((p, top))
         self.points = pts
+        self._sizes = [p for p, _ in pts]  # the planner calls this thousands of times a step: bisect
 
     @staticmethod
     def fit_line(samples: list[tuple[int, float]]) -> VerifyCost | None:
@@ -56,11 +58,12 @@ class VerifyCost:
 
     def __call__(self, positions: int) -> float:
         pts = self.points
-        if positions <= pts[0][0]:
+        i = bisect.bisect_left(self._sizes, positions)  # the first point at or past ``positions``
+        if i == 0:
             return pts[0][1]
-        for (p0, t0), (p1, t1) in zip(pts, pts[1:]):
-            if positions <= p1:
-                return t0 + (t1 - t0) * (positions - p0) / (p1 - p0)
+        if i < len(pts):
+            (p0, t0), (p1, t1) = pts[i - 1], pts[i]
+            return t0 + (t1 - t0) * (positions - p0) / (p1 - p0)
         (p0, t0), (p1, t1) = pts[-2:] if len(pts) > 1 else (pts[0], (pts[0][0] + 1, pts[0][1]))
         return t1 + (t1 - t0) / max(1, p1 - p0) * (positions - p1)  # extrapolate the last slope
 
