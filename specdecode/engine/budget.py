@@ -91,9 +91,9 @@ class BudgetPolicy(Protocol):
     ) -> None:  # fmt: skip
         """What the step's verification accepted, per row, how long its target pass took, and how
         long proposing ``draft_depth`` tokens deep took (0 seconds when the step did not draft).
-        ``proposal`` [B, w]: the chains proposed before budgets cut them, -1 padded, with -1 rows
-        where matching the generated tokens is not acceptance (a sampled row's non-one-hot q);
-        None when nothing was proposed or the proposal was a tree."""
+        ``proposal`` [B, w]: the chains proposed before budgets cut them, -1 padded, with rows of
+        NOT_SHADOWED where matching the generated tokens is not acceptance (a sampled row's
+        non-one-hot q); None when nothing was proposed or the proposal was a tree."""
         ...
 
     def shadow(self) -> bool:
