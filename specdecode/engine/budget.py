@@ -288,7 +288,9 @@ class AdaptiveBudget:
         learned = False  # whether any round, real or shadow, was recorded
         for req, a, d, row in zip(reqs, num_accepted.tolist(), num_draft.tolist(), rows):
             rid = req.request_id
-            mine = self.per_request.setdefault(rid, _RequestRounds.empty(gamma))
+            mine = self.per_request.get(rid)
+            if mine is None:  # not setdefault: that would build an empty record per row per step
+                mine = self.per_request[rid] = _RequestRounds.empty(gamma)
             pending = mine.shadow is not None
             learned |= self._settle_shadow(req, mine, verified=d > 0)
             if d > 0:
@@ -323,8 +325,10 @@ class AdaptiveBudget:
         made = req.seq.token_ids[start : start + len(chain)]
         n = next((k for k, (t, m) in enumerate(zip(chain, made)) if t != m), len(made))
         settled = n < len(made) or len(made) == len(chain)  # a miss, or the whole chain generated
-        if verified or not (settled or req.seq.finish_reason is not None):
-            mine.shadow = None if verified else mine.shadow
+        if verified:
+            mine.shadow = None
+            return False
+        if not (settled or req.seq.finish_reason is not None):
             return False
         mine.shadow = None
         if not made:
