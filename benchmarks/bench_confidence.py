@@ -51,8 +51,8 @@ def main() -> None:
             plain = engine_llm.generate([ids], params, speculative=False)[0].metrics
             spec = engine_llm.generate([ids], params)[0].metrics
             ratios.append(spec.decode_tokens_per_s / plain.decode_tokens_per_s)
-        before, after = engine_llm.engine.budget.calibration_error()
-        rounds = len(engine_llm.engine.budget.records)
+        before, after = engine_llm.engine.budget.acceptance.calibration_error()
+        rounds = len(engine_llm.engine.budget.acceptance.records)
         print(f"{name:17s} ECE before STS {before:.3f}  after {after:.3f}  ({rounds} rounds)  "
               f"decode speedup {statistics.geometric_mean(ratios):.3f}x", flush=True)  # fmt: skip
 

@@ -40,7 +40,8 @@ from pathlib import Path
 import torch
 
 from specdecode.config import SamplingParams, SpecConfig
-from specdecode.engine.budget import AFTER_FULL, AFTER_MISS, AdaptiveBudget, BudgetPolicy
+from specdecode.engine.acceptance import AFTER_FULL, AFTER_MISS
+from specdecode.engine.budget import AdaptiveBudget, BudgetPolicy
 from specdecode.engine.cost import VerifyCost, least_squares_line
 from specdecode.engine.serving import ServingEngine
 from specdecode.model.loader import LoadedModel, load_model
@@ -110,8 +111,8 @@ class Recording:
     def budgets(self, reqs, limits, engine, confidence=None):
         if isinstance(self.inner, AdaptiveBudget):
             ids = [r.request_id for r in reqs]
-            prior = self.inner.confidences(ids, own=False).tolist()  # batched calls
-            online = self.inner.confidences(ids).tolist()
+            prior = self.inner.acceptance.confidences(ids, own=False).tolist()  # batched calls
+            online = self.inner.acceptance.confidences(ids).tolist()
             self._planned = {r.request_id: (p, c) for r, p, c in zip(reqs, prior, online)}
         out = self.inner.budgets(reqs, limits, engine, confidence)
         self._budgets = out.tolist()
@@ -443,9 +444,9 @@ def main() -> None:
           f"ms, + {adaptive.attention_cost * 1e6:.3f} µs per attention query and context token, drafting {adaptive.draft_cost * 1e3:.2f} ms "
           f"per depth", flush=True)  # fmt: skip
     for state, label in ((AFTER_MISS, "after a miss (or none yet)"), (AFTER_FULL, "after a fully accepted round")):
-        c = (adaptive.accepted[state] / adaptive.reached[state]).tolist()
+        c = (adaptive.acceptance.accepted[state] / adaptive.acceptance.reached[state]).tolist()
         print(f"adaptive's shared c_k {label}: {[round(x, 2) for x in c]} over "
-              f"{int(adaptive.reached[state, 0]) - 1} rounds (real and shadow)", flush=True)  # fmt: skip
+              f"{int(adaptive.acceptance.reached[state, 0]) - 1} rounds (real and shadow)", flush=True)  # fmt: skip
     threshold = threshold_report(model, adaptive.cost)
     calib = {name: engines[name].budget.calib for name in configs if name.startswith("adaptive")}
     print_results(results, configs, args, threshold, calib)

@@ -15,13 +15,8 @@ rises. Below the compute/bandwidth threshold t(P) is flat and every useful posit
 kept; past it each extra position must pay for itself, so budgets shrink smoothly, per
 request, down to 0; speculation is never switched off wholesale.
 
-c_k is conditioned on the request's last round: acceptance comes in runs (with ngram on
-the serving benchmark's input-reuse prompts, the first token after a fully accepted round
-was accepted 120 times in 120; after a round where ngram found nothing, 42%). Rows that
-verify no drafts still teach it through shadow rounds: when a row's proposal is cut to
-0, the tokens it then generates show whether the proposal would have been accepted. For
-a one-hot q (ngram, suffix, any greedy row) the target generates d_k with probability
-p(d_k), exactly the chance that d_k is accepted: a shadow round is distributed as a real one.
+Where c_k comes from (acceptance counts by request state, shadow rounds, their calibration)
+is engine/acceptance.py's.
 """
 
 from __future__ import annotations
@@ -33,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from specdecode.drafters.base import Draft
-from specdecode.engine.calibration import Rounds, SequentialTemperatureScaling
+from specdecode.engine.acceptance import AcceptanceStats
 from specdecode.engine.cost import VerifyCost
 from specdecode.model.masks import attention_queries
 from specdecode.tree import TreeBatch
@@ -41,7 +36,6 @@ from specdecode.tree import TreeBatch
 if TYPE_CHECKING:
     from specdecode.engine.serving import ServingEngine
 
-PRIOR_STRENGTH = 4.0  # pseudo-rounds of the shared estimate behind a request's own counts
 # After this many steps in a row that learned nothing (no drafts verified, no shadow round
 # settled), one step drafts a token per row: a policy that stopped on a few early
 # rejections would otherwise stay stopped (speculation switched off for good).
@@ -52,28 +46,9 @@ PROBE_SHARE = 8  # a probe drafts on one row in this many (at least one)
 # per draft, the prefill that a closed loop brings in sooner) costs a few percent, so a
 # predicted gain below it was measured as a loss (0.97x of no drafts at 32 clients).
 MIN_GAIN = 0.05
-# A request's state: its last round rejected a token, its drafter found nothing, or it has
-# had no round yet (AFTER_MISS); or its last round accepted every draft token (AFTER_FULL).
-AFTER_MISS, AFTER_FULL = 0, 1
 # Steps where no row drafts still propose, for shadow rounds, while proposing them costs at
 # most this share of the time spent in verify passes (ngram at 32 rows: ~1.6 ms of ~55).
 SHADOW_SHARE = 0.01
-NOT_SHADOWED = -2  # a proposal row whose matching is not acceptance (see ServingEngine._shadow_chains)
-
-
-@dataclasses.dataclass
-class _RequestRounds:
-    """One request's rounds (real and shadow) by state and position, its state, and the
-    shadow round it has in flight: (tokens before it, its draft tokens, state and raw c)."""
-
-    reached: list[list[float]]  # [state][k]: rounds that reached draft position k
-    accepted: list[list[float]]  # [state][k]: ... and accepted it
-    state: int = AFTER_MISS
-    shadow: tuple[int, list[int], int, torch.Tensor] | None = None
-
-    @staticmethod
-    def empty(gamma: int) -> _RequestRounds:
-        return _RequestRounds([[0.0] * gamma for _ in range(2)], [[0.0] * gamma for _ in range(2)])
 
 
 class BudgetPolicy(Protocol):
@@ -129,11 +104,9 @@ class FixedBudget:
 class AdaptiveBudget:
     """Per-request budgets that maximise expected accepted tokens per unit of step time.
 
-    Raw confidences are online estimates from acceptance statistics (a request's own counts
-    by state and position, shrunk towards the counts shared by all requests in that state;
-    real and shadow rounds alike), or a drafter's trained head where its proposal carries
-    one. Sequential Temperature Scaling, refitted every ``refit_every`` steps that learned
-    from a round, on the most recent ``window`` rounds, calibrates them.
+    Raw confidences come from ``self.acceptance`` (engine/acceptance.py: online estimates,
+    calibrated by Sequential Temperature Scaling), or from a drafter's trained head where
+    its proposal carries one.
     """
 
     def __init__(
@@ -147,19 +120,11 @@ class AdaptiveBudget:
     ) -> None:
         self.cost = cost
         self.max_verify_tokens = max_verify_tokens
-        # shared counts by state and position: rounds that reached position k, and accepted it (Laplace prior)
-        self.reached = torch.ones(2, max_gamma)
-        self.accepted = torch.full((2, max_gamma), 0.5)
-        self.per_request: dict[str, _RequestRounds] = {}
-        self._lengths: dict[str, int] = {}  # tokens each row held when it was last planned
+        self.acceptance = AcceptanceStats(max_gamma, refit_every, window)
         # seconds of shadow proposing earned (SHADOW_SHARE of each pass) less spent; never above 0,
         # so time unused while rows drafted is not spent all at once later
         self.shadow_allowance = 0.0
-        self.sts = SequentialTemperatureScaling(max_gamma)
-        self.refit_every, self.window = refit_every, window
-        self._raw: dict[str, torch.Tensor] = {}  # the raw confidences each row was budgeted with
-        self.records: list[tuple[torch.Tensor, int, int]] = []  # (raw [γ], drafted, accepted)
-        self._since_fit = 0
+        self.window = window
         self.passes: list[tuple[int, int, bool, float]] = []  # the engine's passes: positions, attention, drafted?, s
         # seconds per attention query and context token (measured at load, see
         # measure_attention_cost): attention runs on the batch padded to its widest draft (or
@@ -172,24 +137,6 @@ class AdaptiveBudget:
         self.draft_cost = 0.0  # seconds proposing costs per draft depth (the drafter's c, in seconds)
         self.steps_without_drafts = 0
 
-    def confidence(self, request_id: str) -> torch.Tensor:
-        """[γ] raw c_k: the estimated chance draft token k survives given tokens 1..k-1 did."""
-        return self.confidences([request_id])[0]
-
-    def confidences(self, request_ids: list[str], own: bool = True) -> torch.Tensor:
-        """[B, γ] raw c_k for several requests at once, each in its state: its own counts shrunk
-        to the shared ones (``own=False``: the shared ones alone)."""
-        gamma = self.reached.shape[1]
-        mine = [self.per_request.get(r) for r in request_ids]
-        states = [m.state if m is not None else AFTER_MISS for m in mine]
-        shared = (self.accepted / self.reached)[states]  # [B, γ]
-        if not own:
-            return shared
-        zeros = [0.0] * gamma
-        reached = torch.tensor([m.reached[m.state] if m is not None else zeros for m in mine])  # [B, γ]
-        accepted = torch.tensor([m.accepted[m.state] if m is not None else zeros for m in mine])
-        return (accepted + PRIOR_STRENGTH * shared) / (reached + PRIOR_STRENGTH)
-
     def shadow(self) -> bool:
         return self.shadow_allowance >= 0
 
@@ -198,14 +145,13 @@ class AdaptiveBudget:
     ) -> torch.Tensor:
         B = len(reqs)
         cap = limits.tolist()
-        self._lengths = {r.request_id: len(r.seq.token_ids) for r in reqs}
-        self.context = max(self._lengths.values(), default=1)
-        raw = self.confidences([r.request_id for r in reqs])  # [B, γ]
+        self.context = max((len(r.seq.token_ids) for r in reqs), default=1)
+        raw = self.acceptance.confidences([r.request_id for r in reqs])  # [B, γ]
         if confidence is not None:  # a trained head's estimates, where it gave them
             w = min(raw.shape[1], confidence.shape[1])
             raw[:, :w] = confidence[:, :w].float().cpu().clamp(1e-4, 1 - 1e-4)
-        self._raw = {r.request_id: raw[b] for b, r in enumerate(reqs)}
-        survival = torch.cumprod(self.sts(raw), dim=1).tolist()
+        self.acceptance.planned(reqs, raw)
+        survival = torch.cumprod(self.acceptance.sts(raw), dim=1).tolist()
         # Candidate positions (row b's k-th draft token), most likely to survive first; survival
         # falls with k, so a row's positions come in order.
         ranked = sorted(
@@ -283,71 +229,10 @@ class AdaptiveBudget:
         if draft_seconds > 0:  # a running mean of what proposing costs per draft depth
             per_depth = draft_seconds / max(1, draft_depth)
             self.draft_cost = per_depth if self.draft_cost == 0 else 0.9 * self.draft_cost + 0.1 * per_depth
-        gamma = self.reached.shape[1]
-        rows = proposal.tolist() if proposal is not None else [None] * len(reqs)
-        learned = False  # whether any round, real or shadow, was recorded
-        for req, a, d, row in zip(reqs, num_accepted.tolist(), num_draft.tolist(), rows):
-            rid = req.request_id
-            mine = self.per_request.get(rid)
-            if mine is None:  # not setdefault: that would build an empty record per row per step
-                mine = self.per_request[rid] = _RequestRounds.empty(gamma)
-            pending = mine.shadow is not None
-            learned |= self._settle_shadow(req, mine, verified=d > 0)
-            if d > 0:
-                self._record(mine, mine.state, self._raw.get(rid), d, a)
-                mine.state, learned = AFTER_FULL if a == d else AFTER_MISS, True
-            elif row is not None and row[0] != NOT_SHADOWED:
-                chain = row[: row.index(-1)] if -1 in row else row
-                if not chain:
-                    mine.state = AFTER_MISS  # the drafter found nothing: a run of copied text, if any, ended
-                elif not pending and rid in self._raw:  # one at a time, none reusing a settled one's tokens
-                    mine.shadow = (self._lengths[rid], chain, mine.state, self._raw[rid])
-        live = {r.request_id for r in reqs if r.seq.finish_reason is None}
-        self.per_request = {k: v for k, v in self.per_request.items() if k in live}  # finished or cancelled
+        rows = proposal.tolist() if proposal is not None else None
+        learned = self.acceptance.observe(reqs, num_accepted.tolist(), num_draft.tolist(), rows)
         # probes exist to learn again after drafting stopped; shadow rounds teach as well
         self.steps_without_drafts = 0 if learned else self.steps_without_drafts + 1
-        del self.records[: -self.window]
-        # refit every refit_every steps, not rows: with 32 rows a row count would refit every
-        # other step, and the fit costs about as much as the planning itself
-        self._since_fit += learned
-        if self._since_fit >= self.refit_every:
-            self.sts = SequentialTemperatureScaling(gamma).fit(self.rounds())
-            self._since_fit = 0
-
-    def _settle_shadow(self, req: Any, mine: _RequestRounds, verified: bool) -> bool:
-        """Record ``mine``'s shadow round once the tokens its row generated show a miss or the
-        whole chain, or the row finished (a round cut short), and set the request's state from
-        it. A row that verified drafts this step drops its shadow unrecorded: the real round
-        covers the same tokens. True if a round was recorded."""
-        if mine.shadow is None:
-            return False
-        start, chain, state, raw = mine.shadow
-        made = req.seq.token_ids[start : start + len(chain)]
-        n = next((k for k, (t, m) in enumerate(zip(chain, made)) if t != m), len(made))
-        settled = n < len(made) or len(made) == len(chain)  # a miss, or the whole chain generated
-        if verified:
-            mine.shadow = None
-            return False
-        if not (settled or req.seq.finish_reason is not None):
-            return False
-        mine.shadow = None
-        if not made:
-            return False
-        self._record(mine, state, raw, len(chain) if settled else len(made), n)
-        mine.state = AFTER_FULL if n == len(chain) else AFTER_MISS
-        return True
-
-    def _record(self, mine: _RequestRounds, state: int, raw: torch.Tensor | None, drafted: int, accepted: int) -> None:
-        """One round (real or shadow): ``accepted`` of ``drafted`` tokens, from ``state``."""
-        if raw is not None:
-            self.records.append((raw, drafted, accepted))
-        reached = min(accepted + 1, drafted)  # positions 1..a were accepted; a+1 was tried and rejected
-        for k in range(reached):
-            mine.reached[state][k] += 1
-        for k in range(accepted):
-            mine.accepted[state][k] += 1
-        self.reached[state, :reached] += 1
-        self.accepted[state, :accepted] += 1
 
     def _observe_cost(self, rows: int, num_draft: list[int], seconds: float) -> None:
         """Refit the step time from the engine's own passes, which carry real batch sizes and
@@ -377,23 +262,6 @@ class AdaptiveBudget:
                 self.cost, self.draft_overhead = VerifyCost([(lo, a + b * lo), (hi, a + b * hi)]), max(0.0, delta)
                 return
         self.cost = VerifyCost.fit_line([(p, t - c * q) for p, q, _, t in self.passes]) or self.cost
-
-    def rounds(self) -> Rounds:
-        """The recorded rounds, as STS fits them."""
-        if not self.records:
-            return Rounds(torch.empty(0, self.reached.shape[1]), torch.empty(0, dtype=torch.long), torch.empty(0))
-        raw, drafted, accepted = zip(*self.records)
-        return Rounds(torch.stack(raw), torch.tensor(drafted), torch.tensor(accepted))
-
-    def calibration_error(self) -> tuple[float, float]:
-        """ECE of block survival before and after STS: fitted on the older half of the recorded
-        rounds, measured on the newer half (held out)."""
-        rounds = self.rounds()
-        half = rounds.raw.shape[0] // 2
-        fit = Rounds(rounds.raw[:half], rounds.drafted[:half], rounds.accepted[:half])
-        test = Rounds(rounds.raw[half:], rounds.drafted[half:], rounds.accepted[half:])
-        sts = SequentialTemperatureScaling(self.reached.shape[1]).fit(fit)
-        return sts.survival_ece(test, calibrated=False), sts.survival_ece(test)
 
 
 def apply_budgets(draft: Draft, budgets: torch.Tensor) -> Draft:

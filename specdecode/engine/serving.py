@@ -30,8 +30,9 @@ import torch
 
 from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Draft, Drafter
+from specdecode.engine.acceptance import NOT_SHADOWED
 from specdecode.engine.batch import Batch, Sequence, SpecStats
-from specdecode.engine.budget import NOT_SHADOWED, AdaptiveBudget, BudgetPolicy, FixedBudget, apply_budgets
+from specdecode.engine.budget import AdaptiveBudget, BudgetPolicy, FixedBudget, apply_budgets
 from specdecode.engine.cost import VerifyCost, measure_attention_cost
 from specdecode.engine.step import Engine
 from specdecode.model.loader import LoadedModel

@@ -10,7 +10,8 @@ import torch
 
 from specdecode.config import SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Draft
-from specdecode.engine.budget import AdaptiveBudget, FixedBudget, _RequestRounds, apply_budgets
+from specdecode.engine.acceptance import _RequestRounds
+from specdecode.engine.budget import AdaptiveBudget, FixedBudget, apply_budgets
 from specdecode.engine.cost import VerifyCost
 from specdecode.model.masks import attention_queries
 from specdecode.tree import TreeBatch
@@ -147,20 +148,6 @@ def test_sts_calibrates_overconfident_survival_and_keeps_order():
     assert expected_calibration_error(torch.tensor([0.9, 0.9]), torch.tensor([1.0, 0.0])) == pytest.approx(0.4)
 
 
-def test_adaptive_policy_records_rounds_and_reports_calibration():
-    policy = AdaptiveBudget(roofline(knee=64), max_gamma=4, refit_every=16)
-    g = torch.Generator().manual_seed(1)
-    for step in range(80):
-        reqs = [req(f"r{step % 3}"), req("steady")]
-        budgets = policy.budgets(reqs, torch.tensor([4, 4]), engine=None)
-        accepted = torch.tensor([int(torch.randint(0, 5, (1,), generator=g)), 4]).minimum(budgets)
-        policy.observe(reqs, accepted, budgets, 1.0, 0.0)
-    assert len(policy.records) == 160
-    before, after = policy.calibration_error()
-    assert 0 <= after <= 1 and 0 <= before <= 1
-    assert policy.confidence("steady")[0] > policy.confidence("r0")[0]
-
-
 def test_cost_curve_is_monotone_and_refits_from_real_passes():
     """The line in P is refitted from the engine's passes once their attention (c measured at
     load) is taken out: a wrong split between the two would miss cost(100)."""
@@ -188,7 +175,7 @@ def test_cost_curve_is_monotone_and_refits_from_real_passes():
 def test_adaptive_budget_keeps_a_busy_batch_narrow_when_padding_costs():
     """Attention pads every row to the widest draft: one deep row makes the whole batch pay."""
     policy = AdaptiveBudget(VerifyCost([(1, 0.05), (200, 0.05 + 0.001 * 199)]), max_gamma=8)
-    policy.reached, policy.accepted = torch.full((2, 8), 100.0), torch.full((2, 8), 90.0)  # every token survives 90%
+    policy.acceptance.reached, policy.acceptance.accepted = torch.full((2, 8), 100.0), torch.full((2, 8), 90.0)  # every token survives 90%
     reqs = [req(f"r{i}") for i in range(32)]
     wide = policy.budgets(reqs, torch.full((32,), 8), engine=None)
     policy.attention_cost = 0.0005 / 8  # per attention query and context token: the rows hold 8
@@ -198,7 +185,7 @@ def test_adaptive_budget_keeps_a_busy_batch_narrow_when_padding_costs():
 
 def test_drafting_overhead_is_paid_only_when_it_pays():
     policy = AdaptiveBudget(VerifyCost([(1, 0.05), (200, 0.05 + 0.001 * 199)]), max_gamma=4)
-    policy.reached, policy.accepted = torch.full((2, 4), 100.0), torch.full((2, 4), 60.0)  # 60% survive
+    policy.acceptance.reached, policy.acceptance.accepted = torch.full((2, 4), 100.0), torch.full((2, 4), 60.0)  # 60% survive
     reqs = [req(f"r{i}") for i in range(32)]
     assert policy.budgets(reqs, torch.full((32,), 4), engine=None).sum() > 0
     policy.observe(reqs, torch.zeros(32, dtype=torch.long), torch.zeros(32, dtype=torch.long), 0.08, 0.02)
@@ -232,7 +219,7 @@ def test_a_probe_in_a_busy_batch_drafts_on_a_few_likely_rows():
     policy = AdaptiveBudget(roofline(knee=1, slope=0.5), max_gamma=4)
     reqs = [req(f"r{i}") for i in range(32)]
     for i, r in enumerate(reqs):  # row i accepted i of 31 first tokens: all too unlikely to draft
-        policy.per_request[r.request_id] = _RequestRounds([[31.0, 0, 0, 0], [0.0] * 4], [[0.3 * i / 31, 0, 0, 0], [0.0] * 4])
+        policy.acceptance.per_request[r.request_id] = _RequestRounds([[31.0, 0, 0, 0], [0.0] * 4], [[0.3 * i / 31, 0, 0, 0], [0.0] * 4])
     policy.steps_without_drafts = PROBE_EVERY
     probe = policy.budgets(reqs, torch.full((32,), 4), engine=None)
     assert probe.tolist() == [0] * (32 - 32 // PROBE_SHARE) + [1] * (32 // PROBE_SHARE)
@@ -252,7 +239,7 @@ def test_a_drafters_confidence_replaces_the_online_estimate():
 def test_the_engine_prices_attention_with_the_cost_measured_at_load(monkeypatch, tmp_path):
     """The adaptive policy's attention cost comes from `measure_attention_cost` at load (a fit
     from the engine's own passes could not tell it from the linears' cost)."""
-    import specdecode.engine.serving as serving
+    from specdecode.engine import serving
     from specdecode.model.loader import load_model
     from tests.tiny import make_tiny_checkpoint
 
@@ -268,7 +255,7 @@ def test_the_fixed_cost_of_drafting_is_paid_by_all_the_positions_together():
     """Carrying any draft costs a pass δ more. One position's 0.9 tokens cannot pay a δ of 10%
     of a 32-row step, but 32 such positions (below the threshold, where they are free) can."""
     policy = AdaptiveBudget(roofline(knee=64), max_gamma=4)
-    policy.reached, policy.accepted = torch.full((2, 4), 100.0), torch.full((2, 4), 90.0)  # every token survives 90%
+    policy.acceptance.reached, policy.acceptance.accepted = torch.full((2, 4), 100.0), torch.full((2, 4), 90.0)  # every token survives 90%
     policy.draft_overhead = 0.1  # seconds; a step without drafts takes 1 s
     reqs = [req(f"r{i}") for i in range(32)]
     assert policy.budgets(reqs, torch.full((32,), 4), engine=None).sum() >= 32
@@ -283,66 +270,18 @@ def test_drafts_must_beat_no_drafts_by_a_margin():
     from specdecode.engine.budget import MIN_GAIN
 
     policy = AdaptiveBudget(VerifyCost([(1, 1.0), (50, 1.0)]), max_gamma=1)  # verification free
-    policy.reached, policy.accepted = torch.full((2, 1), 100.0), torch.full((2, 1), 50.0)
-    s = float(policy.sts(torch.tensor([[0.5]]))[0, 0])  # the calibrated survival the planner sees
+    policy.acceptance.reached, policy.acceptance.accepted = torch.full((2, 1), 100.0), torch.full((2, 1), 50.0)
+    s = float(policy.acceptance.sts(torch.tensor([[0.5]]))[0, 0])  # the calibrated survival the planner sees
     for gain, drafts in ((MIN_GAIN * 0.8, 0), (MIN_GAIN * 1.2, 1)):
         policy.draft_overhead = (1 + s) / (1 + gain) - 1.0  # rate with the draft = (1 + gain) x without
         assert policy.budgets([req("r")], torch.tensor([1]), engine=None).tolist() == [drafts]
-
-
-def test_shadow_rounds_learn_from_the_tokens_a_row_generates():
-    """A row whose proposal was cut to 0 still shows, from the tokens it then generates,
-    how far the proposal would have been accepted: 2 of 3 here, then all 3 (and the row's
-    state becomes 'after a full round')."""
-    from specdecode.engine.budget import AFTER_FULL, AFTER_MISS
-
-    policy = AdaptiveBudget(roofline(knee=1, slope=1.0), max_gamma=3)  # no draft ever pays
-    r = req("r", length=4)
-    zero = torch.zeros(1, dtype=torch.long)
-
-    def step(token: int, proposal: list[int] | None) -> None:
-        assert policy.budgets([r], torch.tensor([3]), engine=None).tolist() == [0]
-        r.seq.token_ids.append(token)  # the step's one generated token
-        policy.observe([r], zero, zero, 1.0, 0.001, 3, None if proposal is None else torch.tensor([proposal]))
-
-    step(5, [5, 6, 7])  # the shadow starts; its first token was generated
-    step(6, [6, 8, 9])  # matches again; one shadow at a time: this proposal is not kept
-    assert policy.per_request["r"].shadow is not None and policy.records == []
-    step(9, None)  # 9 != 7: accepted 2 of 3
-    mine = policy.per_request["r"]
-    assert (mine.reached[AFTER_MISS], mine.accepted[AFTER_MISS]) == ([1, 1, 1], [1, 1, 0])
-    assert mine.state == AFTER_MISS and mine.shadow is None and policy.records[-1][1:] == (3, 2)
-    for t in (1, 2, 3):
-        step(t, [1, 2, 3] if t == 1 else None)
-    assert mine.state == AFTER_FULL and policy.records[-1][1:] == (3, 3)
-    assert mine.reached[AFTER_MISS] == [2, 2, 2] and mine.accepted[AFTER_MISS] == [2, 2, 1]
-    step(4, [-1, -1, -1])  # the drafter found nothing: a copied run, if any, has ended
-    assert mine.state == AFTER_MISS
-
-
-def test_confidence_is_conditioned_on_the_last_round():
-    """Acceptance comes in runs: a request whose full rounds are followed by accepted tokens
-    and whose misses by rejected ones gets a high c_1 after a full round, a low one after a miss."""
-    from specdecode.engine.budget import AFTER_FULL, AFTER_MISS
-
-    policy = AdaptiveBudget(roofline(knee=64), max_gamma=2)
-    r = req("r")
-    for _ in range(5):
-        for accepted in (2,) * 9 + (0,) * 9:  # runs: after a full round 8 in 9 are full, after a miss 1 in 9
-            policy.budgets([r], torch.tensor([2]), engine=None)
-            policy.observe([r], torch.tensor([accepted]), torch.tensor([2]), 1.0, 0.0)
-    after_miss = policy.confidence("r")[0]
-    assert policy.per_request["r"].state == AFTER_MISS
-    policy.per_request["r"].state = AFTER_FULL
-    after_full = policy.confidence("r")[0]
-    assert after_full > 0.8 and after_miss < 0.2
 
 
 def test_shadow_chains_skip_rows_where_matching_is_not_acceptance():
     """A sampled row's draft with a non-one-hot q is accepted with min(1, p/q), not with the
     chance that the target generates it: its shadow row is dropped. Greedy rows and one-hot
     proposals keep theirs; trees give none."""
-    from specdecode.engine.budget import NOT_SHADOWED
+    from specdecode.engine.acceptance import NOT_SHADOWED
     from specdecode.engine.serving import ServingEngine
 
     engine = SimpleNamespace(batch=SimpleNamespace(temperature=torch.tensor([0.0, 0.7])))
@@ -371,35 +310,3 @@ def test_shadow_proposals_cost_at_most_their_share_of_recent_time():
         policy.observe([r], zero, zero, 0.1, 0.002 if propose else 0.0)
     assert sum(shadows[:20]) <= 11  # nothing banked from the drafting phase (banked: all 20)
     assert sum(shadows) == pytest.approx(400 * SHADOW_SHARE * 0.1 / 0.002, rel=0.05)  # every 2nd step: 2 ms per 200
-
-
-def test_shadows_settle_when_a_row_finishes_and_drop_when_it_drafts():
-    """A shadow still matching when its row finishes is recorded cut short; a row that verifies
-    drafts for real drops its shadow (the real round covers the same tokens); a row whose
-    proposal was masked (NOT_SHADOWED) keeps its state."""
-    from specdecode.engine.budget import AFTER_FULL, NOT_SHADOWED
-
-    policy = AdaptiveBudget(roofline(knee=1, slope=1.0), max_gamma=3)
-    zero = torch.zeros(1, dtype=torch.long)
-    r = req("r", length=4)
-    policy.budgets([r], torch.tensor([3]), engine=None)
-    r.seq.token_ids.append(5)
-    policy.observe([r], zero, zero, 1.0, 0.0, 3, torch.tensor([[5, 6, 7]]))
-    r.seq.token_ids.append(6)
-    r.seq.finish_reason = "stop"
-    policy.observe([r], zero, zero, 1.0, 0.0)
-    assert policy.records[-1][1:] == (2, 2) and "r" not in policy.per_request  # 2 of 2 generated, matched
-
-    s = req("s", length=4)
-    policy.budgets([s], torch.tensor([3]), engine=None)
-    s.seq.token_ids.append(5)
-    policy.observe([s], zero, zero, 1.0, 0.0, 3, torch.tensor([[5, 6, 7]]))
-    policy.budgets([s], torch.tensor([3]), engine=None)
-    s.seq.token_ids += [6, 7]
-    policy.observe([s], torch.tensor([1]), torch.tensor([1]), 1.0, 0.0)  # a real round: 1 of 1 accepted
-    assert policy.records[-1][1:] == (1, 1) and len(policy.records) == 2  # the shadow was dropped
-    assert policy.per_request["s"].shadow is None and policy.per_request["s"].state == AFTER_FULL
-    policy.budgets([s], torch.tensor([3]), engine=None)
-    s.seq.token_ids.append(8)
-    policy.observe([s], zero, zero, 1.0, 0.0, 3, torch.tensor([[NOT_SHADOWED] * 3]))
-    assert policy.per_request["s"].state == AFTER_FULL and policy.per_request["s"].shadow is None

@@ -223,6 +223,6 @@ def test_shadow_proposals_teach_the_budget_and_change_no_token(plain, ckpts, ref
     assert [out[f"r{i}"] for i in range(len(PROMPTS))] == reference
     assert engine.stats().kv_blocks_used == 0
     if name == "ngram_tree":
-        assert not engine._shadows and not engine.budget.records
+        assert not engine._shadows and not engine.budget.acceptance.records
     else:
-        assert engine._shadows and len(engine.budget.records) > 5  # shadow rounds: nothing was verified
+        assert engine._shadows and len(engine.budget.acceptance.records) > 5  # shadow rounds: nothing was verified

@@ -1,0 +1,178 @@
+"""Online acceptance estimates: how likely each request's next draft tokens are to survive.
+
+Owns: the counts of rounds that reached and accepted each draft position, per request and
+shared by all, by the request's state; shadow rounds; the rounds recorded for Sequential
+Temperature Scaling, and its refits. Does not own: turning the estimates into budgets
+(engine/budget.py plans with them).
+
+c_k is conditioned on the request's last round: acceptance comes in runs (with ngram on
+the serving benchmark's input-reuse prompts, the first token after a fully accepted round
+was accepted 120 times in 120; after a round where ngram found nothing, 42%). Rows that
+verify no drafts still teach it through shadow rounds: when a row's proposal is cut to
+0, the tokens it then generates show whether the proposal would have been accepted. For
+a one-hot q (ngram, suffix, any greedy row) the target generates d_k with probability
+p(d_k), exactly the chance that d_k is accepted: a shadow round is distributed as a real one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from specdecode.engine.calibration import Rounds, SequentialTemperatureScaling
+
+PRIOR_STRENGTH = 4.0  # pseudo-rounds of the shared estimate behind a request's own counts
+# A request's state: its last round rejected a token, its drafter found nothing, or it has
+# had no round yet (AFTER_MISS); or its last round accepted every draft token (AFTER_FULL).
+AFTER_MISS, AFTER_FULL = 0, 1
+NOT_SHADOWED = -2  # a proposal row whose matching is not acceptance (see ServingEngine._shadow_chains)
+
+
+@dataclasses.dataclass
+class _RequestRounds:
+    """One request's rounds (real and shadow) by state and position, its state, and the
+    shadow round it has in flight: (tokens before it, its draft tokens, state and raw c)."""
+
+    reached: list[list[float]]  # [state][k]: rounds that reached draft position k
+    accepted: list[list[float]]  # [state][k]: ... and accepted it
+    state: int = AFTER_MISS
+    shadow: tuple[int, list[int], int, torch.Tensor] | None = None
+
+    @staticmethod
+    def empty(gamma: int) -> _RequestRounds:
+        return _RequestRounds([[0.0] * gamma for _ in range(2)], [[0.0] * gamma for _ in range(2)])
+
+
+class AcceptanceStats:
+    """Raw confidences c_k from acceptance statistics (a request's own counts by state and
+    position, shrunk towards the counts shared by all requests in that state; real and
+    shadow rounds alike), and their calibration: STS refitted every ``refit_every`` steps
+    that learned from a round, on the most recent ``window`` rounds."""
+
+    def __init__(self, max_gamma: int, refit_every: int = 64, window: int = 2048) -> None:
+        # shared counts by state and position: rounds that reached position k, and accepted it (Laplace prior)
+        self.reached = torch.ones(2, max_gamma)
+        self.accepted = torch.full((2, max_gamma), 0.5)
+        self.per_request: dict[str, _RequestRounds] = {}
+        self.sts = SequentialTemperatureScaling(max_gamma)
+        self.refit_every, self.window = refit_every, window
+        self.records: list[tuple[torch.Tensor, int, int]] = []  # (raw [γ], drafted, accepted)
+        self._since_fit = 0
+        self._raw: dict[str, torch.Tensor] = {}  # the raw confidences each row was planned with
+        self._lengths: dict[str, int] = {}  # tokens each row held when it was last planned
+
+    @property
+    def gamma(self) -> int:
+        return self.reached.shape[1]
+
+    def confidence(self, request_id: str) -> torch.Tensor:
+        """[γ] raw c_k: the estimated chance draft token k survives given tokens 1..k-1 did."""
+        return self.confidences([request_id])[0]
+
+    def confidences(self, request_ids: list[str], own: bool = True) -> torch.Tensor:
+        """[B, γ] raw c_k for several requests at once, each in its state: its own counts shrunk
+        to the shared ones (``own=False``: the shared ones alone)."""
+        mine = [self.per_request.get(r) for r in request_ids]
+        states = [m.state if m is not None else AFTER_MISS for m in mine]
+        shared = (self.accepted / self.reached)[states]  # [B, γ]
+        if not own:
+            return shared
+        zeros = [0.0] * self.gamma
+        reached = torch.tensor([m.reached[m.state] if m is not None else zeros for m in mine])  # [B, γ]
+        accepted = torch.tensor([m.accepted[m.state] if m is not None else zeros for m in mine])
+        return (accepted + PRIOR_STRENGTH * shared) / (reached + PRIOR_STRENGTH)
+
+    def planned(self, reqs: list[Any], raw: torch.Tensor) -> None:
+        """Remember what each row was planned with (raw [B, γ]) and its length then: the step's
+        rounds are recorded against them, and a shadow round starts after that length."""
+        self._raw = {r.request_id: raw[b] for b, r in enumerate(reqs)}
+        self._lengths = {r.request_id: len(r.seq.token_ids) for r in reqs}
+
+    def observe(
+        self, reqs: list[Any], num_accepted: list[int], num_draft: list[int], proposal: list[list[int]] | None
+    ) -> bool:
+        """Record the step's real rounds, settle and start shadow rounds, forget finished
+        requests and refit STS when due. ``proposal``: the rows' proposed chains (see
+        BudgetPolicy.observe). True if any round, real or shadow, was recorded."""
+        rows = proposal if proposal is not None else [None] * len(reqs)
+        learned = False
+        for req, a, d, row in zip(reqs, num_accepted, num_draft, rows):
+            rid = req.request_id
+            mine = self.per_request.get(rid)
+            if mine is None:  # not setdefault: that would build an empty record per row per step
+                mine = self.per_request[rid] = _RequestRounds.empty(self.gamma)
+            pending = mine.shadow is not None
+            learned |= self._settle_shadow(req, mine, verified=d > 0)
+            if d > 0:
+                self._record(mine, mine.state, self._raw.get(rid), d, a)
+                mine.state, learned = AFTER_FULL if a == d else AFTER_MISS, True
+            elif row is not None and row[0] != NOT_SHADOWED:
+                chain = row[: row.index(-1)] if -1 in row else row
+                if not chain:
+                    mine.state = AFTER_MISS  # the drafter found nothing: a run of copied text, if any, ended
+                elif not pending and rid in self._raw:  # one at a time, none reusing a settled one's tokens
+                    mine.shadow = (self._lengths[rid], chain, mine.state, self._raw[rid])
+        live = {r.request_id for r in reqs if r.seq.finish_reason is None}
+        self.per_request = {k: v for k, v in self.per_request.items() if k in live}  # finished or cancelled
+        del self.records[: -self.window]
+        # refit every refit_every steps, not rows: with 32 rows a row count would refit every
+        # other step, and the fit costs about as much as the planning itself
+        self._since_fit += learned
+        if self._since_fit >= self.refit_every:
+            self.sts = SequentialTemperatureScaling(self.gamma).fit(self.rounds())
+            self._since_fit = 0
+        return learned
+
+    def _settle_shadow(self, req: Any, mine: _RequestRounds, verified: bool) -> bool:
+        """Record ``mine``'s shadow round once the tokens its row generated show a miss or the
+        whole chain, or the row finished (a round cut short), and set the request's state from
+        it. A row that verified drafts this step drops its shadow unrecorded: the real round
+        covers the same tokens. True if a round was recorded."""
+        if mine.shadow is None:
+            return False
+        start, chain, state, raw = mine.shadow
+        made = req.seq.token_ids[start : start + len(chain)]
+        n = next((k for k, (t, m) in enumerate(zip(chain, made)) if t != m), len(made))
+        settled = n < len(made) or len(made) == len(chain)  # a miss, or the whole chain generated
+        if verified:
+            mine.shadow = None
+            return False
+        if not (settled or req.seq.finish_reason is not None):
+            return False
+        mine.shadow = None
+        if not made:
+            return False
+        self._record(mine, state, raw, len(chain) if settled else len(made), n)
+        mine.state = AFTER_FULL if n == len(chain) else AFTER_MISS
+        return True
+
+    def _record(self, mine: _RequestRounds, state: int, raw: torch.Tensor | None, drafted: int, accepted: int) -> None:
+        """One round (real or shadow): ``accepted`` of ``drafted`` tokens, from ``state``."""
+        if raw is not None:
+            self.records.append((raw, drafted, accepted))
+        reached = min(accepted + 1, drafted)  # positions 1..a were accepted; a+1 was tried and rejected
+        for k in range(reached):
+            mine.reached[state][k] += 1
+        for k in range(accepted):
+            mine.accepted[state][k] += 1
+        self.reached[state, :reached] += 1
+        self.accepted[state, :accepted] += 1
+
+    def rounds(self) -> Rounds:
+        """The recorded rounds, as STS fits them."""
+        if not self.records:
+            return Rounds(torch.empty(0, self.gamma), torch.empty(0, dtype=torch.long), torch.empty(0))
+        raw, drafted, accepted = zip(*self.records)
+        return Rounds(torch.stack(raw), torch.tensor(drafted), torch.tensor(accepted))
+
+    def calibration_error(self) -> tuple[float, float]:
+        """ECE of block survival before and after STS: fitted on the older half of the recorded
+        rounds, measured on the newer half (held out)."""
+        rounds = self.rounds()
+        half = rounds.raw.shape[0] // 2
+        fit = Rounds(rounds.raw[:half], rounds.drafted[:half], rounds.accepted[:half])
+        test = Rounds(rounds.raw[half:], rounds.drafted[half:], rounds.accepted[half:])
+        sts = SequentialTemperatureScaling(self.gamma).fit(fit)
+        return sts.survival_ece(test, calibrated=False), sts.survival_ece(test)

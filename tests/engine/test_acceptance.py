@@ -1,0 +1,99 @@
+"""Online acceptance estimates (engine/acceptance.py), driven through the adaptive policy
+as the engine drives it: rounds recorded and calibrated, confidences by the request's last
+round, and shadow rounds settled from the tokens a row generates."""
+
+from __future__ import annotations
+
+import torch
+
+from specdecode.engine.acceptance import AFTER_FULL, AFTER_MISS, NOT_SHADOWED
+from specdecode.engine.budget import AdaptiveBudget
+from tests.engine.test_budget import req, roofline
+
+
+def test_adaptive_policy_records_rounds_and_reports_calibration():
+    policy = AdaptiveBudget(roofline(knee=64), max_gamma=4, refit_every=16)
+    g = torch.Generator().manual_seed(1)
+    for step in range(80):
+        reqs = [req(f"r{step % 3}"), req("steady")]
+        budgets = policy.budgets(reqs, torch.tensor([4, 4]), engine=None)
+        accepted = torch.tensor([int(torch.randint(0, 5, (1,), generator=g)), 4]).minimum(budgets)
+        policy.observe(reqs, accepted, budgets, 1.0, 0.0)
+    assert len(policy.acceptance.records) == 160
+    before, after = policy.acceptance.calibration_error()
+    assert 0 <= after <= 1 and 0 <= before <= 1
+    assert policy.acceptance.confidence("steady")[0] > policy.acceptance.confidence("r0")[0]
+
+
+def test_shadow_rounds_learn_from_the_tokens_a_row_generates():
+    """A row whose proposal was cut to 0 still shows, from the tokens it then generates,
+    how far the proposal would have been accepted: 2 of 3 here, then all 3 (and the row's
+    state becomes 'after a full round')."""
+    policy = AdaptiveBudget(roofline(knee=1, slope=1.0), max_gamma=3)  # no draft ever pays
+    r = req("r", length=4)
+    zero = torch.zeros(1, dtype=torch.long)
+
+    def step(token: int, proposal: list[int] | None) -> None:
+        assert policy.budgets([r], torch.tensor([3]), engine=None).tolist() == [0]
+        r.seq.token_ids.append(token)  # the step's one generated token
+        policy.observe([r], zero, zero, 1.0, 0.001, 3, None if proposal is None else torch.tensor([proposal]))
+
+    step(5, [5, 6, 7])  # the shadow starts; its first token was generated
+    step(6, [6, 8, 9])  # matches again; one shadow at a time: this proposal is not kept
+    assert policy.acceptance.per_request["r"].shadow is not None and policy.acceptance.records == []
+    step(9, None)  # 9 != 7: accepted 2 of 3
+    mine = policy.acceptance.per_request["r"]
+    assert (mine.reached[AFTER_MISS], mine.accepted[AFTER_MISS]) == ([1, 1, 1], [1, 1, 0])
+    assert mine.state == AFTER_MISS and mine.shadow is None and policy.acceptance.records[-1][1:] == (3, 2)
+    for t in (1, 2, 3):
+        step(t, [1, 2, 3] if t == 1 else None)
+    assert mine.state == AFTER_FULL and policy.acceptance.records[-1][1:] == (3, 3)
+    assert mine.reached[AFTER_MISS] == [2, 2, 2] and mine.accepted[AFTER_MISS] == [2, 2, 1]
+    step(4, [-1, -1, -1])  # the drafter found nothing: a copied run, if any, has ended
+    assert mine.state == AFTER_MISS
+
+
+def test_confidence_is_conditioned_on_the_last_round():
+    """Acceptance comes in runs: a request whose full rounds are followed by accepted tokens
+    and whose misses by rejected ones gets a high c_1 after a full round, a low one after a miss."""
+    policy = AdaptiveBudget(roofline(knee=64), max_gamma=2)
+    r = req("r")
+    for _ in range(5):
+        for accepted in (2,) * 9 + (0,) * 9:  # runs: after a full round 8 in 9 are full, after a miss 1 in 9
+            policy.budgets([r], torch.tensor([2]), engine=None)
+            policy.observe([r], torch.tensor([accepted]), torch.tensor([2]), 1.0, 0.0)
+    after_miss = policy.acceptance.confidence("r")[0]
+    assert policy.acceptance.per_request["r"].state == AFTER_MISS
+    policy.acceptance.per_request["r"].state = AFTER_FULL
+    after_full = policy.acceptance.confidence("r")[0]
+    assert after_full > 0.8 and after_miss < 0.2
+
+
+def test_shadows_settle_when_a_row_finishes_and_drop_when_it_drafts():
+    """A shadow still matching when its row finishes is recorded cut short; a row that verifies
+    drafts for real drops its shadow (the real round covers the same tokens); a row whose
+    proposal was masked (NOT_SHADOWED) keeps its state."""
+    policy = AdaptiveBudget(roofline(knee=1, slope=1.0), max_gamma=3)
+    zero = torch.zeros(1, dtype=torch.long)
+    r = req("r", length=4)
+    policy.budgets([r], torch.tensor([3]), engine=None)
+    r.seq.token_ids.append(5)
+    policy.observe([r], zero, zero, 1.0, 0.0, 3, torch.tensor([[5, 6, 7]]))
+    r.seq.token_ids.append(6)
+    r.seq.finish_reason = "stop"
+    policy.observe([r], zero, zero, 1.0, 0.0)
+    assert policy.acceptance.records[-1][1:] == (2, 2) and "r" not in policy.acceptance.per_request  # 2 of 2 generated, matched
+
+    s = req("s", length=4)
+    policy.budgets([s], torch.tensor([3]), engine=None)
+    s.seq.token_ids.append(5)
+    policy.observe([s], zero, zero, 1.0, 0.0, 3, torch.tensor([[5, 6, 7]]))
+    policy.budgets([s], torch.tensor([3]), engine=None)
+    s.seq.token_ids += [6, 7]
+    policy.observe([s], torch.tensor([1]), torch.tensor([1]), 1.0, 0.0)  # a real round: 1 of 1 accepted
+    assert policy.acceptance.records[-1][1:] == (1, 1) and len(policy.acceptance.records) == 2  # the shadow was dropped
+    assert policy.acceptance.per_request["s"].shadow is None and policy.acceptance.per_request["s"].state == AFTER_FULL
+    policy.budgets([s], torch.tensor([3]), engine=None)
+    s.seq.token_ids.append(8)
+    policy.observe([s], zero, zero, 1.0, 0.0, 3, torch.tensor([[NOT_SHADOWED] * 3]))
+    assert policy.acceptance.per_request["s"].state == AFTER_FULL and policy.acceptance.per_request["s"].shadow is None
