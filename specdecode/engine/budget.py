@@ -117,6 +117,7 @@ class AdaptiveBudget:
         refit_every: int = 64,
         window: int = 2048,
         attention_cost: float = 0.0,
+        fused_positions: int = 0,
     ) -> None:
         self.cost = cost
         self.max_verify_tokens = max_verify_tokens
@@ -127,9 +128,15 @@ class AdaptiveBudget:
         self.window = window
         self.passes: list[tuple[int, int, bool, float]] = []  # the engine's passes: positions, attention, drafted?, s
         # seconds per attention query and context token (measured at load, see
-        # measure_attention_cost): attention runs on the batch padded to its widest draft (or
-        # split, see model.transformer.attention_queries), each query over the longest context
+        # measure_attention_cost), each query priced at the longest context. The torch blocks
+        # run attention on the batch padded to its widest draft (or split, see
+        # model.masks.attention_queries); the fused CPU block, which takes passes of at most
+        # ``fused_positions`` positions (model/cpu_block.py; 0 where it does not run), runs
+        # it for the real queries only. A larger pass falls back to the torch blocks: at 32
+        # rows, 2 drafts each cost 199 ms against 97 ms for 1 each (the default model, 2
+        # threads), so a batch that fits is planned to stay within it.
         self.attention_cost = attention_cost
+        self.fused_positions = fused_positions
         # seconds any pass that carries drafts pays beyond its positions (packing the linears'
         # rows, the masks, verifying): fitted from the engine's passes, drafting or not
         self.draft_overhead = 0.0
@@ -157,17 +164,24 @@ class AdaptiveBudget:
         ranked = sorted(
             ((survival[b][k - 1], k, b) for b in range(B) for k in range(1, cap[b] + 1)), key=lambda c: (-c[0], c[1])
         )
-        # Attention pads every row to the widest draft (or, when few rows draft, computes only
-        # their extra queries: model.transformer.attention_queries), so the widest draft is
-        # chosen first: for each width w and each of the two ways attention may run, take
-        # positions of depth <= w in that order while they pay, then keep the budgets whose step
-        # yields the most expected tokens per second.
-        out, plain = self._fill(ranked, B, 0, 0.0, False)
+        # Proposing costs by depth, and the torch blocks pad every row's attention to the widest
+        # draft (or, when few rows draft, compute only their extra queries), so the widest draft
+        # is chosen first: for each width w and each way attention may run, take positions of
+        # depth <= w in that order while they pay, then keep the budgets whose step yields the
+        # most expected tokens per second.
+        fused = B <= self.fused_positions
+        limit = self.max_verify_tokens
+        if fused:
+            limit = self.fused_positions if limit is None else min(limit, self.fused_positions)
+        out, plain = self._fill(ranked, B, 0, 0.0, "fused" if fused else "padded", limit)
         best_rate = plain * (1 + MIN_GAIN)  # what drafts must beat
         for w in range(1, max(cap, default=0) + 1):
-            # splitting applies only if one drafting row keeps attention within a third of padded
-            for split in (False, True) if attention_queries(B, 1, 1 + w) < B * (1 + w) else (False,):
-                budgets, rate = self._fill(ranked, B, w, self.draft_cost * w, split)  # proposing w deep
+            if fused:
+                modes: tuple[str, ...] = ("fused",)
+            else:  # splitting applies only if one drafting row keeps attention within a third of padded
+                modes = ("padded", "split") if attention_queries(B, 1, 1 + w) < B * (1 + w) else ("padded",)
+            for mode in modes:
+                budgets, rate = self._fill(ranked, B, w, self.draft_cost * w, mode, limit)  # proposing w deep
                 if rate > best_rate:
                     best_rate, out = rate, budgets
         if not any(out) and self.steps_without_drafts >= PROBE_EVERY:
@@ -179,23 +193,24 @@ class AdaptiveBudget:
         return torch.tensor(out, dtype=torch.long, device=limits.device)
 
     def _fill(
-        self, ranked: list[tuple[float, int, int]], B: int, width: int, drafting: float, split: bool
+        self, ranked: list[tuple[float, int, int]], B: int, width: int, drafting: float, mode: str, limit: int | None
     ) -> tuple[list[int], float]:
         """Budgets from ``ranked`` (survival, depth, row) positions of depth <= ``width``, taken
-        while each pays for its time (plus ``drafting`` seconds), and the step's expected tokens
-        per second. Attention is priced as the pass will run it: padded to ``width`` for every
-        row (paid up front), or, with ``split``, ``width`` queries for each row that drafts. The
-        fixed cost of carrying drafts is paid up front too (width > 0): no single position need
-        cover it alone, and the returned rate, of the budgets as taken, says whether they did."""
+        while each pays for its time (plus ``drafting`` seconds) and the pass stays within
+        ``limit`` positions, and the step's expected tokens per second. Attention is priced as
+        the pass will run it (``mode``): for the real queries only ("fused"), padded to
+        ``width`` for every row ("padded", paid up front), or ``width`` queries for each row
+        that drafts ("split"). The fixed cost of carrying drafts is paid up front too (width >
+        0): no single position need cover it alone, and the returned rate, of the budgets as
+        taken, says whether they did."""
         out, positions, expected = [0] * B, B, float(B)  # every row verifies its root and gains one token
         rows = 0  # rows drafting
 
         def time(positions: int, rows: int) -> float:
-            queries = B + rows * width if split else B * (1 + width)
+            queries = {"fused": positions, "split": B + rows * width, "padded": B * (1 + width)}[mode]
             return self._seconds(positions, queries, drafting, carries_drafts=width > 0)
 
         rate = expected / time(positions, rows)
-        limit = self.max_verify_tokens
         for s, k, b in ranked:
             if limit is not None and positions >= limit:
                 break
@@ -210,7 +225,12 @@ class AdaptiveBudget:
     def step_time(self, B: int, positions: int, rows: int, widest: int, drafting: float) -> float:
         """Predicted seconds of a step: the pass over ``positions`` (linears), attention for B
         rows of which ``rows`` draft up to ``widest`` deep, and ``drafting``."""
-        return self._seconds(positions, attention_queries(B, rows, 1 + widest), drafting, carries_drafts=rows > 0)
+        return self._seconds(positions, self._queries(B, rows, widest, positions), drafting, carries_drafts=rows > 0)
+
+    def _queries(self, B: int, rows: int, widest: int, positions: int) -> int:
+        """The attention queries of a pass as it will run: each real one in the fused CPU block,
+        else the batch padded to its widest draft, or split (model.masks.attention_queries)."""
+        return positions if positions <= self.fused_positions else attention_queries(B, rows, 1 + widest)
 
     def _seconds(self, positions: int, queries: int, drafting: float, carries_drafts: bool) -> float:
         """The cost model: linears by positions, attention by queries × the longest context,
@@ -245,7 +265,8 @@ class AdaptiveBudget:
         at 0-0.2 µs where SDPA alone measures ~0.6-0.8 µs on this CPU, so deep drafts in busy
         batches looked cheap.)"""
         drafting, widest = sum(d > 0 for d in num_draft), max(num_draft, default=0)
-        positions, padded = rows + sum(num_draft), attention_queries(rows, drafting, 1 + widest) * self.context
+        positions = rows + sum(num_draft)
+        padded = self._queries(rows, drafting, widest, positions) * self.context
         self.passes.append((positions, padded, drafting > 0, seconds))
         del self.passes[: -self.window]
         if len(self.passes) < 32 or len(self.passes) % 16:

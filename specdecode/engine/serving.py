@@ -135,7 +135,9 @@ class ServingEngine(Engine):
         most = min(most, self.cache.pool.num_free * self.cache.block_size)
         cost = VerifyCost.measure(self, max_positions=most)
         attention = measure_attention_cost(self)
-        return AdaptiveBudget(cost, max(1, self.gamma), opts.max_verify_tokens, attention_cost=attention)
+        fused = self.model.fused_positions(self.batch_invariant)
+        return AdaptiveBudget(cost, max(1, self.gamma), opts.max_verify_tokens, attention_cost=attention,
+                              fused_positions=fused)  # fmt: skip
 
     # ---- requests ----------------------------------------------------------------------
 

@@ -101,12 +101,12 @@ class Engine:
 
     def _target(
         self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, block_mask: torch.Tensor | None = None,
-        logits_at: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+        logits_at: torch.Tensor | None = None, valid: torch.Tensor | None = None, packed: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """One target pass: logits, and the drafter's features [B, T, F] (None if it reads none)."""
         out = self.model(
             tokens, positions, cache, block_mask=block_mask, logits_at=logits_at,
-            hidden_layers=self.hidden_layers, batch_invariant=self.batch_invariant, valid=valid,
+            hidden_layers=self.hidden_layers, batch_invariant=self.batch_invariant, valid=valid, packed=packed,
         )  # fmt: skip
         if not self.hidden_layers:
             return out, None
@@ -130,18 +130,17 @@ class Engine:
         tokens = torch.cat([batch.last_tokens(), draft_tokens.clamp(min=0)], dim=1)  # [B, 1 + w]
         positions = cache.lengths[:, None] + torch.arange(1 + width, device=self.device)
         valid = torch.arange(1 + width, device=self.device)[None, :] <= num_draft[:, None]  # a row pays for its own drafts
-        logits, hidden = self._target(tokens, positions, cache, valid=valid)  # [B, 1 + w, V], [B, 1 + w, F]
+        logits, hidden = self._target(tokens, positions, cache, valid=valid, packed=True)  # [N, V], [B, 1 + w, F]
         if draft.typical is not None:  # LOSSY opt-in (Medusa's typical acceptance): flag the requests
             for seq in batch.seqs:
                 seq.stats.lossy = True
         if batch.all_greedy:
-            out, num_accepted = greedy_verify(logits.argmax(dim=-1), draft_tokens)
+            out, num_accepted = greedy_verify(_argmax_at(logits, valid), draft_tokens)
         elif draft.typical is not None:
-            p = logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p)
+            p = _probs_at(logits, valid, batch, zero_padding=True)  # typical reads every position's entropy
             out, num_accepted = typical_verify(p, draft_tokens, *draft.typical, batch.generators)
         else:
-            p = logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p)
-            out, num_accepted = rejection_sample(p, q, draft_tokens, batch.generators)
+            out, num_accepted = rejection_sample(_probs_at(logits, valid, batch), q, draft_tokens, batch.generators)
         cache.commit(num_accepted + 1)
         return Verified(out, num_accepted, num_draft, None, hidden)
 
@@ -157,15 +156,17 @@ class Engine:
             positions = torch.cat([positions, cache.lengths[:, None] + aux.offsets], dim=1)
             mask = torch.cat([torch.cat([tree.mask, tree.mask.new_zeros(B, N, A)], dim=2), aux.mask], dim=1)
             valid = torch.cat([valid, torch.ones_like(aux.tokens, dtype=torch.bool)], dim=1)
-        logits, hidden = self._target(tokens, positions, cache, block_mask=mask, valid=valid)
         aux_logits = None
-        if aux is not None:
+        if aux is not None:  # the aux branch's logits are read whole: the padded layout
+            logits, hidden = self._target(tokens, positions, cache, block_mask=mask, valid=valid)
             logits, aux_logits = logits[:, : tree.num_nodes], logits[:, tree.num_nodes :]  # [B, N, V], [B, A, V]
-        if batch.all_greedy:
-            out, num_accepted, nodes = tree_greedy_verify(logits.argmax(dim=-1), tree)  # [B, N, V] -> paths
+            logits, valid = logits.flatten(0, 1)[tree.valid.reshape(-1)], tree.valid  # as packed: [N, V]
         else:
-            p = logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p)
-            out, num_accepted, nodes = tree_rejection_sample(p, draft.q, tree, batch.generators)
+            logits, hidden = self._target(tokens, positions, cache, block_mask=mask, valid=valid, packed=True)  # [N, V]
+        if batch.all_greedy:
+            out, num_accepted, nodes = tree_greedy_verify(_argmax_at(logits, valid), tree)  # [B, N] -> paths
+        else:
+            out, num_accepted, nodes = tree_rejection_sample(_probs_at(logits, valid, batch), draft.q, tree, batch.generators)
         commit_paths(cache, nodes, num_accepted)
         if hidden is not None:  # the accepted path's features, root first
             hidden = hidden.gather(1, nodes.clamp(min=0)[:, :, None].expand(-1, -1, hidden.shape[-1]))
@@ -214,3 +215,24 @@ class Engine:
             if any(s in text for s in seq.params.stop):
                 return seq.num_prompt + k
         return None
+
+
+def _argmax_at(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[B, T] the target's argmax at each real position of a pass, from its packed logits
+    [N, V] (``valid``'s True entries, row-major); 0 at padding, which verification never reads."""
+    argmax = torch.zeros(valid.numel(), dtype=torch.long, device=logits.device)
+    argmax[valid.reshape(-1)] = logits.argmax(dim=-1)
+    return argmax.view(valid.shape)
+
+
+def _probs_at(logits: torch.Tensor, valid: torch.Tensor, batch: Batch, zero_padding: bool = False) -> torch.Tensor:
+    """[B, T, V] p at each real position of a pass, from its packed logits [N, V], each under its
+    row's sampling settings. Padding is left unwritten unless ``zero_padding``: the chain and tree
+    rules read p only up to each row's drafts (their acceptance is masked past them), and zeroing
+    it cost ~10 ms at 32 rows x 9 positions on the default model."""
+    real = valid.reshape(-1)
+    rows = real.nonzero()[:, 0] // valid.shape[1]  # [N] the row of each real position
+    p_real = logits_to_probs(logits[:, None], batch.temperature[rows], batch.top_k[rows], batch.top_p[rows])[:, 0]
+    p = (p_real.new_zeros if zero_padding else p_real.new_empty)(valid.numel(), p_real.shape[-1])
+    p[real] = p_real
+    return p.view(*valid.shape, -1)

@@ -144,7 +144,8 @@ def test_adaptive_length_grows_with_the_match():
 def test_global_cache_lru_eviction_and_exact_removal():
     a, b, c = [1, 2, 3, 4], [1, 2, 5, 6], [7, 8, 1, 2]
     cache = GlobalCache(max_depth=3, max_requests=2)
-    ia, ib = cache.add(a), cache.add(b)
+    ia = cache.add(a)
+    cache.add(b)
     cache.touch(ia)  # a used after b: b is least recently used
     cache.add(c)
     assert list(cache.entries.values()) == [tuple(a), tuple(c)]

@@ -183,6 +183,26 @@ def test_adaptive_budget_keeps_a_busy_batch_narrow_when_padding_costs():
     assert narrow.max() < wide.max() and narrow.sum() > 0
 
 
+def test_where_the_fused_block_runs_a_deep_row_pays_no_padding_and_the_pass_stays_within_it():
+    """The fused CPU block computes attention for the real queries only, so a few sure rows may
+    draft deep without making the batch pay padding; and a batch that fits in the block is
+    planned not to leave it (the torch blocks it would fall back to cost ~2x per position)."""
+    policy = AdaptiveBudget(VerifyCost([(1, 0.05), (200, 0.05 + 0.001 * 199)]), max_gamma=8)
+    policy.acceptance.reached, policy.acceptance.accepted = torch.full((2, 8), 100.0), torch.full((2, 8), 30.0)
+    reqs = [req(f"r{i}") for i in range(32)]
+    for r in reqs[:4]:  # four rows whose drafts nearly always survive
+        policy.acceptance.per_request[r.request_id] = _RequestRounds([[1000.0] * 8] * 2, [[990.0] * 8] * 2)
+    policy.attention_cost = 0.0005 / 8  # per query and context token: padding the batch costs (the rows hold 8)
+    padded = policy.budgets(reqs, torch.full((32,), 8), engine=None)
+    policy.fused_positions = 64
+    fused = policy.budgets(reqs, torch.full((32,), 8), engine=None)
+    assert fused[:4].tolist() == [8] * 4 and fused[4:].sum() == 0 and padded.max() < 8
+    policy.fused_positions = 40  # the pass stays within the block
+    assert 32 + int(policy.budgets(reqs, torch.full((32,), 8), engine=None).sum()) == 40
+    policy.fused_positions = 16  # a batch bigger than the block takes: the torch blocks' pricing, no cap
+    assert policy.budgets(reqs, torch.full((32,), 8), engine=None).tolist() == padded.tolist()
+
+
 def test_drafting_overhead_is_paid_only_when_it_pays():
     policy = AdaptiveBudget(VerifyCost([(1, 0.05), (200, 0.05 + 0.001 * 199)]), max_gamma=4)
     policy.acceptance.reached, policy.acceptance.accepted = torch.full((2, 4), 100.0), torch.full((2, 4), 60.0)  # 60% survive

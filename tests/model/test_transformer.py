@@ -227,6 +227,12 @@ def test_packed_pass_equals_padded_pass(pair, drafts):
     (dense, c0), (packed, c1) = out
     torch.testing.assert_close(packed[valid], dense[valid], atol=ATOL, rtol=0)
     assert (packed[~valid] == 0).all()
+    with torch.no_grad():  # packed=True: the same logits, the real positions' only (no [B, T, V] of padding)
+        positions = c1.lengths[:, None] - (1 + draft_len)[:, None] + torch.arange(width)
+        c1.truncate(c1.lengths - (1 + draft_len))
+        real_only = ours(new, positions, c1, valid=valid, packed=True)
+    assert real_only.shape == (int(valid.sum()), packed.shape[-1])
+    torch.testing.assert_close(real_only, packed[valid], atol=0, rtol=0)
     for b in range(B):
         n = int(c0.lengths[b])
         torch.testing.assert_close(c1.k[:, b, :, :n], c0.k[:, b, :, :n], atol=ATOL, rtol=0)
