@@ -385,7 +385,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 32])
-    ap.add_argument("--requests-per-client", type=int, default=2)
+    ap.add_argument("--requests-per-client", type=int, default=6,
+                    help="requests per client and load: few make the run mostly ramp-up and drain")
     ap.add_argument("--min-requests", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--gammas", type=int, nargs="+", default=[2, 4, 8])
