@@ -207,7 +207,12 @@ class AdaptiveBudget:
         rows = 0  # rows drafting
 
         def time(positions: int, rows: int) -> float:
-            queries = {"fused": positions, "split": B + rows * width, "padded": B * (1 + width)}[mode]
+            if mode == "fused":
+                queries = positions
+            elif mode == "split":
+                queries = B + rows * width
+            else:  # padded
+                queries = B * (1 + width)
             return self._seconds(positions, queries, drafting, carries_drafts=width > 0)
 
         rate = expected / time(positions, rows)
