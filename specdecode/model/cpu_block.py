@@ -1,4 +1,4 @@
-"""The fused CPU block (kernels/block_bf16.c): when it runs, and what it is given.
+"""The fused CPU block (kernels/block_bf16.c; block_avx2.c without AVX512): when it runs and with what.
 
 Owns: deciding whether a model's blocks can each run as one C call, the ctypes mirrors of
 the kernel's structs, and the layer loop of a pass through it.
@@ -6,8 +6,8 @@ Does not own: the embedding, final norm and LM head (transformer.py), where K/V 
 cache's `storage_index`), or building the library (cpu_int4.py).
 
 It runs Llama-style blocks (no biases, qk-norm, sandwich norms or sliding windows; SiLU) in
-bf16 whose four linears all use our AVX512 int4 kernel, on CPU, without autograd. A decode
-step of the default model then costs its int4 matmuls plus ~20 us per layer, against ~200 us
+bf16 whose four linears all use our int4 kernel, on CPU, without autograd. A decode step of
+the default model then costs its int4 matmuls plus ~20 us per layer (AVX512), against ~200 us
 per layer of dispatched torch ops. Every token is computed alone (see the kernel's header),
 so passes through it are batch-invariant whether or not ``batch_invariant`` is asked for.
 Passes of more than MAX_POSITIONS tokens run the torch blocks.
@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from specdecode.config import SpecDecodeError
 from specdecode.kv_cache import StorageIndex
-from specdecode.model.cpu_int4 import avx512_bf16_lib
+from specdecode.model.cpu_int4 import cpu_isa, cpu_lib
 from specdecode.model.quant import Int4Linear
 
 
@@ -71,7 +71,7 @@ def _qlinear(lin: nn.Module) -> _QLinear | None:
         ok = w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous() and w.shape[1] % 32 == 0
         ok = ok and w.shape[0] % 8 == 0
         return _QLinear(w.data_ptr(), None, w.shape[0], w.shape[1], 1) if ok and lin.bias is None else None
-    ok = isinstance(lin, Int4Linear) and lin.impl == "avx512_bf16" and lin.input_planes == 1
+    ok = isinstance(lin, Int4Linear) and lin.impl == cpu_isa() and lin.input_planes == 1
     if not ok or lin.k_pad or lin.n_pad or lin.bias is not None:
         return None
     return _QLinear(lin.weight.data_ptr(), lin.scales_and_zeros.data_ptr(), lin.out_features, lin.in_features, 0)
@@ -99,7 +99,7 @@ class CpuBlocks:
         G, D = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
         shapes = G <= 8 and D % 16 == 0 and D <= 256 and cfg.hidden_size % 32 == 0 and cfg.intermediate_size % 16 == 0
         bf16 = model.embed.weight.dtype == torch.bfloat16 and model.norm.weight.dtype == torch.bfloat16
-        if not (plain and shapes and bf16) or avx512_bf16_lib() is None:
+        if not (plain and shapes and bf16) or cpu_lib() is None:
             return None
         weights, keep = [], []
         for block in model.layers:
@@ -156,7 +156,7 @@ class CpuBlocks:
             return lm_head(x)
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         y = torch.empty(x2.shape[0], self._head.n, dtype=torch.bfloat16)
-        lib = avx512_bf16_lib()
+        lib = cpu_lib()
         lib.bf16_gemm(x2.data_ptr(), x2.shape[0], self._head.k, self._head.wp, self._head.n, y.data_ptr(), torch.get_num_threads())
         return y.view(*x.shape[:-1], -1)
 
@@ -191,7 +191,7 @@ class CpuBlocks:
         shape = x.shape
         h = x.reshape(-1, shape[-1]).clone()  # updated in place, layer by layer
         hiddens: dict[int, Tensor] = {}
-        block_forward = avx512_bf16_lib().block_forward
+        block_forward = cpu_lib().block_forward
         where, keys, values = ctypes.addressof(args), store.keys, store.values
         for i, weights in enumerate(self._addresses):
             block_forward(h.data_ptr(), weights, where, keys[i].data_ptr(), values[i].data_ptr())

@@ -1,10 +1,11 @@
-"""Our CPU int4 and Q8_0 kernels (AVX512-BF16), compiled with the system C compiler on first use.
+"""Our CPU int4 and Q8_0 kernels and fused block, compiled with the system C compiler on first use.
 
-Owns: compiling kernels/int4_avx512_bf16.c into the specdecode cache, deciding whether this
-machine can run it, packing int4 weights and GGUF Q8_0 blocks into its layouts, and calling
-it through ctypes.
+Owns: compiling kernels/*.c into the specdecode cache for the best instruction set this CPU
+has (AVX512-BF16, else AVX2 + FMA + F16C), deciding whether this machine can run them,
+packing int4 weights and GGUF Q8_0 blocks into their layouts (one layout for both builds),
+and calling them through ctypes.
 Does not own: the quantized Linear modules (quant.py), which fall back to torch's stock
-kernel wherever this one is unavailable (no compiler, no AVX512-BF16, or CUDA).
+kernel wherever neither build is available (no compiler, an older CPU, or CUDA).
 """
 
 from __future__ import annotations
@@ -27,25 +28,34 @@ from specdecode.config import SpecDecodeError
 
 # The stock CPU kernel dequantises a weight tile for every block of 4 rows and multiplies in
 # fp32, so 5 positions cost ~2-3x one. Ours decodes each 16-column x 2-k slice of nibbles once
-# into bf16 (a 16-entry lookup: q in 0..15 is exact in bf16), multiplies it into up to 8 rows
-# with vdpbf16ps (fp32 accumulation), and applies the group's scale and zero once per group:
+# (AVX512: into bf16, a 16-entry lookup: q in 0..15 is exact in bf16, multiplied into up to 8
+# rows with vdpbf16ps; AVX2: into fp32, into up to 4 rows with FMAs), accumulates in fp32, and
+# applies the group's scale and zero once per group:
 #     y[m, n] = sum_g s[n, g] * (x[m, g] . q[n, g]) + z[n, g] * sum(x[m, g])
 # with w = s q + z (z = the stock kernel's zero - 8 s). Scales and zeros are fp16, so GGUF's
 # Q4_0 / Q4_1 / Q8_0 blocks (fp16 d and m) are kept bit-exact. Groups of 64 / 128 run as groups
 # of 32 with repeated scales. Layout: weight [N/32, G, 16, 32] bytes (q[k] | q[k+1] << 4 for
-# 32 columns), scales_and_zeros [N/32, G, 2, 32] fp16. Q8_0 (`pack_q8_avx512_bf16`): int8
-# converted to bf16 the same way, one fp16 d per group and no zero term. Threads: OpenMP, which
+# 32 columns), scales_and_zeros [N/32, G, 2, 32] fp16. Q8_0 (`pack_q8_cpu`): int8
+# converted the same way, one fp16 d per group and no zero term. Threads: OpenMP, which
 # resolves to the libgomp that torch has already loaded, so both share one thread pool.
 
-INT4_CPU_KERNELS = ("auto", "avx512_bf16", "stock")
-_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c", "fma")
+# One library per instruction set, the same entry points and weight layouts in each: the
+# AVX512 build multiplies bf16 pairs with vdpbf16ps; the AVX2 build (kernels/*_avx2.c) widens
+# weights to fp32 and uses FMAs. Listed best first: "auto" takes the first this CPU runs.
+CPU_ISAS = {
+    "avx512_bf16": (
+        ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c", "fma"),
+        ("int4_avx512_bf16.c", "block_bf16.c"),
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c"),
+    ),
+    "avx2": (("avx2", "fma", "f16c"), ("int4_avx2.c", "block_avx2.c"), ("-mavx2", "-mfma", "-mf16c")),
+}
+INT4_CPU_KERNELS = ("auto", *CPU_ISAS, "stock")
+_HEADERS = ("block.h",)
 
 
-_SOURCES = ("int4_avx512_bf16.c", "block_bf16.c")  # the library: the int4 GEMM, RMSNorm, the fused block
-
-
-def _sources() -> list[str]:
-    return [files("specdecode.model").joinpath(f"kernels/{name}").read_text() for name in _SOURCES]
+def _read(name: str) -> str:
+    return files("specdecode.model").joinpath(f"kernels/{name}").read_text()
 
 
 def _cpu_flags() -> set[str]:
@@ -57,26 +67,37 @@ def _cpu_flags() -> set[str]:
     return set(line.split(":", 1)[-1].split())
 
 
+def cpu_isa() -> str | None:
+    """The instruction set our CPU library is built for on this machine (the best it runs), or None."""
+    return next((isa for isa in CPU_ISAS if cpu_lib(isa) is not None), None)
+
+
 @functools.cache
-def avx512_bf16_lib() -> ctypes.CDLL | None:
-    """Our kernel, compiled once into the specdecode cache; None when this CPU or host can't run it."""
+def cpu_lib(isa: str | None = None) -> ctypes.CDLL | None:
+    """Our library for ``isa`` (default: the best this CPU runs), compiled once into the
+    specdecode cache; None when this CPU or host can't run it."""
     from specdecode.model.gguf_convert import cache_root
 
+    if isa is None:
+        best = cpu_isa()
+        return None if best is None else cpu_lib(best)
+    needs, sources, isa_flags = CPU_ISAS[isa]
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None or not set(_CPU_FLAGS) <= _cpu_flags():
+    if compiler is None or not set(needs) <= _cpu_flags():
         return None
-    flags = ["-O3", "-shared", "-fPIC", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
-    flags += ["-mf16c", "-lm"]
-    sources = _sources()
-    digest = hashlib.sha256(("".join(sources) + " ".join(flags)).encode()).hexdigest()[:12]
-    target = cache_root() / "kernels" / f"int4_avx512_bf16-{digest}.so"
+    flags = ["-O3", "-shared", "-fPIC", "-fopenmp", *isa_flags]
+    texts = {name: _read(name) for name in (*sources, *_HEADERS)}
+    digest = hashlib.sha256(("".join(texts.values()) + " ".join(flags)).encode()).hexdigest()[:12]
+    target = cache_root() / "kernels" / f"cpu_{isa}-{digest}.so"
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            out, srcs = Path(tmp) / "int4.so", [Path(tmp) / name for name in _SOURCES]
-            for path, text in zip(srcs, sources):
-                path.write_text(text)
-            done = subprocess.run([compiler, *flags, "-o", str(out), *map(str, srcs)], check=False, capture_output=True)
+            out = Path(tmp) / "lib.so"
+            for name, text in texts.items():
+                (Path(tmp) / name).write_text(text)
+            srcs = [str(Path(tmp) / name) for name in sources]
+            cmd = [compiler, *flags, "-o", str(out), *srcs, "-lm"]
+            done = subprocess.run(cmd, check=False, capture_output=True)
             if done.returncode != 0:
                 return None
             os.replace(out, target)
@@ -99,18 +120,18 @@ def avx512_bf16_lib() -> ctypes.CDLL | None:
 
 
 def pick_cpu_kernel(kernel: str) -> str:
+    """The int4 CPU kernel ``kernel`` names: "auto" is our best build for this CPU, else stock."""
     if kernel not in INT4_CPU_KERNELS:
         raise SpecDecodeError(f"unknown int4 kernel {kernel!r}; supported: {', '.join(INT4_CPU_KERNELS)}")
-    if kernel == "stock":
-        return "stock"
-    if avx512_bf16_lib() is None:
-        if kernel == "avx512_bf16":
-            raise SpecDecodeError("the avx512_bf16 int4 kernel needs an AVX512-BF16 CPU and a C compiler")
-        return "stock"
-    return "avx512_bf16"
+    if kernel == "auto":
+        return cpu_isa() or "stock"
+    if kernel != "stock" and cpu_lib(kernel) is None:
+        needs = ", ".join(CPU_ISAS[kernel][0])
+        raise SpecDecodeError(f"the {kernel} int4 kernel needs a CPU with {needs} and a C compiler")
+    return kernel
 
 
-def pack_avx512_bf16(q: Tensor, scales: Tensor, zeros: Tensor, group_size: int, n_pad: int) -> tuple[Tensor, Tensor]:
+def pack_int4_cpu(q: Tensor, scales: Tensor, zeros: Tensor, group_size: int, n_pad: int) -> tuple[Tensor, Tensor]:
     """(q [N, Kp], scales / stock-convention zeros [N, Kp/g]) -> our layout (see above)."""
     N, Kp = q.shape
     rep = group_size // 32
@@ -125,7 +146,7 @@ def pack_avx512_bf16(q: Tensor, scales: Tensor, zeros: Tensor, group_size: int, 
     return packed, sz.to(torch.float16).contiguous()
 
 
-def pack_q8_avx512_bf16(q: Tensor, d: Tensor, n_pad: int) -> tuple[Tensor, Tensor]:
+def pack_q8_cpu(q: Tensor, d: Tensor, n_pad: int) -> tuple[Tensor, Tensor]:
     """GGUF Q8_0 (q int8 [N, K], d [N, K/32], w = d q) -> q8_gemm's layout (see the kernel source):
     q [N/32, G, 16, 64] int8, each 64 bytes a k pair of 32 columns; d [N/32, G, 32] fp16."""
     N, K = q.shape
@@ -136,21 +157,22 @@ def pack_q8_avx512_bf16(q: Tensor, d: Tensor, n_pad: int) -> tuple[Tensor, Tenso
     return packed, d.view(NT, 32, G).permute(0, 2, 1).to(torch.float16).contiguous()
 
 
-def avx512_bf16_mm(x: Tensor, packed: Tensor, scales: Tensor) -> Tensor:
-    """y [M, N] bf16 = x [M, K] bf16 @ a packed weight: int4 (``packed`` uint8, ``scales`` the
-    scales and zeros) or Q8_0 (``packed`` int8, ``scales`` d). Inside torch.compile it runs as
-    the opaque custom op below (a ctypes call cannot be traced); eagerly it is called directly,
-    since the op dispatcher would add its overhead to every linear of every step."""
+def cpu_mm(x: Tensor, packed: Tensor, scales: Tensor, isa: str) -> Tensor:
+    """y [M, N] bf16 = x [M, K] bf16 @ a packed weight, through our ``isa`` build: int4
+    (``packed`` uint8, ``scales`` the scales and zeros) or Q8_0 (``packed`` int8, ``scales`` d).
+    Inside torch.compile it runs as the opaque custom op below (a ctypes call cannot be
+    traced); eagerly it is called directly, since the op dispatcher would add its overhead to
+    every linear of every step."""
     if torch.compiler.is_compiling():
-        return _mm_op(x, packed, scales)
-    return _mm(x, packed, scales)
+        return _mm_op(x, packed, scales, isa)
+    return _mm(x, packed, scales, isa)
 
 
-def _mm(x: Tensor, packed: Tensor, scales: Tensor) -> Tensor:
+def _mm(x: Tensor, packed: Tensor, scales: Tensor, isa: str) -> Tensor:
     M, K = x.shape
     N = packed.shape[0] * 32
     y = torch.empty(M, N, dtype=torch.bfloat16)
-    lib, threads = avx512_bf16_lib(), torch.get_num_threads()
+    lib, threads = cpu_lib(isa), torch.get_num_threads()
     if packed.dtype == torch.int8:  # Q8_0
         lib.q8_gemm(x.data_ptr(), M, K, packed.data_ptr(), scales.data_ptr(), N, y.data_ptr(), threads)
     else:
@@ -159,13 +181,13 @@ def _mm(x: Tensor, packed: Tensor, scales: Tensor) -> Tensor:
     return y
 
 
-def avx512_rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
+def cpu_rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
     """RMSNorm of bf16 ``x`` [..., D] by bf16 ``weight`` [D] in one call of our library (see
-    rms_norm_bf16 in the kernel source); callers check `avx512_bf16_lib()` first."""
+    rms_norm_bf16 in the kernel sources); callers check `cpu_lib()` first."""
     x = x.contiguous()
     y = torch.empty_like(x)
     D = x.shape[-1]
-    avx512_bf16_lib().rms_norm_bf16(x.data_ptr(), x.numel() // D, D, weight.data_ptr(), eps, offset, y.data_ptr())
+    cpu_lib().rms_norm_bf16(x.data_ptr(), x.numel() // D, D, weight.data_ptr(), eps, offset, y.data_ptr())
     return y
 
 
@@ -175,14 +197,14 @@ def fast_cpu_norm(x: Tensor, weight: Tensor) -> bool:
     if torch.compiler.is_compiling():
         return False
     ok = x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
-    return ok and x.shape[-1] % 16 == 0 and not torch.is_grad_enabled() and avx512_bf16_lib() is not None
+    return ok and x.shape[-1] % 16 == 0 and not torch.is_grad_enabled() and cpu_lib() is not None
 
 
-@torch.library.custom_op("specdecode::avx512_bf16_mm", mutates_args=())
-def _mm_op(x: Tensor, packed: Tensor, scales: Tensor) -> Tensor:
-    return _mm(x, packed, scales)
+@torch.library.custom_op("specdecode::cpu_mm", mutates_args=())
+def _mm_op(x: Tensor, packed: Tensor, scales: Tensor, isa: str) -> Tensor:
+    return _mm(x, packed, scales, isa)
 
 
 @_mm_op.register_fake
-def _(x: Tensor, packed: Tensor, scales: Tensor) -> Tensor:
+def _(x: Tensor, packed: Tensor, scales: Tensor, isa: str) -> Tensor:
     return x.new_empty(x.shape[0], packed.shape[0] * 32, dtype=torch.bfloat16)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdecode.config import SpecDecodeError
-from specdecode.model.cpu_int4 import avx512_bf16_lib, pick_cpu_kernel
+from specdecode.model.cpu_int4 import CPU_ISAS, cpu_lib, pick_cpu_kernel
 from specdecode.model.gguf_convert import Int4Groups, cache_root, converted_folder, gguf_int4_weights, gguf_keeps_blocks
 from specdecode.model.quant import Int4Linear, Q8Linear, parse_quantization, quantize_model_, set_submodule
 from specdecode.model.transformer import ModelConfig, Transformer
@@ -149,7 +149,7 @@ def load_model(
     source, name = _resolve(path)
     if quant is not None and quant.mode == "auto":
         native = source.is_file() and source.suffix == ".gguf" and device.type == "cpu"
-        native = native and avx512_bf16_lib() is not None and gguf_keeps_blocks(source)
+        native = native and cpu_lib() is not None and gguf_keeps_blocks(source)
         quant = parse_quantization("gguf" if native else None)
     if source.is_file():
         if source.suffix != ".gguf":
@@ -211,9 +211,9 @@ def _swap_int4(model: Transformer, name: str, parts: list[Int4Groups | None], ke
     device = lin.weight.device
     bias = None if lin.bias is None else lin.bias.detach()
     all_q8 = all(p.source_type == "Q8_0" for p in parts)
-    if all_q8 and Q8Linear.available(device) and pick_cpu_kernel(kernel) == "avx512_bf16":
+    if all_q8 and Q8Linear.available(device) and pick_cpu_kernel(kernel) in CPU_ISAS:
         q8, d = (torch.cat(t) for t in zip(*(p.as_q8() for p in parts)))
-        set_submodule(model, name, Q8Linear(q8, d, lin.in_features, bias))
+        set_submodule(model, name, Q8Linear(q8, d, lin.in_features, bias, kernel=kernel))
         return
     planes = max(p.planes for p in parts)
     parts = [p.to_planes(planes) for p in parts]

@@ -1,6 +1,6 @@
 """Weight-only quantized linears: int8 per output channel and group-wise int4.
 
-Owns: `Int8Linear` (``torch._weight_int8pack_mm``), `Int4Linear` (on CPU our AVX512-BF16 kernel,
+Owns: `Int8Linear` (``torch._weight_int8pack_mm``), `Int4Linear` (on CPU our kernel, AVX512-BF16 or AVX2,
 compiled on first use, else torch's ``_weight_int4pack_mm_for_cpu``; on CUDA
 ``_weight_int4pack_mm``), `Q8Linear` (GGUF Q8_0 blocks as they are, on our CPU kernel),
 the quantize / dequantize helpers that define their numerics,
@@ -35,13 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdecode.config import SpecDecodeError
-from specdecode.model.cpu_int4 import (
-    avx512_bf16_lib,
-    avx512_bf16_mm,
-    pack_avx512_bf16,
-    pack_q8_avx512_bf16,
-    pick_cpu_kernel,
-)
+from specdecode.model.cpu_int4 import CPU_ISAS, cpu_isa, cpu_mm, pack_int4_cpu, pack_q8_cpu, pick_cpu_kernel
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "gguf")
 GROUP_SIZES = (32, 64, 128)
@@ -182,9 +176,9 @@ class Int4Linear(nn.Module):
         self.n_pad = -N % 16  # the CPU kernel works on 16-column tiles
         device = q.device
         self.impl = "cuda" if device.type == "cuda" else pick_cpu_kernel(kernel)
-        if self.impl == "avx512_bf16":
+        if self.impl in CPU_ISAS:  # ours
             self.n_pad = -N % 32
-            packed, sz = pack_avx512_bf16(q, scales, zeros, group_size, self.n_pad)
+            packed, sz = pack_int4_cpu(q, scales, zeros, group_size, self.n_pad)
             self.register_buffer("weight", packed)
             self.register_buffer("scales_and_zeros", sz)
             self.register_buffer("bias", None if bias is None else bias.float())
@@ -210,7 +204,7 @@ class Int4Linear(nn.Module):
         return cls(q, s, z, group_size, in_features=w.shape[1], bias=bias, kernel=kernel)
 
     def kernel(self) -> str:
-        name = {"cuda": "int4pack_mm", "stock": "int4pack_mm_for_cpu", "avx512_bf16": "int4 avx512_bf16"}[self.impl]
+        name = {"cuda": "int4pack_mm", "stock": "int4pack_mm_for_cpu"}.get(self.impl, f"int4 {self.impl}")
         planes = f" x{self.input_planes} planes" if self.input_planes > 1 else ""
         return f"{name} g{self.group_size}{planes}" + (f" ({self.source})" if self.source else "")
 
@@ -221,8 +215,8 @@ class Int4Linear(nn.Module):
         if self.input_planes > 1:
             x2 = torch.cat([x2] * self.input_planes, dim=1)  # [M, planes·K]; cat: ~5x cheaper than repeat here
         x2 = x2.contiguous()
-        if self.impl == "avx512_bf16":
-            return avx512_bf16_mm(x2, self.weight, self.scales_and_zeros)
+        if self.impl in CPU_ISAS:
+            return cpu_mm(x2, self.weight, self.scales_and_zeros, self.impl)
         if self.impl == "cuda":
             return torch._weight_int4pack_mm(x2, self.weight, self.group_size, self.scales_and_zeros)
         return torch._weight_int4pack_mm_for_cpu(x2, self.weight, self.group_size, self.scales_and_zeros)
@@ -236,31 +230,37 @@ class Int4Linear(nn.Module):
 
 class Q8Linear(nn.Module):
     """y = x @ W.T + b for GGUF Q8_0 weights kept as they are: W = d[n, g] * q[n, k], q int8 and
-    one fp16 d per 32 inputs, through our AVX512-BF16 kernel in bf16 (`Q8Linear.available()`;
-    elsewhere the loader keeps Q8_0 as two int4 planes). 1.06 bytes a weight, against 1.25 for
+    one fp16 d per 32 inputs, through our CPU kernel in bf16 (`Q8Linear.available()`; elsewhere
+    the loader keeps Q8_0 as two int4 planes). ``kernel``: which build of it (cpu_int4.CPU_ISAS). 1.06 bytes a weight, against 1.25 for
     the planes: for the default model's tied Q8_0 head, 30 MB read per token instead of 35."""
 
-    def __init__(self, q: Tensor, d: Tensor, in_features: int, bias: Tensor | None = None, source: str = "Q8_0"):
+    def __init__(
+        self, q: Tensor, d: Tensor, in_features: int, bias: Tensor | None = None, source: str = "Q8_0",
+        kernel: str = "auto",
+    ):  # fmt: skip
         super().__init__()
         N, K = q.shape
         if K % 32 or d.shape != (N, K // 32) or in_features > K:
             raise ValueError(f"q8: q {tuple(q.shape)}, d {tuple(d.shape)}, in_features {in_features} disagree")
+        self.impl = pick_cpu_kernel(kernel)
+        if self.impl not in CPU_ISAS:
+            raise SpecDecodeError(f"Q8_0 weights kept as they are need our CPU kernel, not {self.impl!r}")
         self.out_features, self.in_features, self.source = N, in_features, source
         self.k_pad, self.n_pad = K - in_features, -N % 32
-        packed, scales = pack_q8_avx512_bf16(q, d, self.n_pad)
+        packed, scales = pack_q8_cpu(q, d, self.n_pad)
         self.register_buffer("weight", packed)
         self.register_buffer("scales", scales)
         self.register_buffer("bias", None if bias is None else bias.float())
 
     @staticmethod
     def available(device: torch.device) -> bool:
-        return device.type == "cpu" and avx512_bf16_lib() is not None
+        return device.type == "cpu" and cpu_isa() is not None
 
     def kernel(self) -> str:
-        return f"q8_0 avx512_bf16 g32 ({self.source})"
+        return f"q8_0 {self.impl} g32 ({self.source})"
 
     def forward(self, x: Tensor) -> Tensor:
-        return _bf16_linear(self, x, lambda x2: avx512_bf16_mm(x2.contiguous(), self.weight, self.scales))
+        return _bf16_linear(self, x, lambda x2: cpu_mm(x2.contiguous(), self.weight, self.scales, self.impl))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -359,5 +359,5 @@ def describe_kernels(model: nn.Module) -> str:
             kinds[f"{str(m.weight.dtype).removeprefix('torch.')} matmul"] += 1
     parts = [f"{k} ({n} layer{'s' * (n != 1)})" for k, n in kinds.items()]
     emb = str(model.embed.weight.dtype).removeprefix("torch.")
-    fused = ["fused CPU blocks (block_bf16)"] if model.cpu_blocks is not None else []
+    fused = [f"fused CPU blocks ({cpu_isa()})"] if model.cpu_blocks is not None else []
     return ", ".join(parts + [f"{emb} embedding"] + fused)

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from specdecode.kv_cache import ContiguousKVCache, KVCache
 from specdecode.model.cpu_block import MAX_POSITIONS, CpuBlocks
-from specdecode.model.cpu_int4 import avx512_rms_norm, fast_cpu_norm
+from specdecode.model.cpu_int4 import cpu_rms_norm, fast_cpu_norm
 from specdecode.model.masks import FULL, SLIDING, attention_masks, split_plan, visible_keys
 from specdecode.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from specdecode.model.rope import rope_frequencies
@@ -43,7 +43,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if fast_cpu_norm(x, self.weight):  # one C call instead of ~8 dispatched ops (decode is overhead-bound)
-            return avx512_rms_norm(x, self.weight, self.eps, self.offset)
+            return cpu_rms_norm(x, self.weight, self.eps, self.offset)
         if self.offset:
             h = F.rms_norm(x.float(), self.dim, eps=self.eps)
             return (h * (self.offset + self.weight.float())).to(x.dtype)

@@ -89,7 +89,7 @@ def test_drafter_nets_run_the_targets_quantized_kernels(setup):
     """With a quantized target the net's own linears (and its draft-vocabulary head) are
     quantized the same way; with our row-invariant int4 kernel and the batch-invariant mode,
     speculative greedy still equals plain greedy exactly, in bf16."""
-    from specdecode.model.cpu_int4 import avx512_bf16_lib
+    from specdecode.model.cpu_int4 import cpu_lib
     from specdecode.model.quant import Int4Linear, Int8Linear
 
     target, nets, _ = setup
@@ -98,8 +98,8 @@ def test_drafter_nets_run_the_targets_quantized_kernels(setup):
     net = int8.engine.drafter.net
     assert not [n for n, m in net.named_modules() if type(m) is torch.nn.Linear]
     assert isinstance(net.body.lm_head.linear, Int8Linear) and isinstance(net.fc, Int8Linear)
-    if avx512_bf16_lib() is None:
-        pytest.skip("exactness needs our int4 kernel (AVX512-BF16 + a C compiler)")
+    if cpu_lib() is None:
+        pytest.skip("exactness needs our int4 kernel (AVX512-BF16 or AVX2, and a C compiler)")
     kw = dict(dtype="bfloat16", device="cpu", quantization="int4", batch_invariant=True)
     llm = LLM(model=target, speculative_config={"method": "eagle", "model": nets["eagle"]}, **kw)
     assert isinstance(llm.engine.drafter.net.fc, Int4Linear)

@@ -92,12 +92,12 @@ def test_default_quantization_keeps_a_gguf_quantized_and_a_dense_draft_follows(t
     """The default ("auto") runs a GGUF on its own blocks where our CPU kernel can; a draft
     model given as an HF folder then loads dense (it has no GGUF blocks) instead of failing,
     and speculative greedy still equals plain greedy."""
-    from specdecode.model.cpu_int4 import avx512_bf16_lib
+    from specdecode.model.cpu_int4 import cpu_lib
     from tests.tiny import make_tiny_gguf
 
     path, _ = make_tiny_gguf(tmp_path / "t.gguf", "llama", quant="Q8_0")
     plain = LLM(model=str(path), device="cpu")
-    assert plain.target.quantization == ("gguf" if avx512_bf16_lib() is not None else None)
+    assert plain.target.quantization == ("gguf" if cpu_lib() is not None else None)
     spec = {"method": "draft_model", "model": plain.target.path, "num_speculative_tokens": 3}  # its converted folder
     llm = LLM(model=str(path), device="cpu", speculative_config=spec, quantization="gguf")
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

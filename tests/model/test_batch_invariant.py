@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode.model.cpu_int4 import avx512_bf16_lib
+from specdecode.model.cpu_int4 import cpu_lib
 from specdecode.model.loader import load_model
 from specdecode.model.quant import quantize_model_
 from tests.tiny import make_tiny_checkpoint, root_path, small_tree
 
-pytestmark = pytest.mark.skipif(avx512_bf16_lib() is None, reason="needs our int4 kernel (AVX512-BF16 + a C compiler)")
+pytestmark = pytest.mark.skipif(cpu_lib() is None, reason="needs our int4 kernel (AVX512-BF16 or AVX2, and a C compiler)")
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])

@@ -9,7 +9,7 @@ import torch
 from specdecode import LLM, SamplingParams, SpecDecodeError
 from specdecode.model import compiled
 from specdecode.model.compiled import compile_blocks, parse_compile, uncompile_blocks
-from specdecode.model.cpu_int4 import avx512_bf16_lib
+from specdecode.model.cpu_int4 import cpu_lib
 from specdecode.model.loader import load_model
 from tests.tiny import make_tiny_checkpoint
 
@@ -73,7 +73,7 @@ def test_compiled_blocks_give_eager_logits_on_every_pass_shape(tiny, device, mod
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.skipif(avx512_bf16_lib() is None, reason="needs our AVX512-BF16 int4 kernel")
+@pytest.mark.skipif(cpu_lib() is None, reason="needs our int4 kernel (AVX512-BF16 or AVX2)")
 def test_compiled_int4_blocks_run_our_kernel_as_a_custom_op(tiny):
     """Inside a graph our int4 kernel is an opaque custom op (a ctypes call cannot be traced).
     bf16 activations: the graph rounds at other points than eager, so the logits agree to a

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from specdecode.model.cpu_block import MAX_POSITIONS
-from specdecode.model.cpu_int4 import avx512_bf16_lib
+from specdecode.model.cpu_int4 import cpu_isa, cpu_lib
 from specdecode.model.loader import load_model
 from specdecode.model.quant import describe_kernels, quantize_model_
 from specdecode.paged_cache import new_paged_cache
 from tests.tiny import make_tiny_checkpoint, root_path, small_tree
 
-pytestmark = pytest.mark.skipif(avx512_bf16_lib() is None, reason="needs our kernels (AVX512-BF16 + a C compiler)")
+pytestmark = pytest.mark.skipif(cpu_lib() is None, reason="needs our kernels (AVX512-BF16 or AVX2, and a C compiler)")
 
 
 def tiny(tmp_path_factory, arch: str, dtype: str = "bfloat16", quant: str = "int4", **config):
@@ -211,7 +211,7 @@ def test_batch_invariant_runs_every_pass_through_the_kernel(model):
 
 
 def test_kernels_report_it(model):
-    assert describe_kernels(model).endswith("fused CPU blocks (block_bf16)")
+    assert describe_kernels(model).endswith(f"fused CPU blocks ({cpu_isa()})")
     with torch.enable_grad():
         assert not model.cpu_blocks.applies(model.embed.weight[:1], model, False)  # autograd: the torch blocks
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from specdecode.config import SpecDecodeError
-from specdecode.model.cpu_int4 import avx512_bf16_lib
+from specdecode.model.cpu_int4 import CPU_ISAS, cpu_lib
 from specdecode.model.gguf_convert import decode_int4_groups
 from specdecode.model.loader import load_model
 from specdecode.model.quant import (
@@ -41,7 +41,8 @@ def close(y: torch.Tensor, ref: torch.Tensor, rel: float) -> bool:
 SHAPES_INT4 = [(3, 96, 32), (40, 200, 64), (24, 160, 32), (17, 1152, 128)]
 
 
-KERNELS = ["stock"] + (["avx512_bf16"] if avx512_bf16_lib() is not None else [])
+OURS = [isa for isa in CPU_ISAS if cpu_lib(isa) is not None]  # our builds this CPU runs
+KERNELS = ["stock"] + OURS
 
 
 def kernel_weights(q, s, z, g, kernel: str) -> torch.Tensor:
@@ -232,8 +233,8 @@ def test_gguf_q4_k_blocks_decode_exactly(real_cache):
         np.testing.assert_array_equal(ours.numpy(), dequantize(t.data, t.tensor_type).reshape(n, k))
 
 
-@pytest.mark.skipif("avx512_bf16" not in KERNELS, reason="needs an AVX512-BF16 CPU and a C compiler")
-def test_avx512_kernel_keeps_gguf_q4_1_scales_exactly():
+@pytest.mark.parametrize("kernel", OURS)
+def test_our_kernel_keeps_gguf_q4_1_scales_exactly(kernel):
     import gguf
     from gguf.quants import quantize
 
@@ -243,13 +244,13 @@ def test_avx512_kernel_keeps_gguf_q4_1_scales_exactly():
     d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0])  # [N, G]
     m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0])
     g = decode_int4_groups(raw, "Q4_1", 32, 64)
-    lin = Int4Linear(g.q, g.scales, g.zeros, 32, kernel="avx512_bf16")
+    lin = Int4Linear(g.q, g.scales, g.zeros, 32, kernel=kernel)
     sz = lin.scales_and_zeros  # [N/32, G, 2, 32]: fp16 scale and zero of w = d q + m
     assert torch.equal(sz[0, :, 0].T, d) and torch.equal(sz[0, :, 1].T, m)
 
 
-@pytest.mark.skipif(avx512_bf16_lib() is None, reason="needs our AVX512-BF16 CPU library")
-def test_q8_0_kept_as_is_equals_the_dequantized_weight():
+@pytest.mark.parametrize("kernel", OURS)
+def test_q8_0_kept_as_is_equals_the_dequantized_weight(kernel):
     """Q8_0 runs on its own int8 blocks (`Q8Linear`): the blocks come back exactly from the two
     int4 planes, the product is the fp32 product of the file's weight within bf16 rounding, a
     row's result does not depend on the other rows, and it reads fewer bytes than the planes."""
@@ -263,17 +264,17 @@ def test_q8_0_kept_as_is_equals_the_dequantized_weight():
     q8, d = g.as_q8()
     exact = torch.from_numpy(dequantize(raw, gguf.GGMLQuantizationType.Q8_0))
     assert torch.equal((q8.float().view(N, -1, 32) * d[..., None]).view(N, K), exact)
-    lin = Q8Linear(q8, d, K, bias=torch.linspace(-1, 1, N))
+    lin = Q8Linear(q8, d, K, bias=torch.linspace(-1, 1, N), kernel=kernel)
     x = torch.randn(9, K, generator=torch.Generator().manual_seed(0)).bfloat16()
     y = lin(x)
     ref = x.float() @ exact.T + torch.linspace(-1, 1, N)
     assert y.shape == (9, N) and y.dtype == torch.bfloat16
     assert ((y.float() - ref).abs().max() / ref.abs().max()) < 1e-2
     assert torch.equal(torch.cat([lin(x[i : i + 1]) for i in range(9)]), y)
-    planes = Int4Linear(g.q, g.scales, g.zeros, 32, K, input_planes=2, kernel="avx512_bf16")
+    planes = Int4Linear(g.q, g.scales, g.zeros, 32, K, input_planes=2, kernel=kernel)
     size = lambda m: sum(b.numel() * b.element_size() for b in m.buffers() if b is not None)  # noqa: E731
     assert size(lin) < 0.9 * size(planes)
-    assert "q8_0 avx512_bf16" in lin.kernel()
+    assert f"q8_0 {kernel}" in lin.kernel()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -282,7 +283,7 @@ def test_gguf_native_greedy_matches_fp32_dequantized(tmp_path, arch, kind):
     path, _ = make_tiny_gguf(tmp_path / f"{arch}-{kind}.gguf", arch, quant=kind, hidden_size=128)
     dense = load_model(str(path), dtype="float32", device="cpu", progress=False).model
     native = load_model(str(path), dtype="bfloat16", device="cpu", progress=False, quantization="gguf").model
-    own = Q8Linear if kind == "Q8_0" and avx512_bf16_lib() is not None else Int4Linear  # Q8_0 as it is, or planes
+    own = Q8Linear if kind == "Q8_0" and cpu_lib() is not None else Int4Linear  # Q8_0 as it is, or planes
     assert isinstance(native.get_submodule("layers.1.attn.qkv"), own)
     assert isinstance(native.lm_head, own)
     assert f"({kind})" in describe_kernels(native)
@@ -297,7 +298,7 @@ def test_auto_keeps_a_gguf_quantized_only_where_it_can(tmp_path, tiny_folder):
     quantized and our CPU kernel runs them; dense for other GGUFs and for HF folders."""
     q8, _ = make_tiny_gguf(tmp_path / "q8.gguf", "llama", quant="Q8_0")
     q5, _ = make_tiny_gguf(tmp_path / "q5.gguf", "llama", quant="Q5_0")
-    native = avx512_bf16_lib() is not None
+    native = cpu_lib() is not None
     for path, want in ((q8, "gguf" if native else None), (q5, None), (tiny_folder, None)):
         lm = load_model(str(path), device="cpu", progress=False, quantization="auto")
         assert lm.quantization == want, path
@@ -318,7 +319,7 @@ def test_bad_quantization_values_raise(tmp_path, tiny_folder):
         load_model(str(path), device="cpu", progress=False, quantization="gguf")
 
 
-@pytest.mark.skipif(avx512_bf16_lib() is None, reason="needs our AVX512-BF16 CPU library")
+@pytest.mark.skipif(cpu_lib() is None, reason="needs our CPU library (AVX512-BF16 or AVX2)")
 @pytest.mark.parametrize("offset", [0.0, 1.0], ids=["llama", "gemma"])
 def test_cpu_rms_norm_equals_torch_and_is_row_invariant(offset):
     """Inference in bf16 normalises through our one-call kernel: what F.rms_norm gives (and the

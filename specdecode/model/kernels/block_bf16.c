@@ -15,38 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-void int4_gemm(const uint16_t* x, int M, int K, const uint8_t* wp, const uint16_t* sz, int N, uint16_t* y,
-               float* xs, int threads);
-void rms_norm_bf16(const uint16_t* x, int M, int D, const uint16_t* w, float eps, float offset, uint16_t* y);
-
-typedef struct {
-  const uint8_t* wp; /* int4: packed nibbles (see cpu_int4.py); bf16: the weight [n, k], row-major */
-  const uint16_t* sz; /* int4: fp16 scales and zeros; bf16: unused */
-  int n, k;           /* out and in features (multiples of 32) */
-  int bf16;           /* 1: a plain bf16 weight, through bf16_gemm */
-} QLinear;
-
-typedef struct {
-  int hidden, heads, kv_heads, head_dim, inter;
-  float eps, scale;
-  const uint16_t* attn_norm; /* [hidden] bf16 */
-  const uint16_t* mlp_norm;
-  QLinear qkv, o, gate_up, down;
-} BlockWeights;
-
-typedef struct {
-  int M, T;                    /* tokens computed (a packed pass: the real ones only), pass width */
-  const int32_t* row;          /* [M] batch row of each token */
-  const int32_t* t;            /* [M] its index in the row's pass, 0..T-1 */
-  const int32_t* prefix;       /* [M] the row's cached length: it sees slots 0..prefix-1 */
-  const uint8_t* vis;          /* [M, T] which of the row's pass tokens it sees (itself included) */
-  const float* cos;            /* [M, D/2] RoPE, scale included */
-  const float* sin;
-  const int64_t* slot_map;     /* [B, map_stride] storage index of (row, slot) */
-  int map_stride;
-  int64_t slot_stride, head_stride; /* elements between storage indices / kv heads */
-  int threads;
-} Pass;
+#include "block.h"
 
 static inline __m512 load16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));

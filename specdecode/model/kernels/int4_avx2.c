@@ -1,0 +1,211 @@
+/* Group-wise int4 and Q8_0 x bf16 GEMMs and RMSNorm for AVX2 + FMA + F16C CPUs (no AVX512):
+   the same entry points and weight layouts as int4_avx512_bf16.c (see cpu_int4.py), so one
+   packed model runs on either library. Results agree with that library up to fp32 rounding.
+
+   Without vdpbf16ps each weight is decoded to fp32 and multiplied with fp32 FMAs. A weight is
+   decoded once per 16-column half tile and group, scale and zero applied on the way
+   (w = s q + z: exact to the file's fp16 s and z up to one fp32 rounding), then used for up to
+   4 rows of x. Every row's dot product runs in the same order whatever the rows beside it, so
+   a row's result does not depend on the batch. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline __m256 load_bf16x8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+/* 8 fp32 -> 8 bf16, rounded to nearest even as torch (NaN stays NaN) */
+static inline __m128i to_bf16x8(__m256 v) {
+  __m256i u = _mm256_castps_si256(v);
+  __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+  __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
+  r = _mm256_srli_epi32(r, 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+/* Rows [0, MB) of x (fp32) times the 16 columns `half` (0 or 1) of one 32-column int4 tile.
+   Per group, acc[r][0..1] (k even) and acc[r][2..3] (k odd) sum q x, each one FMA chain; the
+   group's scale and zero are applied once: o += s (q . x) + z sum(x). Nibbles are widened
+   from memory (vpmovzxbd) and split in 32-bit lanes (lo = v & 15, hi = v >> 4). */
+static inline __attribute__((always_inline)) void int4_tile(
+    const int MB, const float* x, int K, const float* xs, const uint8_t* wp, const uint16_t* sz, int G,
+    int half, uint16_t* y, int ldy) {
+  const __m256i low4 = _mm256_set1_epi32(0x0F);
+  __m256 o[4][2];
+#pragma GCC unroll 4
+  for (int r = 0; r < MB; r++) o[r][0] = o[r][1] = _mm256_setzero_ps();
+  for (int g = 0; g < G; g++) {
+    const uint8_t* gp = wp + (size_t)g * 512 + half * 16;
+    __m256 acc[4][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < MB; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (int p = 0; p < 16; p++) {
+      __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(gp + p * 32)));  /* columns 0-7 */
+      __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(gp + p * 32 + 8)));  /* 8-15 */
+      __m256 l0 = _mm256_cvtepi32_ps(_mm256_and_si256(v0, low4)), l1 = _mm256_cvtepi32_ps(_mm256_and_si256(v1, low4));
+      __m256 h0 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), h1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4));
+#pragma GCC unroll 4
+      for (int r = 0; r < MB; r++) {
+        const float* xr = x + (size_t)r * K + g * 32 + 2 * p;
+        __m256 x0 = _mm256_broadcast_ss(xr), x1 = _mm256_broadcast_ss(xr + 1);
+        acc[r][0] = _mm256_fmadd_ps(l0, x0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(l1, x0, acc[r][1]);
+        acc[r][2] = _mm256_fmadd_ps(h0, x1, acc[r][2]);
+        acc[r][3] = _mm256_fmadd_ps(h1, x1, acc[r][3]);
+      }
+    }
+    const uint16_t* sp = sz + (size_t)g * 64 + half * 16;
+    const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)sp));
+    const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sp + 8)));
+    const __m256 z0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sp + 32)));
+    const __m256 z1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sp + 40)));
+#pragma GCC unroll 4
+    for (int r = 0; r < MB; r++) {
+      __m256 xv = _mm256_broadcast_ss(xs + (size_t)r * G + g);
+      o[r][0] = _mm256_fmadd_ps(s0, _mm256_add_ps(acc[r][0], acc[r][2]), _mm256_fmadd_ps(z0, xv, o[r][0]));
+      o[r][1] = _mm256_fmadd_ps(s1, _mm256_add_ps(acc[r][1], acc[r][3]), _mm256_fmadd_ps(z1, xv, o[r][1]));
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < MB; r++) {
+    uint16_t* yr = y + (size_t)r * ldy + half * 16;
+    _mm_storeu_si128((__m128i*)yr, to_bf16x8(o[r][0]));
+    _mm_storeu_si128((__m128i*)(yr + 8), to_bf16x8(o[r][1]));
+  }
+}
+
+/* The same for a Q8_0 tile: k pair p's 64 bytes hold columns 0-15 then 16-31, each column's
+   k = 2p, 2p + 1 side by side, so a half's 32 bytes widen to 4 vectors of (column, k) lanes
+   [c 2p, c 2p+1, c+1 2p, ...], multiplied by [x 2p, x 2p+1] repeated. Per group o += d (q . x)
+   with d in the same lanes; a column's two k lanes are added at the end. */
+static inline __attribute__((always_inline)) void q8_tile(
+    const int MB, const float* x, int K, const float* xs, const uint8_t* wq, const uint16_t* d, int G,
+    int half, uint16_t* y, int ldy) {
+  (void)xs;
+  const __m256i dup = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+  __m256 o[4][4];
+#pragma GCC unroll 4
+  for (int r = 0; r < MB; r++) o[r][0] = o[r][1] = o[r][2] = o[r][3] = _mm256_setzero_ps();
+  for (int g = 0; g < G; g++) {
+    const uint8_t* gp = wq + (size_t)g * 1024 + half * 32;
+    __m256 acc[4][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < MB; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (int p = 0; p < 16; p++) {
+      __m256 w[4];
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; j++)
+        w[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(gp + p * 64 + 8 * j))));
+#pragma GCC unroll 4
+      for (int r = 0; r < MB; r++) {
+        __m256 xv = _mm256_castpd_ps(_mm256_broadcast_sd((const double*)(x + (size_t)r * K + g * 32 + 2 * p)));
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm256_fmadd_ps(w[j], xv, acc[r][j]);
+      }
+    }
+    const uint16_t* dp = d + (size_t)g * 32 + half * 16;
+    const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)dp));
+    const __m256 d16 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dp + 8)));
+    const __m256 dd[4] = {  /* each column's d twice, in the lanes' order */
+        _mm256_permutevar8x32_ps(d8, dup), _mm256_permutevar8x32_ps(_mm256_permute2f128_ps(d8, d8, 0x11), dup),
+        _mm256_permutevar8x32_ps(d16, dup), _mm256_permutevar8x32_ps(_mm256_permute2f128_ps(d16, d16, 0x11), dup)};
+#pragma GCC unroll 4
+    for (int r = 0; r < MB; r++)
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; j++) o[r][j] = _mm256_fmadd_ps(dd[j], acc[r][j], o[r][j]);
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < MB; r++) {
+    /* hadd adds lane pairs within 128-bit halves, [c0 c1 c4 c5 | c2 c3 c6 c7]: reorder */
+    uint16_t* yr = y + (size_t)r * ldy + half * 16;
+    __m256 c0 = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(o[r][0], o[r][1])), 0xD8));
+    __m256 c1 = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(o[r][2], o[r][3])), 0xD8));
+    _mm_storeu_si128((__m128i*)yr, to_bf16x8(c0));
+    _mm_storeu_si128((__m128i*)(yr + 8), to_bf16x8(c1));
+  }
+}
+
+typedef void (*tile_fn)(const float*, int, const float*, const uint8_t*, const uint16_t*, int, int, uint16_t*, int);
+#define TILE(MB, NAME, BODY) static void NAME(const float* x, int K, const float* xs, const uint8_t* wp, \
+    const uint16_t* sz, int G, int half, uint16_t* y, int ldy) { BODY(MB, x, K, xs, wp, sz, G, half, y, ldy); }
+TILE(1, i4t1, int4_tile) TILE(2, i4t2, int4_tile) TILE(3, i4t3, int4_tile) TILE(4, i4t4, int4_tile)
+TILE(1, q8t1, q8_tile) TILE(2, q8t2, q8_tile) TILE(3, q8t3, q8_tile) TILE(4, q8t4, q8_tile)
+static const tile_fn INT4_TILES[5] = {0, i4t1, i4t2, i4t3, i4t4};
+static const tile_fn Q8_TILES[5] = {0, q8t1, q8t2, q8t3, q8t4};
+
+/* x widened to fp32 once, then jobs of one 16-column half tile each, for every row of x, 4 rows
+   at a time: its weights come from memory for the first rows and from cache for the rest, and
+   the threads split the columns evenly. xs: each row's group sums (int4's zeros), or NULL. */
+static void run_tiles(const tile_fn* tiles, int q8, const uint16_t* x, int M, int K, float* xs, const uint8_t* wp,
+                      const uint16_t* sz, int N, uint16_t* y, int threads) {
+  const int G = K / 32, jobs = N / 16;
+  const size_t tile_bytes = (size_t)G * (q8 ? 1024 : 512), tile_scales = (size_t)G * (q8 ? 32 : 64);
+  float* xf = malloc(sizeof(float) * (size_t)M * K);
+  for (size_t i = 0; i < (size_t)M * K; i += 8) _mm256_storeu_ps(xf + i, load_bf16x8(x + i));
+  if (xs)
+    for (int i = 0; i < M * G; i++) {
+      float s = 0;
+      for (int j = 0; j < 32; j++) s += xf[(size_t)i * 32 + j];
+      xs[i] = s;
+    }
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int job = 0; job < jobs; job++) {
+    const int t = job / 2, half = job % 2;
+    for (int r0 = 0; r0 < M; r0 += 4)
+      tiles[M - r0 < 4 ? M - r0 : 4](xf + (size_t)r0 * K, K, xs ? xs + (size_t)r0 * G : 0, wp + t * tile_bytes,
+                                     sz + t * tile_scales, G, half, y + (size_t)r0 * N + t * 32, N);
+  }
+  free(xf);
+}
+
+/* y [M, N] bf16 = x [M, K] bf16 @ W.T; K % 32 == 0, N % 32 == 0; xs: M * K / 32 floats of scratch */
+void int4_gemm(const uint16_t* x, int M, int K, const uint8_t* wp, const uint16_t* sz, int N, uint16_t* y,
+               float* xs, int threads) {
+  run_tiles(INT4_TILES, 0, x, M, K, xs, wp, sz, N, y, threads);
+}
+
+/* The same for Q8_0 weights (q, d in the layout above). */
+void q8_gemm(const uint16_t* x, int M, int K, const uint8_t* wq, const uint16_t* d, int N, uint16_t* y, int threads) {
+  run_tiles(Q8_TILES, 1, x, M, K, 0, wq, d, N, y, threads);
+}
+
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* RMSNorm of bf16 rows x [M, D] (D % 16 == 0) into y, each row alone, as rms_norm_bf16 of the
+   AVX512 library: offset == 0 (Llama): y = bf16(bf16(h) * w); otherwise (Gemma):
+   y = bf16(h * (offset + w)), h = x / sqrt(mean(x^2) + eps) in fp32. */
+void rms_norm_bf16(const uint16_t* x, int M, int D, const uint16_t* w, float eps, float offset, uint16_t* y) {
+  for (int m = 0; m < M; m++) {
+    const uint16_t* xr = x + (size_t)m * D;
+    uint16_t* yr = y + (size_t)m * D;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 16) {
+      __m256 f0 = load_bf16x8(xr + d), f1 = load_bf16x8(xr + d + 8);
+      a0 = _mm256_fmadd_ps(f0, f0, a0);
+      a1 = _mm256_fmadd_ps(f1, f1, a1);
+    }
+    const __m256 r = _mm256_set1_ps(1.0f / sqrtf(hsum8(_mm256_add_ps(a0, a1)) / (float)D + eps));
+    const __m256 off = _mm256_set1_ps(offset);
+    for (int d = 0; d < D; d += 8) {
+      __m256 h = _mm256_mul_ps(load_bf16x8(xr + d), r), wf = load_bf16x8(w + d), out;
+      if (offset == 0.0f) {
+        __m256 hb = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(to_bf16x8(h)), 16));
+        out = _mm256_mul_ps(hb, wf);
+      } else {
+        out = _mm256_mul_ps(h, _mm256_add_ps(off, wf));
+      }
+      _mm_storeu_si128((__m128i*)(yr + d), to_bf16x8(out));
+    }
+  }
+}
