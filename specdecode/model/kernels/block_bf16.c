@@ -25,29 +25,6 @@ static inline void store16(uint16_t* p, __m512 v) {
   _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v)); /* round to nearest even, as torch */
 }
 
-static inline float round_bf16(float f) { /* f rounded to bf16, as a float */
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return f;
-  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-static inline uint16_t to_bf16(float f) {
-  float r = round_bf16(f);
-  uint32_t u;
-  memcpy(&u, &r, 4);
-  return (uint16_t)(u >> 16);
-}
-
-static inline float from_bf16(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
 /* e^x in 16 fp32 lanes: 2^n * p(r) with n = round(x / ln 2), r = x - n ln 2 (two-part ln 2) and
    p the degree-6 Taylor polynomial, ~2 ulp, far below the bf16 rounding applied after it. */
 static inline __m512 exp512(__m512 x) {
@@ -94,12 +71,8 @@ static void add_into(uint16_t* x, const uint16_t* y, int64_t n) {
    the token's visible keys, in slot order, fp32 throughout; out rounded to bf16. */
 static void attend(const BlockWeights* w, const Pass* p, int i, int kh, const uint16_t* q, const uint16_t* kc,
                    const uint16_t* vc, uint16_t* out, int64_t* keys, float* sc) {
-  const int D = w->head_dim, G = w->heads / w->kv_heads, P = p->prefix[i], T = p->T;
-  const int64_t* map = p->slot_map + (int64_t)p->row[i] * p->map_stride;
-  int n = 0;
-  for (int j = 0; j < P; j++) keys[n++] = map[j];
-  for (int u = 0; u < T; u++)
-    if (p->vis[(int64_t)i * T + u]) keys[n++] = map[P + u];
+  const int D = w->head_dim, G = w->heads / w->kv_heads;
+  const int n = visible_keys(p, i, keys);
   const int64_t hoff = (int64_t)kh * p->head_stride;
   __m512 qv[8][16]; /* G <= 8, D <= 256 */
   for (int g = 0; g < G; g++)
@@ -188,74 +161,15 @@ void bf16_gemm(const uint16_t* x, int M, int K, const uint16_t* w, int N, uint16
       BF16_TILES[M - m0 < 3 ? M - m0 : 3](x + (int64_t)m0 * K, K, w + (int64_t)n0 * K, y + (int64_t)m0 * N + n0, N);
 }
 
-static void gemm(const QLinear* l, const uint16_t* x, int M, uint16_t* y, float* xs, int threads) {
-  if (l->bf16)
-    bf16_gemm(x, M, l->k, (const uint16_t*)l->wp, l->n, y, threads);
-  else
-    int4_gemm(x, M, l->k, l->wp, l->sz, l->n, y, xs, threads);
+/* a[j] = bf16(bf16(silu(g[j])) * u[j]) for one token's gate | up row gu [2I] (I % 16 == 0,
+   checked by cpu_block.py): torch's two bf16 ops. */
+static void silu_mul(const uint16_t* gu, uint16_t* a, int I) {
+  for (int j = 0; j < I; j += 16) {
+    __m512 g = load16(gu + j);
+    __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    store16(a + j, _mm512_mul_ps(round512(silu), load16(gu + I + j)));
+  }
 }
 
-/* x [M, hidden] bf16, the residual stream, is updated in place. kc / vc: this layer's K and V
-   storage; token (row b, slot s) of kv head h lives at slot_map[b, s] * slot_stride + h * head_stride. */
-void block_forward(uint16_t* x, const BlockWeights* w, const Pass* p, uint16_t* kc, uint16_t* vc) {
-  const int M = p->M, Hd = w->hidden, H = w->heads, Hkv = w->kv_heads, D = w->head_dim, I = w->inter;
-  const int Q = (H + 2 * Hkv) * D, widest = Q > 2 * I ? Q : 2 * I;
-  uint16_t* h = malloc(sizeof(uint16_t) * (size_t)M * Hd);
-  uint16_t* big = malloc(sizeof(uint16_t) * (size_t)M * widest); /* qkv, then gate|up */
-  uint16_t* mid = malloc(sizeof(uint16_t) * (size_t)M * (H * D > I ? H * D : I)); /* attention, then act */
-  uint16_t* out = malloc(sizeof(uint16_t) * (size_t)M * Hd);
-  int kmax = Hd > H * D ? Hd : H * D;
-  kmax = kmax > I ? kmax : I;
-  float* xs = malloc(sizeof(float) * ((size_t)M * kmax / 32 + 1));
-
-  /* attention: norm, qkv, RoPE, write K/V of every token before any token attends */
-  rms_norm_bf16(x, M, Hd, w->attn_norm, w->eps, 0.0f, h);
-  gemm(&w->qkv, h, M, big, xs, p->threads);
-  for (int i = 0; i < M; i++) {
-    uint16_t* r = big + (int64_t)i * Q;
-    const float *c = p->cos + (int64_t)i * D / 2, *s = p->sin + (int64_t)i * D / 2;
-    for (int hh = 0; hh < H + Hkv; hh++) rope_head(r + (int64_t)hh * D, c, s, D);
-    int64_t at = p->slot_map[(int64_t)p->row[i] * p->map_stride + p->prefix[i] + p->t[i]] * p->slot_stride;
-    for (int kh = 0; kh < Hkv; kh++) {
-      memcpy(kc + at + kh * p->head_stride, r + (int64_t)(H + kh) * D, sizeof(uint16_t) * D);
-      memcpy(vc + at + kh * p->head_stride, r + (int64_t)(H + Hkv + kh) * D, sizeof(uint16_t) * D);
-    }
-  }
-  const int jobs = M * Hkv, G = H / Hkv, most = p->map_stride + p->T;
-  const int parallel = (int64_t)jobs * most * G * D > 200000;
-#pragma omp parallel num_threads(p->threads) if (parallel)
-  {
-    int64_t* keys = malloc(sizeof(int64_t) * most);
-    float* sc = malloc(sizeof(float) * (size_t)G * most);
-#pragma omp for schedule(static)
-    for (int job = 0; job < jobs; job++) {
-      int i = job / Hkv, kh = job % Hkv;
-      attend(w, p, i, kh, big + (int64_t)i * Q + (int64_t)kh * G * D, kc, vc, mid + (int64_t)i * H * D + (int64_t)kh * G * D,
-             keys, sc);
-    }
-    free(keys);
-    free(sc);
-  }
-  gemm(&w->o, mid, M, out, xs, p->threads);
-  add_into(x, out, (int64_t)M * Hd);
-
-  /* MLP: norm, gate|up, silu(gate) * up (each rounded to bf16, as torch's two ops), down */
-  rms_norm_bf16(x, M, Hd, w->mlp_norm, w->eps, 0.0f, h);
-  gemm(&w->gate_up, h, M, big, xs, p->threads);
-  for (int i = 0; i < M; i++) {  /* I % 16 == 0 (checked by cpu_block.py) */
-    const uint16_t* gu = big + (int64_t)i * 2 * I;
-    uint16_t* a = mid + (int64_t)i * I;
-    for (int j = 0; j < I; j += 16) {
-      __m512 g = load16(gu + j);
-      __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-      store16(a + j, _mm512_mul_ps(round512(silu), load16(gu + I + j)));
-    }
-  }
-  gemm(&w->down, mid, M, out, xs, p->threads);
-  add_into(x, out, (int64_t)M * Hd);
-  free(h);
-  free(big);
-  free(mid);
-  free(out);
-  free(xs);
-}
+#define SCORE_PAD 0
+#include "block_body.h"
