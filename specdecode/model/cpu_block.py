@@ -64,14 +64,14 @@ def _fingerprint(model: nn.Module) -> tuple[int, ...]:
             last.mlp_norm.weight.data_ptr(), last.mlp.down.weight.data_ptr())  # fmt: skip
 
 
-def _qlinear(lin: nn.Module) -> _QLinear | None:
+def _qlinear(lin: nn.Module, isa: str) -> _QLinear | None:
     """The kernel's view of a linear: our int4 layout, or a plain bf16 weight read in place."""
     if type(lin) is nn.Linear:
         w = lin.weight
         ok = w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous() and w.shape[1] % 32 == 0
         ok = ok and w.shape[0] % 8 == 0
         return _QLinear(w.data_ptr(), None, w.shape[0], w.shape[1], 1) if ok and lin.bias is None else None
-    ok = isinstance(lin, Int4Linear) and lin.impl == cpu_isa() and lin.input_planes == 1
+    ok = isinstance(lin, Int4Linear) and lin.impl == isa and lin.input_planes == 1
     if not ok or lin.k_pad or lin.n_pad or lin.bias is not None:
         return None
     return _QLinear(lin.weight.data_ptr(), lin.scales_and_zeros.data_ptr(), lin.out_features, lin.in_features, 0)
@@ -81,8 +81,9 @@ class CpuBlocks:
     """A model's blocks as the kernel's weight structs; build with `CpuBlocks.build`."""
 
     def __init__(
-        self, model: nn.Module, weights: list[_BlockWeights], keep: list[Tensor], head: _QLinear | None
+        self, model: nn.Module, isa: str, weights: list[_BlockWeights], keep: list[Tensor], head: _QLinear | None
     ) -> None:
+        self.isa, self.lib = isa, cpu_lib(isa)  # which build of our library runs the blocks
         self.weights, self._head = weights, head  # head: a bf16 LM head, which our GEMM reads faster than torch
         self._built_from = _fingerprint(model)
         self._addresses = [ctypes.addressof(w) for w in weights]
@@ -90,8 +91,10 @@ class CpuBlocks:
         self._causal_tables: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}
 
     @staticmethod
-    def build(model: nn.Module) -> CpuBlocks | None:
-        """For a `Transformer` whose every block the kernel can run; else None."""
+    def build(model: nn.Module, isa: str | None = None) -> CpuBlocks | None:
+        """For a `Transformer` whose every block the kernel can run, through our library's ``isa``
+        build (default: the best this CPU runs; its int4 linears must use the same build); else None."""
+        isa = isa or cpu_isa()
         cfg = model.config
         plain = cfg.activation == "silu" and cfg.norm_offset == 0 and not cfg.sandwich_norm
         plain = plain and not (cfg.attention_bias or cfg.attention_out_bias or cfg.mlp_bias or cfg.qk_norm)
@@ -99,11 +102,11 @@ class CpuBlocks:
         G, D = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
         shapes = G <= 8 and D % 16 == 0 and D <= 256 and cfg.hidden_size % 32 == 0 and cfg.intermediate_size % 16 == 0
         bf16 = model.embed.weight.dtype == torch.bfloat16 and model.norm.weight.dtype == torch.bfloat16
-        if not (plain and shapes and bf16) or cpu_lib() is None:
+        if not (plain and shapes and bf16) or isa is None or cpu_lib(isa) is None:
             return None
         weights, keep = [], []
         for block in model.layers:
-            lins = [_qlinear(m) for m in (block.attn.qkv, block.attn.o, block.mlp.gate_up, block.mlp.down)]
+            lins = [_qlinear(m, isa) for m in (block.attn.qkv, block.attn.o, block.mlp.gate_up, block.mlp.down)]
             norms = (block.attn_norm.weight, block.mlp_norm.weight)
             if None in lins or any(n.dtype != torch.bfloat16 or n.device.type != "cpu" for n in norms):
                 return None
@@ -116,10 +119,10 @@ class CpuBlocks:
                 cfg.rms_norm_eps, block.attn.scale, norms[0].data_ptr(), norms[1].data_ptr(), *lins,
             ))  # fmt: skip
             keep += [t.detach() for t in (*block.parameters(), *block.buffers())]  # the storages, not the Parameters
-        head = _qlinear(model.lm_head)  # any module; only a plain bf16 Linear is ours to run
+        head = _qlinear(model.lm_head, isa)  # any module; only a plain bf16 Linear is ours to run
         head = head if head is not None and head.bf16 else None
         keep += [] if head is None else [model.lm_head.weight.detach()]
-        return CpuBlocks(model, weights, keep, head)
+        return CpuBlocks(model, isa, weights, keep, head)
 
     def applies(self, x: Tensor, model: nn.Module, batch_invariant: bool) -> bool:
         """For ``x`` [..., H], the pass's inputs: bf16 on CPU, no autograd, at most MAX_POSITIONS
@@ -156,8 +159,7 @@ class CpuBlocks:
             return lm_head(x)
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         y = torch.empty(x2.shape[0], self._head.n, dtype=torch.bfloat16)
-        lib = cpu_lib()
-        lib.bf16_gemm(x2.data_ptr(), x2.shape[0], self._head.k, self._head.wp, self._head.n, y.data_ptr(), torch.get_num_threads())
+        self.lib.bf16_gemm(x2.data_ptr(), x2.shape[0], self._head.k, self._head.wp, self._head.n, y.data_ptr(), torch.get_num_threads())
         return y.view(*x.shape[:-1], -1)
 
     def run(
@@ -191,7 +193,7 @@ class CpuBlocks:
         shape = x.shape
         h = x.reshape(-1, shape[-1]).clone()  # updated in place, layer by layer
         hiddens: dict[int, Tensor] = {}
-        block_forward = cpu_lib().block_forward
+        block_forward = self.lib.block_forward
         where, keys, values = ctypes.addressof(args), store.keys, store.values
         for i, weights in enumerate(self._addresses):
             block_forward(h.data_ptr(), weights, where, keys[i].data_ptr(), values[i].data_ptr())

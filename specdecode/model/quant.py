@@ -306,7 +306,7 @@ def quantize_model_(
         lin = model.get_submodule(name)
         if isinstance(lin, nn.Linear):
             set_submodule(model, name, quantized_linear(lin, spec.mode, spec.group_size, dtype, int4_kernel))
-    model.use_cpu_blocks()  # the fused CPU block runs from the new weights, where it applies
+    model.use_cpu_blocks(int4_kernel if int4_kernel in CPU_ISAS else None)  # from the new weights, where it applies
     return model
 
 
@@ -359,5 +359,5 @@ def describe_kernels(model: nn.Module) -> str:
             kinds[f"{str(m.weight.dtype).removeprefix('torch.')} matmul"] += 1
     parts = [f"{k} ({n} layer{'s' * (n != 1)})" for k, n in kinds.items()]
     emb = str(model.embed.weight.dtype).removeprefix("torch.")
-    fused = [f"fused CPU blocks ({cpu_isa()})"] if model.cpu_blocks is not None else []
+    fused = [f"fused CPU blocks ({model.cpu_blocks.isa})"] if model.cpu_blocks is not None else []
     return ", ".join(parts + [f"{emb} embedding"] + fused)

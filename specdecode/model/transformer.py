@@ -218,10 +218,11 @@ class Transformer(nn.Module):
             inv_freq, self.rope_scale[kind] = rope_frequencies(rope, cfg.head_dim)
             self.register_buffer(f"inv_freq_{kind}", inv_freq, persistent=False)
 
-    def use_cpu_blocks(self) -> bool:
-        """Run the blocks through our fused CPU kernel from now on, where it applies (cpu_block.py).
-        Call it after the weights are loaded, quantized and placed."""
-        self.cpu_blocks = CpuBlocks.build(self)
+    def use_cpu_blocks(self, isa: str | None = None) -> bool:
+        """Run the blocks through our fused CPU kernel from now on, where it applies (cpu_block.py),
+        built for ``isa`` (default: the best this CPU runs). Call it after the weights are
+        loaded, quantized and placed."""
+        self.cpu_blocks = CpuBlocks.build(self, isa)
         return self.cpu_blocks is not None
 
     def fused_positions(self, batch_invariant: bool = False) -> int:

@@ -1,6 +1,6 @@
-"""The fused CPU block (model/cpu_block.py + kernels/block_bf16.c): it computes what the torch
+"""The fused CPU block (model/cpu_block.py + kernels/block_*.c): it computes what the torch
 blocks compute, it is bitwise batch-invariant (alone, in a chain, a tree, a padded batch, any
-cache), and it runs only where it applies."""
+cache), and it runs only where it applies; for every build of our library this CPU runs."""
 
 from __future__ import annotations
 
@@ -8,28 +8,33 @@ import pytest
 import torch
 
 from specdecode.model.cpu_block import MAX_POSITIONS
-from specdecode.model.cpu_int4 import cpu_isa, cpu_lib
+from specdecode.model.cpu_int4 import CPU_ISAS, cpu_lib
 from specdecode.model.loader import load_model
 from specdecode.model.quant import describe_kernels, quantize_model_
 from specdecode.paged_cache import new_paged_cache
 from tests.tiny import make_tiny_checkpoint, root_path, small_tree
 
 pytestmark = pytest.mark.skipif(cpu_lib() is None, reason="needs our kernels (AVX512-BF16 or AVX2, and a C compiler)")
+BUILDS = [isa for isa in CPU_ISAS if cpu_lib(isa) is not None]  # an AVX512 CPU runs both
 
 
-def tiny(tmp_path_factory, arch: str, dtype: str = "bfloat16", quant: str = "int4", **config):
+def tiny(tmp_path_factory, arch: str, dtype: str = "bfloat16", quant: str = "int4", isa: str = "auto", **config):
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("cb") / arch, arch, seed=3, **config)
-    return quantize_model_(load_model(str(path), dtype=dtype, device="cpu").model, quant)
+    return quantize_model_(load_model(str(path), dtype=dtype, device="cpu").model, quant, int4_kernel=isa)
 
 
-@pytest.fixture(scope="module", params=["int4", "bf16", "int4-d64-g4"])
+@pytest.fixture(scope="module", params=[(w, isa) for isa in BUILDS for w in ("int4", "bf16", "int4-d64-g4")],
+                ids=lambda p: "-".join(p))  # fmt: skip
 def model(request, tmp_path_factory):
     """Our int4 linears, or plain bf16 weights (read in place by our bf16 GEMM); the last has
     head_dim 64 and 4 query heads per kv head, so RoPE's 16-lane loop and wider groups run."""
-    wide = dict(head_dim=64, num_attention_heads=4, num_key_value_heads=1) if "d64" in request.param else {}
-    quant = "none" if request.param == "bf16" else "int4"
-    m = tiny(tmp_path_factory, "llama", quant=quant, **wide)
-    assert m.cpu_blocks is not None
+    weights, isa = request.param
+    wide = dict(head_dim=64, num_attention_heads=4, num_key_value_heads=1) if "d64" in weights else {}
+    quant = "none" if weights == "bf16" else "int4"
+    m = tiny(tmp_path_factory, "llama", quant=quant, isa=isa, **wide)
+    if quant == "none":
+        m.use_cpu_blocks(isa)  # bf16 weights: any build runs them
+    assert m.cpu_blocks is not None and m.cpu_blocks.isa == isa
     return m
 
 
@@ -211,7 +216,7 @@ def test_batch_invariant_runs_every_pass_through_the_kernel(model):
 
 
 def test_kernels_report_it(model):
-    assert describe_kernels(model).endswith(f"fused CPU blocks ({cpu_isa()})")
+    assert describe_kernels(model).endswith(f"fused CPU blocks ({model.cpu_blocks.isa})")
     with torch.enable_grad():
         assert not model.cpu_blocks.applies(model.embed.weight[:1], model, False)  # autograd: the torch blocks
 
