@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from specdecode.config import SpecDecodeError
 from specdecode.kv_cache import StorageIndex
-from specdecode.model.cpu_int4 import cpu_isa, cpu_lib
+from specdecode.model.cpu_int4 import CPU_ISAS, cpu_isa, cpu_lib
 from specdecode.model.quant import Int4Linear
 
 
@@ -93,8 +93,9 @@ class CpuBlocks:
     @staticmethod
     def build(model: nn.Module, isa: str | None = None) -> CpuBlocks | None:
         """For a `Transformer` whose every block the kernel can run, through our library's ``isa``
-        build (default: the best this CPU runs; its int4 linears must use the same build); else None."""
-        isa = isa or cpu_isa()
+        build (its int4 linears must use the same build; any other int4 kernel name, or None: the
+        best this CPU runs); else None."""
+        isa = isa if isa in CPU_ISAS else cpu_isa()
         cfg = model.config
         plain = cfg.activation == "silu" and cfg.norm_offset == 0 and not cfg.sandwich_norm
         plain = plain and not (cfg.attention_bias or cfg.attention_out_bias or cfg.mlp_bias or cfg.qk_norm)

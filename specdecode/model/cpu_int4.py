@@ -51,7 +51,7 @@ CPU_ISAS = {
     "avx2": (("avx2", "fma", "f16c"), ("int4_avx2.c", "block_avx2.c"), ("-mavx2", "-mfma", "-mf16c")),
 }
 INT4_CPU_KERNELS = ("auto", *CPU_ISAS, "stock")
-_HEADERS = ("block.h", "block_body.h")
+_HEADERS = ("avx2.h", "block.h", "block_body.h")
 
 
 def _read(name: str) -> str:

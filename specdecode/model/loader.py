@@ -201,7 +201,7 @@ def use_gguf_blocks_(
             _swap_int4(model, dst + ours, [blocks.get(t) for t in theirs], int4_kernel)
     head = "embed_tokens.weight" if config.tie_embeddings else "lm_head.weight"
     _swap_int4(model, "lm_head", [blocks.get(head)], int4_kernel)
-    model.use_cpu_blocks(int4_kernel if int4_kernel in CPU_ISAS else None)  # from the new weights, where it applies
+    model.use_cpu_blocks(int4_kernel)  # the fused CPU block runs from the new weights, where it applies
 
 
 def _swap_int4(model: Transformer, name: str, parts: list[Int4Groups | None], kernel: str) -> None:

@@ -231,8 +231,9 @@ class Int4Linear(nn.Module):
 class Q8Linear(nn.Module):
     """y = x @ W.T + b for GGUF Q8_0 weights kept as they are: W = d[n, g] * q[n, k], q int8 and
     one fp16 d per 32 inputs, through our CPU kernel in bf16 (`Q8Linear.available()`; elsewhere
-    the loader keeps Q8_0 as two int4 planes). ``kernel``: which build of it (cpu_int4.CPU_ISAS). 1.06 bytes a weight, against 1.25 for
-    the planes: for the default model's tied Q8_0 head, 30 MB read per token instead of 35."""
+    the loader keeps Q8_0 as two int4 planes); ``kernel`` picks its build (cpu_int4.CPU_ISAS).
+    1.06 bytes a weight, against 1.25 for the planes: for the default model's tied Q8_0 head,
+    30 MB read per token instead of 35."""
 
     def __init__(
         self, q: Tensor, d: Tensor, in_features: int, bias: Tensor | None = None, source: str = "Q8_0",
@@ -306,7 +307,7 @@ def quantize_model_(
         lin = model.get_submodule(name)
         if isinstance(lin, nn.Linear):
             set_submodule(model, name, quantized_linear(lin, spec.mode, spec.group_size, dtype, int4_kernel))
-    model.use_cpu_blocks(int4_kernel if int4_kernel in CPU_ISAS else None)  # from the new weights, where it applies
+    model.use_cpu_blocks(int4_kernel)  # the fused CPU block runs from the new weights, where it applies
     return model
 
 

@@ -220,8 +220,8 @@ class Transformer(nn.Module):
 
     def use_cpu_blocks(self, isa: str | None = None) -> bool:
         """Run the blocks through our fused CPU kernel from now on, where it applies (cpu_block.py),
-        built for ``isa`` (default: the best this CPU runs). Call it after the weights are
-        loaded, quantized and placed."""
+        built for ``isa`` (the int4 kernel its linears use; "auto", "stock" or None: the best this
+        CPU runs). Call it after the weights are loaded, quantized and placed."""
         self.cpu_blocks = CpuBlocks.build(self, isa)
         return self.cpu_blocks is not None
 

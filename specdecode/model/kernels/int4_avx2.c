@@ -13,20 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline __m256 load_bf16x8(const uint16_t* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-
-/* 8 fp32 -> 8 bf16, rounded to nearest even as torch (NaN stays NaN) */
-static inline __m128i to_bf16x8(__m256 v) {
-  __m256i u = _mm256_castps_si256(v);
-  __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
-  __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
-  r = _mm256_srli_epi32(r, 16);
-  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
+#include "avx2.h"
 
 /* Rows [0, MB) of x (fp32) times the 16 columns `half` (0 or 1) of one 32-column int4 tile.
    Per group, acc[r][0..1] (k even) and acc[r][2..3] (k odd) sum q x, each one FMA chain; the
@@ -148,7 +135,7 @@ static void run_tiles(const tile_fn* tiles, int q8, const uint16_t* x, int M, in
   const int G = K / 32, jobs = N / 16;
   const size_t tile_bytes = (size_t)G * (q8 ? 1024 : 512), tile_scales = (size_t)G * (q8 ? 32 : 64);
   float* xf = malloc(sizeof(float) * (size_t)M * K);
-  for (size_t i = 0; i < (size_t)M * K; i += 8) _mm256_storeu_ps(xf + i, load_bf16x8(x + i));
+  for (size_t i = 0; i < (size_t)M * K; i += 8) _mm256_storeu_ps(xf + i, load8(x + i));
   if (xs)
     for (int i = 0; i < M * G; i++) {
       float s = 0;
@@ -176,12 +163,6 @@ void q8_gemm(const uint16_t* x, int M, int K, const uint8_t* wq, const uint16_t*
   run_tiles(Q8_TILES, 1, x, M, K, 0, wq, d, N, y, threads);
 }
 
-static inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 /* RMSNorm of bf16 rows x [M, D] (D % 16 == 0) into y, each row alone, as rms_norm_bf16 of the
    AVX512 library: offset == 0 (Llama): y = bf16(bf16(h) * w); otherwise (Gemma):
    y = bf16(h * (offset + w)), h = x / sqrt(mean(x^2) + eps) in fp32. */
@@ -191,14 +172,14 @@ void rms_norm_bf16(const uint16_t* x, int M, int D, const uint16_t* w, float eps
     uint16_t* yr = y + (size_t)m * D;
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     for (int d = 0; d < D; d += 16) {
-      __m256 f0 = load_bf16x8(xr + d), f1 = load_bf16x8(xr + d + 8);
+      __m256 f0 = load8(xr + d), f1 = load8(xr + d + 8);
       a0 = _mm256_fmadd_ps(f0, f0, a0);
       a1 = _mm256_fmadd_ps(f1, f1, a1);
     }
     const __m256 r = _mm256_set1_ps(1.0f / sqrtf(hsum8(_mm256_add_ps(a0, a1)) / (float)D + eps));
     const __m256 off = _mm256_set1_ps(offset);
     for (int d = 0; d < D; d += 8) {
-      __m256 h = _mm256_mul_ps(load_bf16x8(xr + d), r), wf = load_bf16x8(w + d), out;
+      __m256 h = _mm256_mul_ps(load8(xr + d), r), wf = load8(w + d), out;
       if (offset == 0.0f) {
         __m256 hb = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(to_bf16x8(h)), 16));
         out = _mm256_mul_ps(hb, wf);
