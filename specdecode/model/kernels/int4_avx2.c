@@ -2,11 +2,13 @@
    the same entry points and weight layouts as int4_avx512_bf16.c (see cpu_int4.py), so one
    packed model runs on either library. Results agree with that library up to fp32 rounding.
 
-   Without vdpbf16ps each weight is widened to fp32 and multiplied with fp32 FMAs: a 16-column
-   half tile's weights are decoded once per 4 rows of x, and each group's scale and zero are
-   applied once per row, as there. Every row's dot product runs in the same order whatever the
-   rows beside it, so a row's result does not depend on the batch. (2 rows per decode, which
-   spills no registers, was 5-6% slower at 5-16 positions on a Zen EPYC.) */
+   Without vdpbf16ps each weight is widened to fp32 and multiplied with fp32 FMAs, so on such a
+   CPU the FMAs, not the widening, set the cost of each extra row. For 1-2 rows a job is a
+   16-column half tile: 4 FMA chains per row (two column octets, k even and k odd) hide the FMA
+   latency. For 3 and more rows a job is an 8-column octet, its weights widened once for up to 5
+   rows: 2 chains per row, so every accumulator stays in a register (16-column tiles of 4 rows
+   spilled them). Each group's scale and zero are applied once per row. Both shapes do the same
+   arithmetic per output, so a row's result does not depend on the batch or the kernel chosen. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -15,7 +17,7 @@
 
 #include "avx2.h"
 
-/* Rows [0, MB) of x (fp32) times the 16 columns `half` (0 or 1) of one 32-column int4 tile.
+/* Rows [0, MB <= 2) of x (fp32) times the 16 columns `half` (0 or 1) of one 32-column int4 tile.
    Per group, acc[r][0..1] (k even) and acc[r][2..3] (k odd) sum q x, each one FMA chain; the
    group's scale and zero are applied once: o += s (q . x) + z sum(x). Nibbles are widened
    from memory (vpmovzxbd) and split in 32-bit lanes (lo = v & 15, hi = v >> 4). */
@@ -23,13 +25,13 @@ static inline __attribute__((always_inline)) void int4_tile(
     const int MB, const float* x, int K, const float* xs, const uint8_t* wp, const uint16_t* sz, int G,
     int half, uint16_t* y, int ldy) {
   const __m256i low4 = _mm256_set1_epi32(0x0F);
-  __m256 o[4][2];
-#pragma GCC unroll 4
+  __m256 o[2][2];
+#pragma GCC unroll 2
   for (int r = 0; r < MB; r++) o[r][0] = o[r][1] = _mm256_setzero_ps();
   for (int g = 0; g < G; g++) {
     const uint8_t* gp = wp + (size_t)g * 512 + half * 16;
-    __m256 acc[4][4];
-#pragma GCC unroll 4
+    __m256 acc[2][4];
+#pragma GCC unroll 2
     for (int r = 0; r < MB; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm256_setzero_ps();
 #pragma GCC unroll 4
     for (int p = 0; p < 16; p++) {
@@ -67,7 +69,46 @@ static inline __attribute__((always_inline)) void int4_tile(
   }
 }
 
-/* The same for a Q8_0 tile: k pair p's 64 bytes hold columns 0-15 then 16-31, each column's
+/* Rows [0, MB) of x times the 8 columns `oct` (0-3) of one 32-column int4 tile, for 3 and more
+   rows: 2 FMA chains per row (k even, k odd), so up to 5 rows fit the 16 registers; the group's
+   scale and zero go into o, in memory, once per group. Per column the same arithmetic as
+   int4_tile: a row's result does not depend on which kernel or which rows ran beside it. */
+static inline __attribute__((always_inline)) void int4_octet(
+    const int MB, const float* x, int K, const float* xs, const uint8_t* wp, const uint16_t* sz, int G,
+    int oct, uint16_t* y, int ldy) {
+  const __m256i low4 = _mm256_set1_epi32(0x0F);
+  float o[5][8] __attribute__((aligned(32)));
+  memset(o, 0, sizeof(o));
+  for (int g = 0; g < G; g++) {
+    const uint8_t* gp = wp + (size_t)g * 512 + oct * 8;
+    __m256 acc[5][2];
+#pragma GCC unroll 5
+    for (int r = 0; r < MB; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+#pragma GCC unroll 2
+    for (int p = 0; p < 16; p++) {
+      __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(gp + p * 32)));
+      __m256 l = _mm256_cvtepi32_ps(_mm256_and_si256(v, low4)), h = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+#pragma GCC unroll 5
+      for (int r = 0; r < MB; r++) {
+        const float* xr = x + (size_t)r * K + g * 32 + 2 * p;
+        acc[r][0] = _mm256_fmadd_ps(l, _mm256_broadcast_ss(xr), acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(h, _mm256_broadcast_ss(xr + 1), acc[r][1]);
+      }
+    }
+    const uint16_t* sp = sz + (size_t)g * 64 + oct * 8;
+    const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)sp));
+    const __m256 z = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sp + 32)));
+#pragma GCC unroll 5
+    for (int r = 0; r < MB; r++) {
+      __m256 xv = _mm256_broadcast_ss(xs + (size_t)r * G + g);
+      _mm256_store_ps(o[r], _mm256_fmadd_ps(s, _mm256_add_ps(acc[r][0], acc[r][1]), _mm256_fmadd_ps(z, xv, _mm256_load_ps(o[r]))));
+    }
+  }
+#pragma GCC unroll 5
+  for (int r = 0; r < MB; r++) _mm_storeu_si128((__m128i*)(y + (size_t)r * ldy + oct * 8), to_bf16x8(_mm256_load_ps(o[r])));
+}
+
+/* The same for a Q8_0 tile (MB <= 2): k pair p's 64 bytes hold columns 0-15 then 16-31, each column's
    k = 2p, 2p + 1 side by side, so a half's 32 bytes widen to 4 vectors of (column, k) lanes
    [c 2p, c 2p+1, c+1 2p, ...], multiplied by [x 2p, x 2p+1] repeated. Per group o += d (q . x)
    with d in the same lanes; a column's two k lanes are added at the end. */
@@ -76,13 +117,13 @@ static inline __attribute__((always_inline)) void q8_tile(
     int half, uint16_t* y, int ldy) {
   (void)xs;
   const __m256i dup = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
-  __m256 o[4][4];
-#pragma GCC unroll 4
+  __m256 o[2][4];
+#pragma GCC unroll 2
   for (int r = 0; r < MB; r++) o[r][0] = o[r][1] = o[r][2] = o[r][3] = _mm256_setzero_ps();
   for (int g = 0; g < G; g++) {
     const uint8_t* gp = wq + (size_t)g * 1024 + half * 32;
-    __m256 acc[4][4];
-#pragma GCC unroll 4
+    __m256 acc[2][4];
+#pragma GCC unroll 2
     for (int r = 0; r < MB; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm256_setzero_ps();
 #pragma GCC unroll 4
     for (int p = 0; p < 16; p++) {
@@ -119,20 +160,65 @@ static inline __attribute__((always_inline)) void q8_tile(
   }
 }
 
+/* The same for 8 columns of a Q8_0 tile, 3-5 rows: octet `oct`'s (column, k) lanes are 16 bytes
+   of each k pair's 64, widened to 2 vectors; per column the same arithmetic as q8_tile. */
+static inline __attribute__((always_inline)) void q8_octet(
+    const int MB, const float* x, int K, const float* xs, const uint8_t* wq, const uint16_t* d, int G,
+    int oct, uint16_t* y, int ldy) {
+  (void)xs;
+  const __m256i dup = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+  float o[5][16] __attribute__((aligned(32)));
+  memset(o, 0, sizeof(o));
+  for (int g = 0; g < G; g++) {
+    const uint8_t* gp = wq + (size_t)g * 1024 + oct * 16;
+    __m256 acc[5][2];
+#pragma GCC unroll 5
+    for (int r = 0; r < MB; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+#pragma GCC unroll 2
+    for (int p = 0; p < 16; p++) {
+      __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(gp + p * 64))));
+      __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(gp + p * 64 + 8))));
+#pragma GCC unroll 5
+      for (int r = 0; r < MB; r++) {
+        __m256 xv = _mm256_castpd_ps(_mm256_broadcast_sd((const double*)(x + (size_t)r * K + g * 32 + 2 * p)));
+        acc[r][0] = _mm256_fmadd_ps(w0, xv, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(w1, xv, acc[r][1]);
+      }
+    }
+    const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d + (size_t)g * 32 + oct * 8)));
+    const __m256 dd0 = _mm256_permutevar8x32_ps(d8, dup);
+    const __m256 dd1 = _mm256_permutevar8x32_ps(_mm256_permute2f128_ps(d8, d8, 0x11), dup);
+#pragma GCC unroll 5
+    for (int r = 0; r < MB; r++) {
+      _mm256_store_ps(o[r], _mm256_fmadd_ps(dd0, acc[r][0], _mm256_load_ps(o[r])));
+      _mm256_store_ps(o[r] + 8, _mm256_fmadd_ps(dd1, acc[r][1], _mm256_load_ps(o[r] + 8)));
+    }
+  }
+#pragma GCC unroll 5
+  for (int r = 0; r < MB; r++) {
+    __m256 c = _mm256_castpd_ps(_mm256_permute4x64_pd(
+        _mm256_castps_pd(_mm256_hadd_ps(_mm256_load_ps(o[r]), _mm256_load_ps(o[r] + 8))), 0xD8));
+    _mm_storeu_si128((__m128i*)(y + (size_t)r * ldy + oct * 8), to_bf16x8(c));
+  }
+}
+
 typedef void (*tile_fn)(const float*, int, const float*, const uint8_t*, const uint16_t*, int, int, uint16_t*, int);
 #define TILE(MB, NAME, BODY) static void NAME(const float* x, int K, const float* xs, const uint8_t* wp, \
     const uint16_t* sz, int G, int half, uint16_t* y, int ldy) { BODY(MB, x, K, xs, wp, sz, G, half, y, ldy); }
-TILE(1, i4t1, int4_tile) TILE(2, i4t2, int4_tile) TILE(3, i4t3, int4_tile) TILE(4, i4t4, int4_tile)
-TILE(1, q8t1, q8_tile) TILE(2, q8t2, q8_tile) TILE(3, q8t3, q8_tile) TILE(4, q8t4, q8_tile)
-static const tile_fn INT4_TILES[5] = {0, i4t1, i4t2, i4t3, i4t4};
-static const tile_fn Q8_TILES[5] = {0, q8t1, q8t2, q8t3, q8t4};
+TILE(1, i4t1, int4_tile) TILE(2, i4t2, int4_tile) TILE(3, i4o3, int4_octet) TILE(4, i4o4, int4_octet)
+TILE(5, i4o5, int4_octet)
+TILE(1, q8t1, q8_tile) TILE(2, q8t2, q8_tile) TILE(3, q8o3, q8_octet) TILE(4, q8o4, q8_octet) TILE(5, q8o5, q8_octet)
+/* by rows: 1-2 half tiles (the last argument is the half), 3-5 octets (the octet) */
+static const tile_fn INT4_TILES[6] = {0, i4t1, i4t2, i4o3, i4o4, i4o5};
+static const tile_fn Q8_TILES[6] = {0, q8t1, q8t2, q8o3, q8o4, q8o5};
 
-/* x widened to fp32 once, then jobs of one 16-column half tile each, for every row of x, 4 rows
-   at a time: its weights come from memory for the first rows and from cache for the rest, and
-   the threads split the columns evenly. xs: each row's group sums (int4's zeros), or NULL. */
+/* x widened to fp32 once, then jobs of 16 columns (1-2 rows) or 8 columns (3 and more rows, in
+   blocks of 3-5): a job's weights come from memory for its first block of rows and from cache
+   for the rest, and the threads split the columns evenly. xs: each row's group sums (int4's
+   zeros), or NULL. */
 static void run_tiles(const tile_fn* tiles, int q8, const uint16_t* x, int M, int K, float* xs, const uint8_t* wp,
                       const uint16_t* sz, int N, uint16_t* y, int threads) {
-  const int G = K / 32, jobs = N / 16;
+  const int G = K / 32, per_tile = M <= 2 ? 2 : 4, blocks = M <= 2 ? 1 : (M + 4) / 5;
   const size_t tile_bytes = (size_t)G * (q8 ? 1024 : 512), tile_scales = (size_t)G * (q8 ? 32 : 64);
   float* xf = malloc(sizeof(float) * (size_t)M * K);
   for (size_t i = 0; i < (size_t)M * K; i += 8) _mm256_storeu_ps(xf + i, load8(x + i));
@@ -143,11 +229,14 @@ static void run_tiles(const tile_fn* tiles, int q8, const uint16_t* x, int M, in
       xs[i] = s;
     }
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int job = 0; job < jobs; job++) {
-    const int t = job / 2, half = job % 2;
-    for (int r0 = 0; r0 < M; r0 += 4)
-      tiles[M - r0 < 4 ? M - r0 : 4](xf + (size_t)r0 * K, K, xs ? xs + (size_t)r0 * G : 0, wp + t * tile_bytes,
-                                     sz + t * tile_scales, G, half, y + (size_t)r0 * N + t * 32, N);
+  for (int job = 0; job < N / 32 * per_tile; job++) {
+    const int t = job / per_tile, part = job % per_tile;
+    for (int b = 0, r0 = 0; b < blocks; b++) {
+      const int rows = (M - r0) / (blocks - b);
+      tiles[rows](xf + (size_t)r0 * K, K, xs ? xs + (size_t)r0 * G : 0, wp + t * tile_bytes, sz + t * tile_scales, G,
+                  part, y + (size_t)r0 * N + t * 32, N);
+      r0 += rows;
+    }
   }
   free(xf);
 }
