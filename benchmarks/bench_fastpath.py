@@ -19,7 +19,7 @@ For each prompt kind the summary takes our best speculative configuration per we
 format (the fastest of ``--specs`` on that kind), and checks the issue's targets.
 
     python benchmarks/bench_fastpath.py [--threads 2] [--max-tokens 128] [--modes bf16 int8 gguf]
-        [--specs ngram eagle mtp] [--json out.json]
+        [--specs ngram ngram_auto eagle mtp] [--json out.json]
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ from specdecode.model.loader import default_model_path
 HERE = Path(__file__).parent
 SPECS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
+    # γ chosen each step from the measured verify cost (the adaptive budget at batch 1)
+    "ngram_auto": {"method": "ngram", "num_speculative_tokens": "auto", "prompt_lookup_min": 2, "prompt_lookup_max": 5},
     "eagle": {"method": "eagle"},
     "mtp": {"method": "mtp"},
     "eagle3": {"method": "eagle3"},
