@@ -27,10 +27,11 @@ from torch import Tensor
 from specdecode.config import SpecDecodeError
 
 # The stock CPU kernel dequantises a weight tile for every block of 4 rows and multiplies in
-# fp32, so 5 positions cost ~2-3x one. Ours decodes each 16-column x 2-k slice of nibbles once
-# (AVX512: into bf16, a 16-entry lookup: q in 0..15 is exact in bf16, multiplied into up to 8
-# rows with vdpbf16ps; AVX2: into fp32, for up to 4 rows with FMAs), accumulates in fp32, and
-# applies the group's scale and zero once per group:
+# fp32, so 5 positions cost ~2-3x one. Ours decodes each slice of nibbles once for several rows
+# (AVX512: 16 columns x 2 k into bf16, a 16-entry lookup: q in 0..15 is exact in bf16,
+# multiplied into up to 8 rows with vdpbf16ps; AVX2: into fp32, 16 columns for 1-2 rows or 8
+# columns for up to 5, with FMAs), accumulates in fp32, and applies the group's scale and zero
+# once per group:
 #     y[m, n] = sum_g s[n, g] * (x[m, g] . q[n, g]) + z[n, g] * sum(x[m, g])
 # with w = s q + z (z = the stock kernel's zero - 8 s). Scales and zeros are fp16, so GGUF's
 # Q4_0 / Q4_1 / Q8_0 blocks (fp16 d and m) are kept bit-exact. Groups of 64 / 128 run as groups
