@@ -25,7 +25,7 @@ budget (γ ≤ ``--adaptive-gamma``). The budget policies are wrapped (`Recordin
 also receives each verify pass's positions and time from the engine.
 
     python benchmarks/bench_serving.py [--clients 1 4 16 32] [--max-tokens 64] [--gammas 2 4 8]
-        [--threads 2] [--repeats 3] [--json out.json] [--plot docs/serving_throughput.png]
+        [--threads 2] [--quantization none|gguf|int8|int4] [--repeats 3] [--json out.json] [--plot docs/serving_throughput.png]
 """
 
 from __future__ import annotations
@@ -275,7 +275,8 @@ def threshold_report(model: LoadedModel, curve: VerifyCost) -> dict:
 def print_results(
     results: list[dict], configs: list[str], args, threshold: dict, calib: dict[str, Calibration]
 ) -> None:
-    print(f"\n### Serving under load: default model, bf16, CPU, greedy, threads={torch.get_num_threads()}, "
+    weights = "bf16" if args.quantization == "none" else args.quantization
+    print(f"\n### Serving under load: default model, {weights}, CPU, greedy, threads={torch.get_num_threads()}, "
           f"{args.max_tokens} new tokens max, requests per load = max({args.min_requests}, "
           f"{args.requests_per_client}·clients)\n")  # fmt: skip
     print(
@@ -393,13 +394,15 @@ def main() -> None:
     ap.add_argument("--adaptive-gamma", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quantization", default="none",
+                    help="weights: none (bf16, the documented AVX512 runs), gguf (the file's Q4_1 blocks), int8, int4")
     ap.add_argument("--repeats", type=int, default=1, help="runs of every configuration per load, interleaved")
     ap.add_argument("--json", default=None, help="also write the raw results here")
     ap.add_argument("--plot", default=None, help="write the throughput / per-user plot (PNG) here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    model = load_model(args.model, dtype="bfloat16", device="cpu")
+    model = load_model(args.model, dtype="bfloat16", device="cpu", quantization=args.quantization)
     mix = request_mix(model)
     specs: dict[str, dict | None] = {"none": None}
     specs.update({f"γ={g}": {"method": "ngram", "num_speculative_tokens": g} for g in args.gammas})
