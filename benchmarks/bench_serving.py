@@ -275,8 +275,7 @@ def threshold_report(model: LoadedModel, curve: VerifyCost) -> dict:
 def print_results(
     results: list[dict], configs: list[str], args, threshold: dict, calib: dict[str, Calibration]
 ) -> None:
-    weights = "bf16" if args.quantization == "none" else args.quantization
-    print(f"\n### Serving under load: default model, {weights}, CPU, greedy, threads={torch.get_num_threads()}, "
+    print(f"\n### Serving under load: default model, {weights_name(args)}, CPU, greedy, threads={torch.get_num_threads()}, "
           f"{args.max_tokens} new tokens max, requests per load = max({args.min_requests}, "
           f"{args.requests_per_client}·clients)\n")  # fmt: skip
     print(
@@ -346,7 +345,11 @@ def print_results(
               f"{ece(cal.plan_prior):.3f}, after {ece(cal.plan_online):.3f}")  # fmt: skip
 
 
-def plot(results: list[dict], configs: list[str], path: str) -> None:
+def weights_name(args) -> str:
+    return "bf16" if args.quantization == "none" else args.quantization
+
+
+def plot(results: list[dict], configs: list[str], path: str, weights: str = "bf16") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -372,7 +375,7 @@ def plot(results: list[dict], configs: list[str], path: str) -> None:
     axes[1].yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     axes[1].yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     axes[0].legend()
-    fig.suptitle(f"SmolLM2-135M, bf16, CPU ({torch.get_num_threads()} threads), greedy, ngram drafts: "
+    fig.suptitle(f"SmolLM2-135M, {weights}, CPU ({torch.get_num_threads()} threads), greedy, ngram drafts: "
                  "serving under closed-loop load")  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -461,7 +464,7 @@ def main() -> None:
                 f"{name} {statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})" for name, r in ratios.items()
                 if name != "none"))  # fmt: skip
     if args.plot:
-        plot(results, configs, args.plot)
+        plot(results, configs, args.plot, weights_name(args))
     if args.json:
         kinds = ("surv_prior", "surv_online", "cond_prior", "cond_online", "plan_prior", "plan_online")
         out = {
