@@ -52,14 +52,6 @@ CPU_ISAS = {
     "avx2": (("avx2", "fma", "f16c"), ("int4_avx2.c", "block_avx2.c"), ("-mavx2", "-mfma", "-mf16c")),
 }
 INT4_CPU_KERNELS = ("auto", *CPU_ISAS, "stock")
-# From this many rows on, an int4 matmul of the AVX2 build dequantizes the weight to fp32 once
-# and runs torch's sgemm: there every row costs its FMAs, and the blocked sgemm keeps more of
-# them busy (on a 2-core Zen EPYC, 120 linears of the default model at 256 rows: ~4.1 ms a row
-# with the dequantizing, against ~5.3 through our tiles). Only long prefill chunks get there:
-# they run the torch blocks, whose rows already depend on the pass (SDPA, batched norms);
-# verify passes of up to 64 positions, and every pass in batch-invariant mode, run the fused
-# block, which keeps our tiles. The AVX512 build's bf16 tiles are not FMA-bound: no switch.
-SGEMM_ROWS = {"avx2": 128}
 _HEADERS = ("avx2.h", "block.h", "block_body.h")
 
 
@@ -125,10 +117,6 @@ def cpu_lib(isa: str | None = None) -> ctypes.CDLL | None:
     lib.q8_gemm.restype = None
     lib.block_forward.argtypes = [ctypes.c_void_p] * 5
     lib.block_forward.restype = None
-    if isa in SGEMM_ROWS:
-        lib.int4_dequant_f32.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-        lib.int4_dequant_f32.argtypes += [ctypes.c_void_p, ctypes.c_int]
-        lib.int4_dequant_f32.restype = None
     return lib
 
 
@@ -188,10 +176,6 @@ def _mm(x: Tensor, packed: Tensor, scales: Tensor, isa: str) -> Tensor:
     lib, threads = cpu_lib(isa), torch.get_num_threads()
     if packed.dtype == torch.int8:  # Q8_0
         lib.q8_gemm(x.data_ptr(), M, K, packed.data_ptr(), scales.data_ptr(), N, y.data_ptr(), threads)
-    elif M >= SGEMM_ROWS.get(isa, M + 1):
-        w = torch.empty(K, N, dtype=torch.float32)  # [K, N]: each row a k, so the nibbles unpack in place
-        lib.int4_dequant_f32(packed.data_ptr(), scales.data_ptr(), K, N, w.data_ptr(), threads)
-        return torch.mm(x.float(), w).bfloat16()
     else:
         xs = torch.empty(M * K // 32, dtype=torch.float32)
         lib.int4_gemm(x.data_ptr(), M, K, packed.data_ptr(), scales.data_ptr(), N, y.data_ptr(), xs.data_ptr(), threads)

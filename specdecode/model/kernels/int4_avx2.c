@@ -252,28 +252,6 @@ void q8_gemm(const uint16_t* x, int M, int K, const uint8_t* wq, const uint16_t*
   run_tiles(Q8_TILES, 1, x, M, K, 0, wq, d, N, y, threads);
 }
 
-/* w [K, N] fp32 = the int4 weight dequantized, w[k, n] = s q + z, for a long prefill chunk's
-   sgemm (cpu_int4.SGEMM_ROWS): there the FMAs per row are the whole cost, and a blocked sgemm
-   keeps more of them busy than the tiles above. */
-void int4_dequant_f32(const uint8_t* wp, const uint16_t* sz, int K, int N, float* w, int threads) {
-  const int G = K / 32;
-  const __m256i low4 = _mm256_set1_epi32(0x0F);
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int t = 0; t < N / 32; t++)
-    for (int g = 0; g < G; g++)
-      for (int c = 0; c < 32; c += 8) {
-        const uint16_t* sp = sz + ((size_t)t * G + g) * 64 + c;
-        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)sp));
-        const __m256 z = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sp + 32)));
-        for (int p = 0; p < 16; p++) {
-          __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(wp + ((size_t)t * G + g) * 512 + p * 32 + c)));
-          float* row = w + (size_t)(g * 32 + 2 * p) * N + t * 32 + c;
-          _mm256_storeu_ps(row, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low4)), s, z));
-          _mm256_storeu_ps(row + N, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), s, z));
-        }
-      }
-}
-
 /* RMSNorm of bf16 rows x [M, D] (D % 16 == 0) into y, each row alone, as rms_norm_bf16 of the
    AVX512 library: offset == 0 (Llama): y = bf16(bf16(h) * w); otherwise (Gemma):
    y = bf16(h * (offset + w)), h = x / sqrt(mean(x^2) + eps) in fp32. */
