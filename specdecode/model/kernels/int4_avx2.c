@@ -64,8 +64,8 @@ static inline __attribute__((always_inline)) void int4_tile(
 #pragma GCC unroll 4
   for (int r = 0; r < MB; r++) {
     uint16_t* yr = y + (size_t)r * ldy + half * 16;
-    _mm_storeu_si128((__m128i*)yr, to_bf16x8(o[r][0]));
-    _mm_storeu_si128((__m128i*)(yr + 8), to_bf16x8(o[r][1]));
+    store8(yr, o[r][0]);
+    store8(yr + 8, o[r][1]);
   }
 }
 
@@ -105,7 +105,7 @@ static inline __attribute__((always_inline)) void int4_octet(
     }
   }
 #pragma GCC unroll 5
-  for (int r = 0; r < MB; r++) _mm_storeu_si128((__m128i*)(y + (size_t)r * ldy + oct * 8), to_bf16x8(_mm256_load_ps(o[r])));
+  for (int r = 0; r < MB; r++) store8(y + (size_t)r * ldy + oct * 8, _mm256_load_ps(o[r]));
 }
 
 /* The same for a Q8_0 tile (MB <= 2): k pair p's 64 bytes hold columns 0-15 then 16-31, each column's
@@ -155,8 +155,8 @@ static inline __attribute__((always_inline)) void q8_tile(
     uint16_t* yr = y + (size_t)r * ldy + half * 16;
     __m256 c0 = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(o[r][0], o[r][1])), 0xD8));
     __m256 c1 = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(o[r][2], o[r][3])), 0xD8));
-    _mm_storeu_si128((__m128i*)yr, to_bf16x8(c0));
-    _mm_storeu_si128((__m128i*)(yr + 8), to_bf16x8(c1));
+    store8(yr, c0);
+    store8(yr + 8, c1);
   }
 }
 
@@ -198,7 +198,7 @@ static inline __attribute__((always_inline)) void q8_octet(
   for (int r = 0; r < MB; r++) {
     __m256 c = _mm256_castpd_ps(_mm256_permute4x64_pd(
         _mm256_castps_pd(_mm256_hadd_ps(_mm256_load_ps(o[r]), _mm256_load_ps(o[r] + 8))), 0xD8));
-    _mm_storeu_si128((__m128i*)(y + (size_t)r * ldy + oct * 8), to_bf16x8(c));
+    store8(y + (size_t)r * ldy + oct * 8, c);
   }
 }
 
@@ -275,7 +275,7 @@ void rms_norm_bf16(const uint16_t* x, int M, int D, const uint16_t* w, float eps
       } else {
         out = _mm256_mul_ps(h, _mm256_add_ps(off, wf));
       }
-      _mm_storeu_si128((__m128i*)(yr + d), to_bf16x8(out));
+      store8(yr + d, out);
     }
   }
 }
