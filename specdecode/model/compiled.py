@@ -12,7 +12,8 @@ pass's KV length, which dynamic shapes keep symbolic. Dynamo still specialises s
 and 1, so one token, one row and several of each are separate graphs: the "buckets".
 Layers of the same structure share their graphs (modules are inlined, not guarded by
 identity). ``mode="reduce-overhead"`` also captures each bucket as a CUDA graph on CUDA
-(not yet validated on a GPU; ``compile=True`` means "default"). After the warm-up, a shape
+(correct on an H200, but 1.7x slower than eager per pass there: docs/benchmarks.md; so
+``compile=True`` means "default"). After the warm-up, a shape
 that fails to compile raises as any error of the pass would: nothing here changes torch's
 process-wide error handling (only its recompile limit, raised for the buckets).
 
@@ -40,9 +41,10 @@ COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune-no-cudagrap
 def parse_compile(mode: str | bool | None) -> str | None:
     """``compile`` as given by a user -> a torch.compile mode, or None for eager.
 
-    ``True`` / "auto" pick "default" everywhere for now. "reduce-overhead" (CUDA graphs) is
-    there to ask for on CUDA, but it is not yet validated on a GPU: it records a graph per
-    prefill length, and per thread (the server's engine thread records its own).
+    ``True`` / "auto" pick "default" everywhere. "reduce-overhead" (CUDA graphs) is there
+    to ask for on CUDA: correct on an H200, but per block it cost 1.7x the eager pass there
+    (two graphs a block, 60 entries a pass). It records a graph per prefill length, and per
+    thread (the server's engine thread records its own).
     """
     if mode in (None, False, "none"):
         return None
@@ -72,8 +74,25 @@ def compile_blocks(model: torch.nn.Module, mode: str) -> None:
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), 64))
+    cuda_graphs = mode == "reduce-overhead" and model.embed.weight.is_cuda
     for block in model.layers:
         block.compile(dynamic=True, mode=mode)
+        if cuda_graphs:
+            block._compiled_call_impl = _copied_out(block._compiled_call_impl)
+
+
+def _copied_out(compiled: Callable) -> Callable:
+    """A block's compiled call whose output is copied out of the CUDA graphs' memory pool.
+
+    Each block is its own torch.compile entry, and in inference CUDA graph trees start a new
+    generation at every entry, free to reuse the memory of the last generation's outputs:
+    without the copy, block i + 1's replay overwrote block i's output, the residual stream it
+    was reading (seen on an H200). The copy is one [B, T, hidden] tensor per layer."""
+
+    def call(*args: object) -> torch.Tensor:
+        return compiled(*args).clone()
+
+    return call
 
 
 def uncompile_blocks(model: torch.nn.Module) -> None:
