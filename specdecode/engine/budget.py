@@ -265,8 +265,8 @@ class AdaptiveBudget:
         P the real positions (linears) and Q = attention queries · context (the queries of the
         batch padded to its widest draft, or split, each over the longest context). c is the
         cost measured at load; a and b are fitted, and with them δ, the fixed cost of a pass
-        that carries any draft (t = a + b·P + c·Q + δ·[drafts]), once passes of both kinds are
-        in the window. (Fitting c too failed: Q rises with P, and from real passes c came out
+        that carries any draft (t = a + b·P + c·Q + δ·[drafts]), once passes of both kinds, and
+        drafting passes of two sizes, are in the window; δ ≥ 0, else the line alone. (Fitting c too failed: Q rises with P, and from real passes c came out
         at 0-0.2 µs where SDPA alone measures ~0.6-0.8 µs on this CPU, so deep drafts in busy
         batches looked cheap.)"""
         drafting, widest = sum(d > 0 for d in num_draft), max(num_draft, default=0)
@@ -279,15 +279,30 @@ class AdaptiveBudget:
         c = self.attention_cost
         kinds = sum(d for _, _, d, _ in self.passes)
         if 8 <= kinds <= len(self.passes) - 8:
-            X = torch.tensor([[1.0, p, float(d)] for p, _, d, _ in self.passes], dtype=torch.float64)
-            y = torch.tensor([t - c * q for _, q, _, t in self.passes], dtype=torch.float64)
-            a, b, delta = torch.linalg.lstsq(X, y[:, None]).solution[:, 0].tolist()
-            if a > 0 and b >= 0 and torch.linalg.matrix_rank(X) == 3:
-                lo, hi = min(p for p, *_ in self.passes), max(p for p, *_ in self.passes)
-                hi = max(hi, lo + 1)
-                self.cost, self.draft_overhead = VerifyCost([(lo, a + b * lo), (hi, a + b * hi)]), max(0.0, delta)
-                return
+            # δ and the slope are told apart only by drafting passes of several sizes: at one
+            # client nearly every drafting pass has 2 positions, and a single 3-position pass
+            # set the slope (7 ms a position, where 2 positions measured 4.7 ms over 1)
+            if _spread([p for p, _, d, _ in self.passes if d]):
+                X = torch.tensor([[1.0, p, float(d)] for p, _, d, _ in self.passes], dtype=torch.float64)
+                y = torch.tensor([t - c * q for _, q, _, t in self.passes], dtype=torch.float64)
+                a, b, delta = torch.linalg.lstsq(X, y[:, None]).solution[:, 0].tolist()
+                if a > 0 and b >= 0 and delta >= 0 and torch.linalg.matrix_rank(X) == 3:
+                    lo, hi = min(p for p, *_ in self.passes), max(p for p, *_ in self.passes)
+                    hi = max(hi, lo + 1)
+                    self.cost, self.draft_overhead = VerifyCost([(lo, a + b * lo), (hi, a + b * hi)]), delta
+                    return
+            # a line through all passes then holds what drafting costs in its slope (a
+            # negative δ is the curve bending upwards: AVX2's 1-2 row tiles, then octets)
+            self.draft_overhead = 0.0
         self.cost = VerifyCost.fit_line([(p, t - c * q) for p, q, _, t in self.passes]) or self.cost
+
+
+def _spread(sizes: list[int], others: int = 8) -> bool:
+    """Whether at least ``others`` of the passes' ``sizes`` differ from the commonest one."""
+    counts: dict[int, int] = {}
+    for p in sizes:
+        counts[p] = counts.get(p, 0) + 1
+    return len(sizes) - max(counts.values(), default=0) >= others
 
 
 def apply_budgets(draft: Draft, budgets: torch.Tensor) -> Draft:

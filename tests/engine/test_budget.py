@@ -172,6 +172,26 @@ def test_cost_curve_is_monotone_and_refits_from_real_passes():
     assert policy.draft_overhead == pytest.approx(0.008)  # and the fixed cost of drafting at all
 
 
+def test_one_odd_pass_does_not_set_the_slope_at_one_client():
+    """At one client the passes that carry drafts nearly all have 2 positions: the fixed cost
+    of drafting and the slope are not told apart, and a single 3-position pass once set the
+    slope alone (2 positions were then priced 1.9 ms above what they measured)."""
+    policy = AdaptiveBudget(roofline(knee=64), max_gamma=4)
+    r = [req("a", 300)]
+    times = [(0, 0.0156)] * 200 + [(1, 0.0204)] * 90 + [(2, 0.0270)]  # (draft tokens, seconds): P = 1, 2, 3
+    for i in range(len(times)):
+        drafts, seconds = times[(i * 7) % len(times)]  # interleaved, as they come
+        policy.observe(r, torch.zeros(1, dtype=torch.long), torch.tensor([drafts]), seconds, 0.0)
+    assert policy.step_time(1, 1, 0, 0, 0.0) == pytest.approx(0.0156, abs=2e-4)
+    assert policy.step_time(1, 2, 1, 1, 0.0) == pytest.approx(0.0204, abs=5e-4)  # as measured
+    # with drafting passes of several sizes, the fixed cost of drafting is fitted apart again
+    policy = AdaptiveBudget(roofline(knee=64), max_gamma=4)
+    for i in range(160):
+        drafts = 0 if i % 8 < 5 else 1 + i % 3  # t = 11.6 ms + 4 ms·P + 3 ms if drafts
+        policy.observe(r, torch.zeros(1, dtype=torch.long), torch.tensor([drafts]), 0.0156 + 0.004 * drafts + 0.003 * (drafts > 0), 0.0)
+    assert policy.draft_overhead == pytest.approx(0.003) and policy.cost(3) == pytest.approx(0.0236)
+
+
 def test_adaptive_budget_keeps_a_busy_batch_narrow_when_padding_costs():
     """Attention pads every row to the widest draft: one deep row makes the whole batch pay."""
     policy = AdaptiveBudget(VerifyCost([(1, 0.05), (200, 0.05 + 0.001 * 199)]), max_gamma=8)
