@@ -5,10 +5,12 @@
    Without vdpbf16ps each weight is widened to fp32 and multiplied with fp32 FMAs, so on such a
    CPU the FMAs, not the widening, set the cost of each extra row. For 1-2 rows a job is a
    16-column half tile: 4 FMA chains per row (two column octets, k even and k odd) hide the FMA
-   latency. For 3 and more rows a job is an 8-column octet, its weights widened once for up to 5
-   rows: 2 chains per row, so every accumulator stays in a register (16-column tiles of 4 rows
-   spilled them). Each group's scale and zero are applied once per row. Both shapes do the same
-   arithmetic per output, so a row's result does not depend on the batch or the kernel chosen. */
+   latency. For 3-5 rows a job is an 8-column octet, its weights widened once for up to 5 rows:
+   2 chains per row, so every accumulator stays in a register (16-column tiles of 4 rows spilled
+   them). For 6 and more rows a job is a 16-column panel over every row: each group's weights are
+   widened once into an fp32 buffer and reused by all rows, 6 at a time (int4_panel). Each
+   group's scale and zero are applied once per row. All shapes do the same arithmetic per output,
+   so a row's result does not depend on the batch or the kernel chosen. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -202,6 +204,87 @@ static inline __attribute__((always_inline)) void q8_octet(
   }
 }
 
+/* Many rows (PANEL_ROWS and more: verify passes of 6 positions and more, busy batches, prefill
+   chunks): one job is a 16-column half tile for every row. Per group its weights are widened to fp32 once, into w, then each
+   block of up to 6 rows runs the k-even chains, parks them in e, and runs the k-odd chains:
+   12 accumulators and 2 weight vectors fill the registers, and each x broadcast feeds 2 FMAs
+   (the octets' feeds 1). Per output the same arithmetic as int4_tile and int4_octet. */
+#define PANEL_ROWS 6
+/* acc[r][0..1] = the FMA chains of rows [0, R) over one group's k = 2p + j, p = 0..15 */
+static inline __attribute__((always_inline)) void panel_chains(
+    const int R, const float* x, int K, int g, const float (*wj)[16], int j, __m256 acc[6][2]) {
+#pragma GCC unroll 6
+  for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+#pragma GCC unroll 2
+  for (int p = 0; p < 16; p++) {
+    const __m256 w0 = _mm256_load_ps(wj[p]), w1 = _mm256_load_ps(wj[p] + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; r++) {
+      const __m256 xb = _mm256_broadcast_ss(x + (size_t)r * K + g * 32 + 2 * p + j);
+      acc[r][0] = _mm256_fmadd_ps(w0, xb, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(w1, xb, acc[r][1]);
+    }
+  }
+}
+
+static inline __attribute__((always_inline)) void panel_block(
+    const int R, const float* x, int K, const float* xs, int G, int g, const float (*w)[16][16],
+    __m256 s0, __m256 s1, __m256 z0, __m256 z1, float* o) {
+  __m256 even[6][2], odd[6][2];
+  float e[6][16] __attribute__((aligned(32)));
+  panel_chains(R, x, K, g, w[0], 0, even);  /* k even (low nibbles), parked in e */
+#pragma GCC unroll 6
+  for (int r = 0; r < R; r++) {
+    _mm256_store_ps(e[r], even[r][0]);
+    _mm256_store_ps(e[r] + 8, even[r][1]);
+  }
+  panel_chains(R, x, K, g, w[1], 1, odd);  /* k odd (high nibbles) */
+#pragma GCC unroll 6
+  for (int r = 0; r < R; r++) {
+    const __m256 xv = _mm256_broadcast_ss(xs + (size_t)r * G + g);
+    float* orow = o + (size_t)r * 16;
+    _mm256_store_ps(orow, _mm256_fmadd_ps(s0, _mm256_add_ps(_mm256_load_ps(e[r]), odd[r][0]),
+                                          _mm256_fmadd_ps(z0, xv, _mm256_load_ps(orow))));
+    _mm256_store_ps(orow + 8, _mm256_fmadd_ps(s1, _mm256_add_ps(_mm256_load_ps(e[r] + 8), odd[r][1]),
+                                              _mm256_fmadd_ps(z1, xv, _mm256_load_ps(orow + 8))));
+  }
+}
+
+static void int4_panel(const float* x, int M, int K, const float* xs, const uint8_t* wp, const uint16_t* sz, int G,
+                       int half, uint16_t* y, int ldy, float* o /* [M][16] scratch */) {
+  const __m256i low4 = _mm256_set1_epi32(0x0F);
+  float w[2][16][16] __attribute__((aligned(32)));
+  memset(o, 0, sizeof(float) * 16 * (size_t)M);
+  for (int g = 0; g < G; g++) {
+    const uint8_t* gp = wp + (size_t)g * 512 + half * 16;
+    for (int p = 0; p < 16; p++)
+      for (int c = 0; c < 16; c += 8) {
+        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(gp + p * 32 + c)));
+        _mm256_store_ps(w[0][p] + c, _mm256_cvtepi32_ps(_mm256_and_si256(v, low4)));
+        _mm256_store_ps(w[1][p] + c, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)));
+      }
+    const uint16_t* sp = sz + (size_t)g * 64 + half * 16;
+    const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)sp));
+    const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sp + 8)));
+    const __m256 z0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sp + 32)));
+    const __m256 z1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sp + 40)));
+    int r = 0;
+    for (; r + 6 <= M; r += 6)
+      panel_block(6, x + (size_t)r * K, K, xs + (size_t)r * G, G, g, (const float(*)[16][16])w, s0, s1, z0, z1, o + (size_t)r * 16);
+    switch (M - r) {  /* the last rows: the same arithmetic in a smaller block */
+#define REST(R) case R: panel_block(R, x + (size_t)r * K, K, xs + (size_t)r * G, G, g, (const float(*)[16][16])w, s0, s1, z0, z1, o + (size_t)r * 16); break;
+      REST(1) REST(2) REST(3) REST(4) REST(5)
+#undef REST
+      default: break;
+    }
+  }
+  for (int r = 0; r < M; r++) {
+    uint16_t* yr = y + (size_t)r * ldy + half * 16;
+    store8(yr, _mm256_load_ps(o + (size_t)r * 16));
+    store8(yr + 8, _mm256_load_ps(o + (size_t)r * 16 + 8));
+  }
+}
+
 typedef void (*tile_fn)(const float*, int, const float*, const uint8_t*, const uint16_t*, int, int, uint16_t*, int);
 #define TILE(MB, NAME, BODY) static void NAME(const float* x, int K, const float* xs, const uint8_t* wp, \
     const uint16_t* sz, int G, int half, uint16_t* y, int ldy) { BODY(MB, x, K, xs, wp, sz, G, half, y, ldy); }
@@ -212,10 +295,10 @@ TILE(1, q8t1, q8_tile) TILE(2, q8t2, q8_tile) TILE(3, q8o3, q8_octet) TILE(4, q8
 static const tile_fn INT4_TILES[6] = {0, i4t1, i4t2, i4o3, i4o4, i4o5};
 static const tile_fn Q8_TILES[6] = {0, q8t1, q8t2, q8o3, q8o4, q8o5};
 
-/* x widened to fp32 once, then jobs of 16 columns (1-2 rows) or 8 columns (3 and more rows, in
-   blocks of 3-5): a job's weights come from memory for its first block of rows and from cache
-   for the rest, and the threads split the columns evenly. xs: each row's group sums (int4's
-   zeros), or NULL. */
+/* x widened to fp32 once, then jobs of 16 columns (1-2 rows), 8 columns (3 and more rows, in
+   blocks of 3-5: a job's weights come from memory for its first block of rows and from cache
+   for the rest) or, for int4 from PANEL_ROWS rows, 16-column panels over every row; the threads
+   split the columns evenly. xs: each row's group sums (int4's zeros), or NULL. */
 static void run_tiles(const tile_fn* tiles, int q8, const uint16_t* x, int M, int K, float* xs, const uint8_t* wp,
                       const uint16_t* sz, int N, uint16_t* y, int threads) {
   const int G = K / 32, per_tile = M <= 2 ? 2 : 4, blocks = M <= 2 ? 1 : (M + 4) / 5;
@@ -228,6 +311,17 @@ static void run_tiles(const tile_fn* tiles, int q8, const uint16_t* x, int M, in
       for (int j = 0; j < 32; j++) s += xf[(size_t)i * 32 + j];
       xs[i] = s;
     }
+  if (!q8 && M >= PANEL_ROWS) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int job = 0; job < N / 16; job++) {
+      float* o = aligned_alloc(32, sizeof(float) * 16 * (size_t)M);
+      int4_panel(xf, M, K, xs, wp + (size_t)(job / 2) * tile_bytes, sz + (size_t)(job / 2) * tile_scales, G, job % 2,
+                 y + (job / 2) * 32, N, o);
+      free(o);
+    }
+    free(xf);
+    return;
+  }
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int job = 0; job < N / 32 * per_tile; job++) {
     const int t = job / per_tile, part = job % per_tile;
