@@ -323,7 +323,7 @@ def print_results(
     for text, ok in checks:
         print(f"- {'met' if ok else 'NOT met'}: {text}")
     print(f"\nB·(γ+1) threshold on this {'GPU' if args.device == 'cuda' else 'CPU'}: roofline {threshold['roofline_threshold']:.1f} positions "
-          f"({threshold['hardware']}: {threshold['flops'] / 1e9:.0f} GFLOP/s bf16, "
+          f"({threshold['hardware']}: {threshold['flops'] / 1e9:.0f} GFLOP/s, "
           f"{threshold['bandwidth'] / 1e9:.1f} GB/s; {threshold['flops_per_position'] / 1e6:.0f} MFLOP/position, "
           f"{threshold['weight_read_ms']:.1f} ms weight read); knee of the measured verify-cost curve "
           f"{threshold['curve_knee']:.1f} positions (fit t(P) = {threshold['fit_ms'][0]:.1f} ms + "

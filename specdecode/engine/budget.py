@@ -266,7 +266,8 @@ class AdaptiveBudget:
         batch padded to its widest draft, or split, each over the longest context). c is the
         cost measured at load; a and b are fitted, and with them δ, the fixed cost of a pass
         that carries any draft (t = a + b·P + c·Q + δ·[drafts]), once passes of both kinds, and
-        drafting passes of two sizes, are in the window; δ ≥ 0, else the line alone. (Fitting c too failed: Q rises with P, and from real passes c came out
+        drafting passes of two sizes, are in the window and δ comes out ≥ 0; else the line
+        alone, δ = 0. (Fitting c too failed: Q rises with P, and from real passes c came out
         at 0-0.2 µs where SDPA alone measures ~0.6-0.8 µs on this CPU, so deep drafts in busy
         batches looked cheap.)"""
         drafting, widest = sum(d > 0 for d in num_draft), max(num_draft, default=0)
