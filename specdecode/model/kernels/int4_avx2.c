@@ -205,10 +205,11 @@ static inline __attribute__((always_inline)) void q8_octet(
 }
 
 /* Many rows (PANEL_ROWS and more: verify passes of 6 positions and more, busy batches, prefill
-   chunks): one job is a 16-column half tile for every row. Per group its weights are widened to fp32 once, into w, then each
-   block of up to 6 rows runs the k-even chains, parks them in e, and runs the k-odd chains:
-   12 accumulators and 2 weight vectors fill the registers, and each x broadcast feeds 2 FMAs
-   (the octets' feeds 1). Per output the same arithmetic as int4_tile and int4_octet. */
+   chunks): one job is a 16-column half tile for every row. Per group its weights are widened
+   to fp32 once, into w; then each block of up to 6 rows runs the k-even chains, parks them in
+   e, and runs the k-odd chains: 12 accumulators and 2 weight vectors fill the registers, and
+   each x broadcast feeds 2 FMAs (an octet's fed 1). Per output the same arithmetic as
+   int4_tile and int4_octet. */
 #define PANEL_ROWS 6
 /* acc[r][0..1] = the FMA chains of rows [0, R) over one group's k = 2p + j, p = 0..15 */
 static inline __attribute__((always_inline)) void panel_chains(
@@ -268,11 +269,13 @@ static void int4_panel(const float* x, int M, int K, const float* xs, const uint
     const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sp + 8)));
     const __m256 z0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sp + 32)));
     const __m256 z1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sp + 40)));
+    const float(*wc)[16][16] = (const float(*)[16][16])w;
     int r = 0;
     for (; r + 6 <= M; r += 6)
-      panel_block(6, x + (size_t)r * K, K, xs + (size_t)r * G, G, g, (const float(*)[16][16])w, s0, s1, z0, z1, o + (size_t)r * 16);
+      panel_block(6, x + (size_t)r * K, K, xs + (size_t)r * G, G, g, wc, s0, s1, z0, z1, o + (size_t)r * 16);
     switch (M - r) {  /* the last rows: the same arithmetic in a smaller block */
-#define REST(R) case R: panel_block(R, x + (size_t)r * K, K, xs + (size_t)r * G, G, g, (const float(*)[16][16])w, s0, s1, z0, z1, o + (size_t)r * 16); break;
+#define REST(R) \
+  case R: panel_block(R, x + (size_t)r * K, K, xs + (size_t)r * G, G, g, wc, s0, s1, z0, z1, o + (size_t)r * 16); break;
       REST(1) REST(2) REST(3) REST(4) REST(5)
 #undef REST
       default: break;
