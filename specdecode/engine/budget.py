@@ -22,7 +22,7 @@ is engine/acceptance.py's.
 from __future__ import annotations
 
 import dataclasses
-
+from collections import Counter
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -300,10 +300,8 @@ class AdaptiveBudget:
 
 def _spread(sizes: list[int], others: int = 8) -> bool:
     """Whether at least ``others`` of the passes' ``sizes`` differ from the commonest one."""
-    counts: dict[int, int] = {}
-    for p in sizes:
-        counts[p] = counts.get(p, 0) + 1
-    return len(sizes) - max(counts.values(), default=0) >= others
+    commonest = Counter(sizes).most_common(1)
+    return len(sizes) - (commonest[0][1] if commonest else 0) >= others
 
 
 def apply_budgets(draft: Draft, budgets: torch.Tensor) -> Draft:

@@ -188,7 +188,8 @@ def test_one_odd_pass_does_not_set_the_slope_at_one_client():
     policy = AdaptiveBudget(roofline(knee=64), max_gamma=4)
     for i in range(160):
         drafts = 0 if i % 8 < 5 else 1 + i % 3  # t = 11.6 ms + 4 ms·P + 3 ms if drafts
-        policy.observe(r, torch.zeros(1, dtype=torch.long), torch.tensor([drafts]), 0.0156 + 0.004 * drafts + 0.003 * (drafts > 0), 0.0)
+        seconds = 0.0156 + 0.004 * drafts + 0.003 * (drafts > 0)
+        policy.observe(r, torch.zeros(1, dtype=torch.long), torch.tensor([drafts]), seconds, 0.0)
     assert policy.draft_overhead == pytest.approx(0.003) and policy.cost(3) == pytest.approx(0.0236)
 
 
