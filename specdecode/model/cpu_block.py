@@ -35,7 +35,10 @@ MAX_POSITIONS = 64
 
 
 class _QLinear(ctypes.Structure):
-    _fields_ = [("wp", c_void_p), ("sz", c_void_p), ("n", c_int), ("k", c_int), ("bf16", c_int)]
+    _fields_ = [("wp", c_void_p), ("sz", c_void_p), ("n", c_int), ("k", c_int), ("kind", c_int)]
+
+
+_INT4, _BF16, _INT4_A8 = 0, 1, 2  # QLinear.kind (kernels/block.h)
 
 
 class _BlockWeights(ctypes.Structure):
@@ -70,11 +73,12 @@ def _qlinear(lin: nn.Module, isa: str) -> _QLinear | None:
         w = lin.weight
         ok = w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous() and w.shape[1] % 32 == 0
         ok = ok and w.shape[0] % 8 == 0
-        return _QLinear(w.data_ptr(), None, w.shape[0], w.shape[1], 1) if ok and lin.bias is None else None
+        return _QLinear(w.data_ptr(), None, w.shape[0], w.shape[1], _BF16) if ok and lin.bias is None else None
     ok = isinstance(lin, Int4Linear) and lin.impl == isa and lin.input_planes == 1
     if not ok or lin.k_pad or lin.n_pad or lin.bias is not None:
         return None
-    return _QLinear(lin.weight.data_ptr(), lin.scales_and_zeros.data_ptr(), lin.out_features, lin.in_features, 0)
+    kind = _INT4_A8 if lin.a8 else _INT4
+    return _QLinear(lin.weight.data_ptr(), lin.scales_and_zeros.data_ptr(), lin.out_features, lin.in_features, kind)
 
 
 class CpuBlocks:
@@ -121,7 +125,7 @@ class CpuBlocks:
             ))  # fmt: skip
             keep += [t.detach() for t in (*block.parameters(), *block.buffers())]  # the storages, not the Parameters
         head = _qlinear(model.lm_head, isa)  # any module; only a plain bf16 Linear is ours to run
-        head = head if head is not None and head.bf16 else None
+        head = head if head is not None and head.kind == _BF16 else None
         keep += [] if head is None else [model.lm_head.weight.detach()]
         return CpuBlocks(model, isa, weights, keep, head)
 

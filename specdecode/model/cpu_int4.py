@@ -39,6 +39,9 @@ from specdecode.config import SpecDecodeError
 # 32 columns), scales_and_zeros [N/32, G, 2, 32] fp16. Q8_0 (`pack_q8_cpu`): int8
 # converted the same way, one fp16 d per group and no zero term. Threads: OpenMP, which
 # resolves to the libgomp that torch has already loaded, so both share one thread pool.
+# Opt-in int8 activations (quantization "...-a8", kernels/int4_a8.c, in both builds): each
+# row's groups of 32 inputs quantized to int8 and multiplied by the nibbles with vpmaddubsw,
+# as llama.cpp does; not exact to the dequantised weights, but still row-invariant.
 
 # One library per instruction set, the same entry points and weight layouts in each: the
 # AVX512 build multiplies bf16 pairs with vdpbf16ps; the AVX2 build (kernels/*_avx2.c) widens
@@ -46,10 +49,10 @@ from specdecode.config import SpecDecodeError
 CPU_ISAS = {
     "avx512_bf16": (
         ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c", "fma"),
-        ("int4_avx512_bf16.c", "block_bf16.c"),
+        ("int4_avx512_bf16.c", "block_bf16.c", "int4_a8.c"),
         ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c"),
     ),
-    "avx2": (("avx2", "fma", "f16c"), ("int4_avx2.c", "block_avx2.c"), ("-mavx2", "-mfma", "-mf16c")),
+    "avx2": (("avx2", "fma", "f16c"), ("int4_avx2.c", "block_avx2.c", "int4_a8.c"), ("-mavx2", "-mfma", "-mf16c")),
 }
 INT4_CPU_KERNELS = ("auto", *CPU_ISAS, "stock")
 _HEADERS = ("avx2.h", "block.h", "block_body.h")
@@ -115,6 +118,9 @@ def cpu_lib(isa: str | None = None) -> ctypes.CDLL | None:
     lib.q8_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
     lib.q8_gemm.argtypes += [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     lib.q8_gemm.restype = None
+    lib.int4_a8_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    lib.int4_a8_gemm.argtypes += [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    lib.int4_a8_gemm.restype = None
     lib.block_forward.argtypes = [ctypes.c_void_p] * 5
     lib.block_forward.restype = None
     return lib
@@ -132,19 +138,33 @@ def pick_cpu_kernel(kernel: str) -> str:
     return kernel
 
 
-def pack_int4_cpu(q: Tensor, scales: Tensor, zeros: Tensor, group_size: int, n_pad: int) -> tuple[Tensor, Tensor]:
-    """(q [N, Kp], scales / stock-convention zeros [N, Kp/g]) -> our layout (see above)."""
-    N, Kp = q.shape
+def _groups_of_32(q: Tensor, scales: Tensor, zeros: Tensor, group_size: int, n_pad: int) -> tuple[Tensor, ...]:
+    """q uint8, s and z = zero - 8 s (w = s q + z) in float64, one per 32 inputs, N padded by n_pad."""
     rep = group_size // 32
     s = scales.double().repeat_interleave(rep, dim=1)
-    z = zeros.double().repeat_interleave(rep, dim=1) - 8 * s  # w = s q + z
-    q = F.pad(q.to(torch.uint8), (0, 0, 0, n_pad))
-    s, z = F.pad(s, (0, 0, 0, n_pad)), F.pad(z, (0, 0, 0, n_pad))
-    NT, G = (N + n_pad) // 32, Kp // 32
+    z = zeros.double().repeat_interleave(rep, dim=1) - 8 * s
+    return tuple(F.pad(t, (0, 0, 0, n_pad)) for t in (q.to(torch.uint8), s, z))
+
+
+def pack_int4_cpu(q: Tensor, scales: Tensor, zeros: Tensor, group_size: int, n_pad: int) -> tuple[Tensor, Tensor]:
+    """(q [N, Kp], scales / stock-convention zeros [N, Kp/g]) -> our layout (see above)."""
+    q, s, z = _groups_of_32(q, scales, zeros, group_size, n_pad)
+    NT, G = q.shape[0] // 32, q.shape[1] // 32
     q = q.view(NT, 32, G, 16, 2)
     packed = (q[..., 0] | q[..., 1] << 4).permute(0, 2, 3, 1).contiguous()  # [NT, G, 16, 32]
     sz = torch.stack((s.view(NT, 32, G), z.view(NT, 32, G)), dim=2).permute(0, 3, 2, 1)  # [NT, G, 2, 32]
     return packed, sz.to(torch.float16).contiguous()
+
+
+def pack_int4_a8(q: Tensor, scales: Tensor, zeros: Tensor, group_size: int, n_pad: int) -> tuple[Tensor, Tensor]:
+    """(q [N, Kp], scales / stock-convention zeros [N, Kp/g]) -> int4_a8_gemm's layout (see
+    kernels/int4_a8.c): weight [N/8, G, 4, 32] bytes, scales and zeros [N/8, G, 2, 8] fp16."""
+    q, s, z = _groups_of_32(q, scales, zeros, group_size, n_pad)
+    N8, G = q.shape[0] // 8, q.shape[1] // 32
+    q = q.view(N8, 8, G, 4, 2, 4)  # (octet, column, group, v, nibble, e): k = 32 g + 8 v + 4 nibble + e
+    packed = (q[:, :, :, :, 0] | q[:, :, :, :, 1] << 4).permute(0, 2, 3, 1, 4).reshape(N8, G, 4, 32)
+    sz = torch.stack((s.view(N8, 8, G), z.view(N8, 8, G)), dim=2).permute(0, 3, 2, 1)  # [N8, G, 2, 8]
+    return packed.contiguous(), sz.to(torch.float16).contiguous()
 
 
 def pack_q8_cpu(q: Tensor, d: Tensor, n_pad: int) -> tuple[Tensor, Tensor]:
@@ -158,23 +178,26 @@ def pack_q8_cpu(q: Tensor, d: Tensor, n_pad: int) -> tuple[Tensor, Tensor]:
     return packed, d.view(NT, 32, G).permute(0, 2, 1).to(torch.float16).contiguous()
 
 
-def cpu_mm(x: Tensor, packed: Tensor, scales: Tensor, isa: str) -> Tensor:
+def cpu_mm(x: Tensor, packed: Tensor, scales: Tensor, isa: str, a8: bool = False) -> Tensor:
     """y [M, N] bf16 = x [M, K] bf16 @ a packed weight, through our ``isa`` build: int4
-    (``packed`` uint8, ``scales`` the scales and zeros) or Q8_0 (``packed`` int8, ``scales`` d).
+    (``packed`` uint8, ``scales`` the scales and zeros; with ``a8``, in `pack_int4_a8`'s layout
+    and times int8-quantized x) or Q8_0 (``packed`` int8, ``scales`` d).
     Inside torch.compile it runs as the opaque custom op below (a ctypes call cannot be
     traced); eagerly it is called directly, since the op dispatcher would add its overhead to
     every linear of every step."""
     if torch.compiler.is_compiling():
-        return _mm_op(x, packed, scales, isa)
-    return _mm(x, packed, scales, isa)
+        return _mm_op(x, packed, scales, isa, a8)
+    return _mm(x, packed, scales, isa, a8)
 
 
-def _mm(x: Tensor, packed: Tensor, scales: Tensor, isa: str) -> Tensor:
+def _mm(x: Tensor, packed: Tensor, scales: Tensor, isa: str, a8: bool) -> Tensor:
     M, K = x.shape
-    N = packed.shape[0] * 32
+    N = packed.shape[0] * (8 if a8 else 32)
     y = torch.empty(M, N, dtype=torch.bfloat16)
     lib, threads = cpu_lib(isa), torch.get_num_threads()
-    if packed.dtype == torch.int8:  # Q8_0
+    if a8:
+        lib.int4_a8_gemm(x.data_ptr(), M, K, packed.data_ptr(), scales.data_ptr(), N, y.data_ptr(), threads)
+    elif packed.dtype == torch.int8:  # Q8_0
         lib.q8_gemm(x.data_ptr(), M, K, packed.data_ptr(), scales.data_ptr(), N, y.data_ptr(), threads)
     else:
         xs = torch.empty(M * K // 32, dtype=torch.float32)
@@ -202,10 +225,10 @@ def fast_cpu_norm(x: Tensor, weight: Tensor) -> bool:
 
 
 @torch.library.custom_op("specdecode::cpu_mm", mutates_args=())
-def _mm_op(x: Tensor, packed: Tensor, scales: Tensor, isa: str) -> Tensor:
-    return _mm(x, packed, scales, isa)
+def _mm_op(x: Tensor, packed: Tensor, scales: Tensor, isa: str, a8: bool) -> Tensor:
+    return _mm(x, packed, scales, isa, a8)
 
 
 @_mm_op.register_fake
-def _(x: Tensor, packed: Tensor, scales: Tensor, isa: str) -> Tensor:
-    return x.new_empty(x.shape[0], packed.shape[0] * 32, dtype=torch.bfloat16)
+def _(x: Tensor, packed: Tensor, scales: Tensor, isa: str, a8: bool) -> Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0] * (8 if a8 else 32), dtype=torch.bfloat16)

@@ -151,6 +151,8 @@ def load_model(
         native = source.is_file() and source.suffix == ".gguf" and device.type == "cpu"
         native = native and cpu_lib() is not None and gguf_keeps_blocks(source)
         quant = parse_quantization("gguf" if native else None)
+    if quant is not None and quant.a8 and (device.type != "cpu" or cpu_lib() is None):
+        raise SpecDecodeError(f"quantization '{quant}' (int8 activations) needs our CPU kernel: a CPU with AVX2 and a C compiler")
     if source.is_file():
         if source.suffix != ".gguf":
             raise SpecDecodeError(f"not a model folder or .gguf file: {source}")
@@ -170,23 +172,24 @@ def load_model(
         blocks = gguf_int4_weights(source, config.num_heads, config.num_kv_heads)
     model = build_model(config, read_safetensors(folder), dtype, device)
     if quant is not None and quant.mode == "gguf":
-        use_gguf_blocks_(model, config, blocks)
+        use_gguf_blocks_(model, config, blocks, a8=quant.a8)
     elif quant is not None:
-        quantize_model_(model, quant.mode, quant.group_size)
+        quantize_model_(model, str(quant))
     else:
         model.use_cpu_blocks()  # (the two branches above build it from their new weights)
-    effective = None if quant is None else quant.mode if quant.mode != "int4" else f"int4-g{quant.group_size}"
+    effective = None if quant is None else str(quant)
     return LoadedModel(model, config, load_tokenizer(folder), name, str(folder), effective)
 
 
 def use_gguf_blocks_(
-    model: Transformer, config: ModelConfig, blocks: dict[str, Int4Groups], int4_kernel: str = "auto"
+    model: Transformer, config: ModelConfig, blocks: dict[str, Int4Groups], int4_kernel: str = "auto", a8: bool = False
 ) -> None:
     """Replace each linear whose GGUF parts were all block-quantized by one Int4Linear (group 32).
 
     Parts are fused along the outputs like the dense weights (q/k/v, gate/up); a part in two
     planes (Q8_0) turns the others into two planes too. A linear whose parts are all Q8_0 runs
     them as they are (`Q8Linear`) where our CPU kernel does. Linears with any dense part stay dense.
+    ``a8``: the Int4Linears take int8-quantized activations (Q8Linear stays weight-only).
     """
     blocks = {k.removeprefix("model."): v for k, v in blocks.items()}
     for i in range(config.num_layers):
@@ -198,13 +201,13 @@ def use_gguf_blocks_(
             "mlp.down": [f"{src}mlp.down_proj.weight"],
         }
         for ours, theirs in parts.items():
-            _swap_int4(model, dst + ours, [blocks.get(t) for t in theirs], int4_kernel)
+            _swap_int4(model, dst + ours, [blocks.get(t) for t in theirs], int4_kernel, a8)
     head = "embed_tokens.weight" if config.tie_embeddings else "lm_head.weight"
-    _swap_int4(model, "lm_head", [blocks.get(head)], int4_kernel)
+    _swap_int4(model, "lm_head", [blocks.get(head)], int4_kernel, a8)
     model.use_cpu_blocks(int4_kernel)  # the fused CPU block runs from the new weights, where it applies
 
 
-def _swap_int4(model: Transformer, name: str, parts: list[Int4Groups | None], kernel: str) -> None:
+def _swap_int4(model: Transformer, name: str, parts: list[Int4Groups | None], kernel: str, a8: bool) -> None:
     if any(p is None for p in parts):
         return
     lin = model.get_submodule(name)
@@ -219,9 +222,8 @@ def _swap_int4(model: Transformer, name: str, parts: list[Int4Groups | None], ke
     parts = [p.to_planes(planes) for p in parts]
     q, s, z = (torch.cat([getattr(p, f) for p in parts]).to(device) for f in ("q", "scales", "zeros"))
     source = "+".join(sorted({p.source_type for p in parts}))
-    set_submodule(
-        model, name, Int4Linear(q, s, z, 32, lin.in_features, bias, input_planes=planes, source=source, kernel=kernel)
-    )
+    int4 = Int4Linear(q, s, z, 32, lin.in_features, bias, input_planes=planes, source=source, kernel=kernel, a8=a8)
+    set_submodule(model, name, int4)
 
 
 def load_tokenizer(folder: Path) -> transformers.PreTrainedTokenizerBase | None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -35,9 +36,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdecode.config import SpecDecodeError
-from specdecode.model.cpu_int4 import CPU_ISAS, cpu_isa, cpu_mm, pack_int4_cpu, pack_q8_cpu, pick_cpu_kernel
+from specdecode.model.cpu_int4 import CPU_ISAS, cpu_isa, cpu_mm, pack_int4_a8, pack_int4_cpu, pack_q8_cpu, pick_cpu_kernel
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "gguf")
+# "-a8": the same int4 weights times int8-quantized activations (our CPU kernel; see cpu_int4.py)
+QUANTIZATIONS += tuple(f"{q}-a8" for q in QUANTIZATIONS if q.startswith(("int4", "gguf")))
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 32
 LINEAR_NAMES = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # per Block, plus lm_head
@@ -47,14 +50,22 @@ LINEAR_NAMES = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # per Block, p
 class Quantization:
     mode: str  # "int8" | "int4" | "gguf" | "auto" (load_model resolves it to "gguf" or none)
     group_size: int | None = None  # int4 only
+    a8: bool = False  # int4 weights times int8-quantized activations (int4 and gguf only)
+
+    def __str__(self) -> str:
+        base = f"int4-g{self.group_size}" if self.mode == "int4" else self.mode
+        return base + "-a8" * self.a8
 
 
 def parse_quantization(value: str | None, group_size: int | None = None) -> Quantization | None:
-    """None / "none" -> None; "int8", "int4" (g32), "int4-g64", ..., "gguf" -> a Quantization."""
+    """None / "none" -> None; "int8", "int4" (g32), "int4-g64", ..., "gguf", and "int4...-a8" /
+    "gguf-a8" (int8 activations) -> a Quantization."""
     if value is None or value == "none":
         return None
     if not isinstance(value, str) or value not in QUANTIZATIONS:
         raise SpecDecodeError(f"unsupported quantization {value!r}; supported: {', '.join(QUANTIZATIONS)}")
+    if value.endswith("-a8"):
+        return dataclasses.replace(parse_quantization(value.removesuffix("-a8"), group_size), a8=True)
     if value.startswith("int4"):
         g = int(value.removeprefix("int4-g")) if "-g" in value else group_size or DEFAULT_GROUP_SIZE
         if group_size is not None and group_size != g:
@@ -150,6 +161,8 @@ class Int4Linear(nn.Module):
     padded to a multiple of ``group_size`` (the padded columns meet zero inputs) and P =
     ``input_planes``: W is the sum of P int4 matrices side by side, each applied to the same input
     (GGUF Q8_0 = 16 * hi nibble + lo nibble). ``source`` labels where the weights came from.
+    ``a8``: each row's inputs are quantized to int8 per group of 32 and multiplied as integers
+    (our CPU kernel only; faster on CPUs without AVX512-BF16, not exact to the dequantised W).
     """
 
     def __init__(
@@ -163,6 +176,7 @@ class Int4Linear(nn.Module):
         input_planes: int = 1,
         source: str = "",
         kernel: str = "auto",
+        a8: bool = False,
     ):
         super().__init__()
         N, width = q.shape
@@ -176,9 +190,12 @@ class Int4Linear(nn.Module):
         self.n_pad = -N % 16  # the CPU kernel works on 16-column tiles
         device = q.device
         self.impl = "cuda" if device.type == "cuda" else pick_cpu_kernel(kernel)
+        self.a8 = a8
+        if a8 and self.impl not in CPU_ISAS:
+            raise SpecDecodeError(f"int8 activations (-a8) need our CPU int4 kernel (AVX2), not {self.impl!r}")
         if self.impl in CPU_ISAS:  # ours
-            self.n_pad = -N % 32
-            packed, sz = pack_int4_cpu(q, scales, zeros, group_size, self.n_pad)
+            self.n_pad = -N % (8 if a8 else 32)
+            packed, sz = (pack_int4_a8 if a8 else pack_int4_cpu)(q, scales, zeros, group_size, self.n_pad)
             self.register_buffer("weight", packed)
             self.register_buffer("scales_and_zeros", sz)
             self.register_buffer("bias", None if bias is None else bias.float())
@@ -198,15 +215,17 @@ class Int4Linear(nn.Module):
 
     @classmethod
     def from_weight(
-        cls, w: Tensor, group_size: int = DEFAULT_GROUP_SIZE, bias: Tensor | None = None, kernel: str = "auto"
-    ) -> Int4Linear:
+        cls, w: Tensor, group_size: int = DEFAULT_GROUP_SIZE, bias: Tensor | None = None, kernel: str = "auto",
+        a8: bool = False,
+    ) -> Int4Linear:  # fmt: skip
         q, s, z = quantize_int4(w, group_size)
-        return cls(q, s, z, group_size, in_features=w.shape[1], bias=bias, kernel=kernel)
+        return cls(q, s, z, group_size, in_features=w.shape[1], bias=bias, kernel=kernel, a8=a8)
 
     def kernel(self) -> str:
         name = {"cuda": "int4pack_mm", "stock": "int4pack_mm_for_cpu"}.get(self.impl, f"int4 {self.impl}")
         planes = f" x{self.input_planes} planes" if self.input_planes > 1 else ""
-        return f"{name} g{self.group_size}{planes}" + (f" ({self.source})" if self.source else "")
+        act = " x int8 activations" if self.a8 else ""
+        return f"{name} g{self.group_size}{planes}{act}" + (f" ({self.source})" if self.source else "")
 
     def forward(self, x: Tensor) -> Tensor:
         return _bf16_linear(self, x, self._mm)
@@ -216,7 +235,7 @@ class Int4Linear(nn.Module):
             x2 = torch.cat([x2] * self.input_planes, dim=1)  # [M, planes·K]; cat: ~5x cheaper than repeat here
         x2 = x2.contiguous()
         if self.impl in CPU_ISAS:
-            return cpu_mm(x2, self.weight, self.scales_and_zeros, self.impl)
+            return cpu_mm(x2, self.weight, self.scales_and_zeros, self.impl, self.a8)
         if self.impl == "cuda":
             return torch._weight_int4pack_mm(x2, self.weight, self.group_size, self.scales_and_zeros)
         return torch._weight_int4pack_mm_for_cpu(x2, self.weight, self.group_size, self.scales_and_zeros)
@@ -224,7 +243,7 @@ class Int4Linear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"group_size={self.group_size}, input_planes={self.input_planes}, bias={self.bias is not None}"
+            f"group_size={self.group_size}, input_planes={self.input_planes}, a8={self.a8}, bias={self.bias is not None}"
         )
 
 
@@ -292,7 +311,7 @@ def linear_names(model: nn.Module) -> list[str]:
 
 def quantize_model_(
     model: nn.Module, quantization: str, group_size: int | None = None, int4_kernel: str = "auto"
-) -> nn.Module:
+) -> nn.Module:  # quantization: a setting ("int4-g64-a8", ...) as parse_quantization reads it
     """Replace the Transformer's linears by Int8Linear / Int4Linear in place; returns the model.
 
     A head tied to the embeddings is quantized as its own copy; the embedding table stays as is.
@@ -306,19 +325,18 @@ def quantize_model_(
     for name in linear_names(model):
         lin = model.get_submodule(name)
         if isinstance(lin, nn.Linear):
-            set_submodule(model, name, quantized_linear(lin, spec.mode, spec.group_size, dtype, int4_kernel))
+            set_submodule(model, name, quantized_linear(lin, spec, dtype, int4_kernel))
     model.use_cpu_blocks(int4_kernel)  # the fused CPU block runs from the new weights, where it applies
     return model
 
 
-def quantized_linear(
-    lin: nn.Linear, mode: str, group_size: int, dtype: torch.dtype, int4_kernel: str = "auto"
-) -> nn.Module:
-    """``lin`` as an Int8Linear (computing in ``dtype``) or an Int4Linear (groups of ``group_size``)."""
+def quantized_linear(lin: nn.Linear, spec: Quantization, dtype: torch.dtype, int4_kernel: str = "auto") -> nn.Module:
+    """``lin`` as an Int8Linear (computing in ``dtype``) or an Int4Linear (``spec``'s group size
+    and activations)."""
     w, b = lin.weight.detach(), None if lin.bias is None else lin.bias.detach()
-    if mode == "int8":
+    if spec.mode == "int8":
         return Int8Linear.from_weight(w, b, dtype=dtype)
-    return Int4Linear.from_weight(w, group_size, b, kernel=int4_kernel)
+    return Int4Linear.from_weight(w, spec.group_size, b, kernel=int4_kernel, a8=spec.a8)
 
 
 def quantize_linears_(module: nn.Module, quantization: str | None) -> nn.Module:
@@ -329,10 +347,10 @@ def quantize_linears_(module: nn.Module, quantization: str | None) -> nn.Module:
     spec = parse_quantization(quantization)
     if spec is None:
         return module
-    group = spec.group_size if spec.mode == "int4" else DEFAULT_GROUP_SIZE
-    mode = "int8" if spec.mode == "int8" else "int4"
+    if spec.mode != "int8":  # int4 in the target's group size (GGUF: 32) and activations
+        spec = Quantization("int4", spec.group_size or DEFAULT_GROUP_SIZE, spec.a8)
     for name, lin in [(n, m) for n, m in module.named_modules() if type(m) is nn.Linear]:
-        set_submodule(module, name, quantized_linear(lin, mode, group, lin.weight.dtype))
+        set_submodule(module, name, quantized_linear(lin, spec, lin.weight.dtype))
     return module
 
 

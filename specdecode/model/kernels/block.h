@@ -9,8 +9,9 @@ typedef struct {
   const uint8_t* wp; /* int4: packed nibbles (see cpu_int4.py); bf16: the weight [n, k], row-major */
   const uint16_t* sz; /* int4: fp16 scales and zeros; bf16: unused */
   int n, k;           /* out and in features (multiples of 32) */
-  int bf16;           /* 1: a plain bf16 weight, through bf16_gemm */
+  int kind;           /* LINEAR_INT4 (int4_gemm), LINEAR_BF16 (bf16_gemm) or LINEAR_INT4_A8 (int4_a8_gemm) */
 } QLinear;
+enum { LINEAR_INT4 = 0, LINEAR_BF16 = 1, LINEAR_INT4_A8 = 2 };
 
 typedef struct {
   int hidden, heads, kv_heads, head_dim, inter;
@@ -36,6 +37,8 @@ typedef struct {
 
 void int4_gemm(const uint16_t* x, int M, int K, const uint8_t* wp, const uint16_t* sz, int N, uint16_t* y,
                float* xs, int threads);
+void int4_a8_gemm(const uint16_t* x, int M, int K, const uint8_t* wp, const uint16_t* sz, int N, uint16_t* y,
+                  int threads);
 void rms_norm_bf16(const uint16_t* x, int M, int D, const uint16_t* w, float eps, float offset, uint16_t* y);
 
 /* The storage indices of the keys token i sees, in slot order: its row's cached prefix,

@@ -2,8 +2,10 @@
    defining its own rms_norm_bf16, bf16_gemm, int4_gemm, rope_head, attend, add_into and
    silu_mul for its instruction set, and SCORE_PAD: the slack attend's score rows need. */
 static void gemm(const QLinear* l, const uint16_t* x, int M, uint16_t* y, float* xs, int threads) {
-  if (l->bf16)
+  if (l->kind == LINEAR_BF16)
     bf16_gemm(x, M, l->k, (const uint16_t*)l->wp, l->n, y, threads);
+  else if (l->kind == LINEAR_INT4_A8)
+    int4_a8_gemm(x, M, l->k, l->wp, l->sz, l->n, y, threads);
   else
     int4_gemm(x, M, l->k, l->wp, l->sz, l->n, y, xs, threads);
 }
