@@ -152,7 +152,7 @@ def load_model(
         native = native and cpu_lib() is not None and gguf_keeps_blocks(source)
         quant = parse_quantization("gguf" if native else None)
     if quant is not None and quant.a8 and (device.type != "cpu" or cpu_lib() is None):
-        raise SpecDecodeError(f"quantization '{quant}' (int8 activations) needs our CPU kernel: a CPU with AVX2 and a C compiler")
+        raise SpecDecodeError(f"quantization '{quant}' (int8 activations) needs our CPU kernel: AVX2 and a C compiler")
     if source.is_file():
         if source.suffix != ".gguf":
             raise SpecDecodeError(f"not a model folder or .gguf file: {source}")

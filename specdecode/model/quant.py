@@ -28,15 +28,16 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdecode.config import SpecDecodeError
-from specdecode.model.cpu_int4 import CPU_ISAS, cpu_isa, cpu_mm, pack_int4_a8, pack_int4_cpu, pack_q8_cpu, pick_cpu_kernel
+from specdecode.model.cpu_int4 import (
+    CPU_ISAS, cpu_isa, cpu_mm, pack_int4_a8, pack_int4_cpu, pack_q8_cpu, pick_cpu_kernel,
+)  # fmt: skip
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "gguf")
 # "-a8": the same int4 weights times int8-quantized activations (our CPU kernel; see cpu_int4.py)
@@ -65,7 +66,7 @@ def parse_quantization(value: str | None, group_size: int | None = None) -> Quan
     if not isinstance(value, str) or value not in QUANTIZATIONS:
         raise SpecDecodeError(f"unsupported quantization {value!r}; supported: {', '.join(QUANTIZATIONS)}")
     if value.endswith("-a8"):
-        return dataclasses.replace(parse_quantization(value.removesuffix("-a8"), group_size), a8=True)
+        return replace(parse_quantization(value.removesuffix("-a8"), group_size), a8=True)
     if value.startswith("int4"):
         g = int(value.removeprefix("int4-g")) if "-g" in value else group_size or DEFAULT_GROUP_SIZE
         if group_size is not None and group_size != g:
@@ -243,7 +244,8 @@ class Int4Linear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"group_size={self.group_size}, input_planes={self.input_planes}, a8={self.a8}, bias={self.bias is not None}"
+            f"group_size={self.group_size}, input_planes={self.input_planes}, a8={self.a8}, "
+            f"bias={self.bias is not None}"
         )
 
 

@@ -132,13 +132,15 @@ def test_plain_sampling_is_reproducible_and_batch_independent(ckpts, plain):
     assert json.dumps(alone)  # plain ints
 
 
+@pytest.mark.parametrize("quant", ["int4", "int4-a8"])
 @pytest.mark.parametrize("name", ["ngram", "ngram_tree", "draft_model"])
-def test_batch_invariant_int4_greedy_is_exact(ckpts, name):
+def test_batch_invariant_int4_greedy_is_exact(ckpts, name, quant):
+    """In bf16 with int4 weights (and with int8 activations too), batch 1 and 4 (PROMPTS)."""
     from specdecode.model.cpu_int4 import cpu_lib
 
     if cpu_lib() is None:
         pytest.skip("needs our int4 kernel (AVX512-BF16 or AVX2, and a C compiler)")
-    kw = dict(dtype="bfloat16", device="cpu", quantization="int4", batch_invariant=True)
+    kw = dict(dtype="bfloat16", device="cpu", quantization=quant, batch_invariant=True)
     plain = LLM(model=ckpts["target"], **kw)
     llm = LLM(model=ckpts["target"], speculative_config=spec_configs(ckpts)[name], **kw)
     for max_tokens in (17, 40):

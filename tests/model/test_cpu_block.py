@@ -10,7 +10,7 @@ import torch
 from specdecode.model.cpu_block import MAX_POSITIONS
 from specdecode.model.cpu_int4 import CPU_ISAS, cpu_lib
 from specdecode.model.loader import load_model
-from specdecode.model.quant import describe_kernels, quantize_model_
+from specdecode.model.quant import Int4Linear, describe_kernels, quantize_model_
 from specdecode.paged_cache import new_paged_cache
 from tests.tiny import make_tiny_checkpoint, root_path, small_tree
 
@@ -23,14 +23,15 @@ def tiny(tmp_path_factory, arch: str, dtype: str = "bfloat16", quant: str = "int
     return quantize_model_(load_model(str(path), dtype=dtype, device="cpu").model, quant, int4_kernel=isa)
 
 
-@pytest.fixture(scope="module", params=[(w, isa) for isa in BUILDS for w in ("int4", "bf16", "int4-d64-g4")],
+@pytest.fixture(scope="module", params=[(w, isa) for isa in BUILDS for w in ("int4", "bf16", "int4-d64-g4", "int4-a8")],
                 ids=lambda p: "-".join(p))  # fmt: skip
 def model(request, tmp_path_factory):
-    """Our int4 linears, or plain bf16 weights (read in place by our bf16 GEMM); the last has
-    head_dim 64 and 4 query heads per kv head, so RoPE's 16-lane loop and wider groups run."""
+    """Our int4 linears, plain bf16 weights (read in place by our bf16 GEMM), or int4 times int8
+    activations; "d64" has head_dim 64 and 4 query heads per kv head, so RoPE's 16-lane loop
+    and wider groups run."""
     weights, isa = request.param
     wide = dict(head_dim=64, num_attention_heads=4, num_key_value_heads=1) if "d64" in weights else {}
-    quant = "none" if weights == "bf16" else "int4"
+    quant = {"bf16": "none", "int4-a8": "int4-a8"}.get(weights, "int4")
     m = tiny(tmp_path_factory, "llama", quant=quant, isa=isa, **wide)
     if quant == "none":
         m.use_cpu_blocks(isa)  # bf16 weights: any build runs them
@@ -70,6 +71,13 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
+def slack(model) -> float:
+    """How far apart two bf16 roundings may take fused and torch blocks: int8 activations turn
+    a last-bit difference of an input into a different int8 step now and then (x3)."""
+    qkv = model.layers[0].attn.qkv
+    return 3.0 if isinstance(qkv, Int4Linear) and qkv.a8 else 1.0
+
+
 @torch.inference_mode()
 def test_matches_torch_blocks_on_prefill_decode_and_trees(model):
     torch.manual_seed(0)
@@ -85,7 +93,7 @@ def test_matches_torch_blocks_on_prefill_decode_and_trees(model):
             tree = model(toks[:, 20:24], 16 + torch.tensor([[0, 1, 1, 2]]), cache, block_mask=mask)
             outs[name] = (pre, chain, tree)
     for fused, ref in zip(outs["fused"], outs["torch"]):
-        assert rel(fused, ref) < 0.03  # bf16 rounding in a different order, nothing more
+        assert rel(fused, ref) < 0.03 * slack(model)  # bf16 rounding in a different order, nothing more
         top2 = ref.topk(2, dim=-1).values
         clear = top2[..., 0] - top2[..., 1] > 0.25  # no near-tie that a rounding may flip
         assert clear.any() and torch.equal(fused.argmax(-1)[clear], ref.argmax(-1)[clear])
@@ -153,7 +161,8 @@ def test_hidden_states_and_embeds_input(model):
     assert torch.equal(embeds, before)  # the kernel works on its own copy of the stream
     with torch_blocks(model):
         ref, (r0, rlast) = model(None, torch.arange(12)[None], model.new_cache(1, 32), hidden_layers=(0, -1), embeds=embeds)
-    assert rel(h0.float(), r0.float()) < 0.02 and rel(last.float(), rlast.float()) < 0.03
+    assert rel(h0.float(), r0.float()) < 0.02 * slack(model)
+    assert rel(last.float(), rlast.float()) < 0.03 * slack(model)
     assert torch.equal(logits, model(toks, torch.arange(12)[None], model.new_cache(1, 32)))
 
 
@@ -226,7 +235,7 @@ def test_swapped_or_moved_weights_are_never_read_stale(tmp_path_factory):
     """The structs point into the weights they were built from: swapping a linear drops them,
     moving the weights makes the pass refuse, and use_cpu_blocks() builds them again."""
     from specdecode.config import SpecDecodeError
-    from specdecode.model.quant import Int4Linear, set_submodule
+    from specdecode.model.quant import set_submodule
 
     m = tiny(tmp_path_factory, "llama", quant="none")
     step = lambda: m(torch.tensor([[5, 6]]), torch.arange(2)[None], m.new_cache(1, 8))  # noqa: E731

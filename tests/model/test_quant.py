@@ -84,6 +84,55 @@ def test_int4_rows_do_not_depend_on_how_many_are_verified(kernel):
         assert torch.equal(lin(x[:m]), alone[:m])
 
 
+def a8_reference(x: torch.Tensor, q, s, z, g) -> torch.Tensor:
+    """The int8-activation arithmetic in float64: each row's groups of 32 inputs quantized as the
+    kernel does (q = round(x * 127 / max|x|) in fp32, nearest even), exact integer dot products
+    with the nibbles, then s d (q_w . q_x) + z sum(x) per group, with the kernel's fp16 s and z."""
+    xf = x.bfloat16().float().view(x.shape[0], -1, 32)  # [M, G, 32]
+    amax = xf.abs().amax(-1, keepdim=True)
+    qx = torch.round(xf * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax)))
+    n = q.shape[0]
+    s16 = s.half().double().repeat_interleave(g // 32, 1)  # [N, G]
+    z16 = (z.double() - 8 * s.double()).half().double().repeat_interleave(g // 32, 1)
+    dots = torch.einsum("mgk,ngk->mng", qx.double(), q.double().view(n, -1, 32))
+    d = (amax[..., 0] / 127).double()  # [M, G]
+    return (s16 * d[:, None] * dots).sum(-1) + (z16 * xf.double().sum(-1)[:, None]).sum(-1)
+
+
+@pytest.mark.parametrize("kernel", OURS)
+@pytest.mark.parametrize("n,k,g", SHAPES_INT4)
+@pytest.mark.parametrize("m", [1, 3, 5, 9, 20])
+def test_int4_a8_matches_its_integer_reference(kernel, n, k, g, m):
+    """int8 activations: the kernel is the integer arithmetic above up to the bf16 output, and
+    within a few percent of the dequantized weights' product (per-group int8 rounding of x)."""
+    gen = torch.Generator().manual_seed(n * k + m + 1)
+    w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    q, s, z = quantize_int4(w, g)
+    lin = Int4Linear.from_weight(w, g, bias=b, kernel=kernel, a8=True)
+    assert lin.a8 and "int8 activations" in lin.kernel()
+    x = torch.randn(m, k, generator=gen)
+    y = lin(x)
+    xp = torch.nn.functional.pad(x, (0, -k % g))
+    assert close(y, a8_reference(xp, q, s, z, g).float() + b, 1e-2)  # bf16 output rounding
+    assert close(y, x.bfloat16().float() @ kernel_weights(q, s, z, g, kernel)[:, :k].T + b, 0.03)
+
+
+@pytest.mark.parametrize("kernel", OURS)
+def test_int4_a8_rows_do_not_depend_on_how_many_are_verified(kernel):
+    gen = torch.Generator().manual_seed(8)
+    lin = Int4Linear.from_weight(torch.randn(96, 160, generator=gen), 32, kernel=kernel, a8=True)
+    x = torch.randn(20, 160, generator=gen).bfloat16()
+    x[3, 32:64] = 0  # an all-zero group: d = 0
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(20)])
+    for m in (2, 4, 5, 9, 16, 20):
+        assert torch.equal(lin(x[:m]), alone[:m])
+
+
+def test_int4_a8_needs_our_kernel():
+    with pytest.raises(SpecDecodeError, match="int8 activations"):
+        Int4Linear.from_weight(torch.randn(8, 32), 32, kernel="stock", a8=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k", [(3, 96), (40, 200), (17, 160)])
 def test_int8_matches_dequantized_reference(dtype, n, k):
@@ -104,7 +153,11 @@ def test_parse_quantization():
     assert parse_quantization("int4-g128").group_size == 128
     assert parse_quantization("int4", group_size=64).group_size == 64
     assert parse_quantization("gguf").mode == "gguf"
-    for bad in ("int3", "int4-g48", "q4_1", "INT8", 4):
+    a8 = parse_quantization("int4-g64-a8")
+    assert (a8.mode, a8.group_size, a8.a8, str(a8)) == ("int4", 64, True, "int4-g64-a8")
+    assert str(parse_quantization("gguf-a8")) == "gguf-a8" and not parse_quantization("gguf").a8
+    assert str(parse_quantization("int4-a8")) == "int4-g32-a8"
+    for bad in ("int3", "int4-g48", "q4_1", "INT8", 4, "int8-a8", "none-a8", "a8"):
         with pytest.raises(SpecDecodeError, match="supported"):
             parse_quantization(bad)
 
@@ -291,6 +344,20 @@ def test_gguf_native_greedy_matches_fp32_dequantized(tmp_path, arch, kind):
     assert greedy(native, prompt, 12) == greedy(dense, prompt, 12)
     ref, got = logits(dense, SEQ), logits(native, SEQ)
     assert (got - ref).norm() / ref.norm() < 0.02  # bf16 activations; the weights are the file's
+
+
+@pytest.mark.skipif(cpu_lib() is None, reason="int8 activations need our kernel (AVX2 and a C compiler)")
+def test_gguf_a8_runs_the_files_nibbles_on_int8_activations(tmp_path):
+    """gguf-a8: the same Q4_1 blocks, times int8-quantized activations; close to the file's
+    weights (not equal: that is what plain "gguf" is for), and the fused blocks run it."""
+    path, _ = make_tiny_gguf(tmp_path / "a8.gguf", "llama", quant="Q4_1", hidden_size=128)
+    lm = load_model(str(path), dtype="bfloat16", device="cpu", progress=False, quantization="gguf-a8")
+    exact = load_model(str(path), dtype="bfloat16", device="cpu", progress=False, quantization="gguf").model
+    qkv = lm.model.get_submodule("layers.1.attn.qkv")
+    assert lm.quantization == "gguf-a8" and isinstance(qkv, Int4Linear) and qkv.a8
+    assert "x int8 activations (Q4_1)" in describe_kernels(lm.model) and lm.model.cpu_blocks is not None
+    ref, got = logits(exact, SEQ), logits(lm.model, SEQ)
+    assert 0 < (got - ref).norm() / ref.norm() < 0.05
 
 
 def test_auto_keeps_a_gguf_quantized_only_where_it_can(tmp_path, tiny_folder):

@@ -73,7 +73,8 @@ static inline __attribute__((always_inline)) void a8_block(
 #pragma GCC unroll 4
       for (int r = 0; r < MB; r++) {
         const int8_t* qr = q + (size_t)r * K + g * 32 + 8 * v;
-        const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(qr)), _mm256_maddubs_epi16(hi, bcast4(qr + 4)));
+        const __m256i t =
+            _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(qr)), _mm256_maddubs_epi16(hi, bcast4(qr + 4)));
         acc[r] = v == 0 ? t : _mm256_add_epi16(acc[r], t);
       }
     }
@@ -83,14 +84,16 @@ static inline __attribute__((always_inline)) void a8_block(
     for (int r = 0; r < MB; r++) {
       const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[r], ones));
       const int64_t rg = (int64_t)r * G + g;
-      o[r] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(d[rg])), dot, _mm256_fmadd_ps(z, _mm256_set1_ps(xs[rg]), o[r]));
+      const __m256 zx = _mm256_fmadd_ps(z, _mm256_set1_ps(xs[rg]), o[r]);
+      o[r] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(d[rg])), dot, zx);
     }
   }
 #pragma GCC unroll 4
   for (int r = 0; r < MB; r++) store8(y + (size_t)r * ldy, o[r]);
 }
 
-typedef void (*block_fn)(const int8_t*, const float*, const float*, int, const uint8_t*, const uint16_t*, uint16_t*, int);
+typedef void (*block_fn)(const int8_t*, const float*, const float*, int, const uint8_t*, const uint16_t*, uint16_t*,
+                         int);
 #define BLOCK(MB) static void a8_block##MB(const int8_t* q, const float* d, const float* xs, int K, const uint8_t* wp, \
     const uint16_t* sz, uint16_t* y, int ldy) { a8_block(MB, q, d, xs, K, wp, sz, y, ldy); }
 BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4)
