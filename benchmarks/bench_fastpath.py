@@ -9,8 +9,9 @@ included). Systems:
 
 - transformers `generate` on the same GGUF dequantized to bf16: plain, and its prompt
   lookup (``prompt_lookup_num_tokens``);
-- ours in bf16 (the GGUF dequantized), int8 (per-channel, from bf16) and gguf (the Q4_1
-  blocks kept, our int4 kernel): plain, and each of ``--specs``;
+- ours in bf16 (the GGUF dequantized), int8 (per-channel, from bf16), gguf (the Q4_1
+  blocks kept, our int4 kernel) and gguf-a8 (the same blocks times int8 activations, as
+  llama.cpp computes): plain, and each of ``--specs``;
 - llama.cpp through `llama-cpp-python` on the same GGUF file, plain and with its
   prompt-lookup drafter (`LlamaPromptLookupDecoding`), when that package is installed
   (an optional extra that builds from source: ``pip install llama-cpp-python diskcache``).
@@ -18,7 +19,7 @@ included). Systems:
 For each prompt kind the summary takes our best speculative configuration per weight
 format (the fastest of ``--specs`` on that kind), and checks the issue's targets.
 
-    python benchmarks/bench_fastpath.py [--threads 2] [--max-tokens 128] [--modes bf16 int8 gguf]
+    python benchmarks/bench_fastpath.py [--threads 2] [--max-tokens 128] [--modes bf16 int8 gguf gguf-a8]
         [--specs ngram ngram_auto eagle mtp] [--json out.json]
 """
 
@@ -46,7 +47,7 @@ SPECS = {
     "mtp": {"method": "mtp"},
     "eagle3": {"method": "eagle3"},
 }
-QUANT = {"bf16": None, "int8": "int8", "gguf": "gguf"}
+QUANT = {"bf16": None, "int8": "int8", "gguf": "gguf", "gguf-a8": "gguf-a8"}
 
 
 def load_prompts() -> list[tuple[str, str]]:
@@ -162,16 +163,16 @@ def report(rows: dict[str, list[float]], prompts: list[tuple[str, str]], args) -
         print(f"- ours {mode}, best speculative per kind: "
               + ", ".join(f"{k} {best[k].split()[-1]} {mean[best[k]][k]:.1f} tok/s" for k in kinds))  # fmt: skip
     checks = []
-    hf = mean.get("transformers bf16 plain")
-    if hf and "ours gguf plain" in mean:
-        r = statistics.fmean(mean["ours gguf plain"][k] / hf[k] for k in kinds)
-        checks.append((f"gguf plain / transformers bf16 plain = {r:.2f}x (target >= 2x)", r >= 2))
-    cpp = mean.get("llama.cpp plain")
+    hf, cpp = mean.get("transformers bf16 plain"), mean.get("llama.cpp plain")
+    for plain in (f"ours {m} plain" for m in ("gguf", "gguf-a8") if f"ours {m} plain" in mean):
+        if hf:
+            r = statistics.fmean(mean[plain][k] / hf[k] for k in kinds)
+            checks.append((f"{plain} / transformers bf16 plain = {r:.2f}x (target >= 2x)", r >= 2))
+        if cpp:
+            r = statistics.fmean(mean[plain][k] / cpp[k] for k in kinds)
+            checks.append((f"{plain} / llama.cpp plain = {r:.2f}x (aim >= 0.7x)", r >= 0.7))
     if cpp:
         ours = [s for s in mean if s.startswith("ours ")]
-        if "ours gguf plain" in mean:
-            r = statistics.fmean(mean["ours gguf plain"][k] / cpp[k] for k in kinds)
-            checks.append((f"gguf plain / llama.cpp plain = {r:.2f}x (aim >= 0.7x)", r >= 0.7))
         for k in kinds:
             top = max((s for s in ours if not s.endswith("plain")), key=lambda s: mean[s][k])
             if k == "input_reuse":

@@ -1,7 +1,8 @@
-"""Quantized weight-only linears on the default model: every ratio measured side by side in one run.
+"""Quantized linears on the default model: every ratio measured side by side in one run.
 
 CPU, batch 1, activations in bf16. For each quantization (none = bf16 weights, int8, int4 g32,
-gguf = the file's own Q4_1/Q8_0 blocks; "@stock" = torch's int4 CPU kernel instead of ours;
+gguf = the file's own Q4_1/Q8_0 blocks; "-a8" = int4 / gguf times int8-quantized activations;
+"@stock" = torch's int4 CPU kernel instead of ours;
 "gguf@planes" = ours, with the Q8_0 head as two int4 planes instead of its own blocks) it reports:
   1. ms per forward of M = 1, 2, 5, 9, 16 new positions over a cached prompt (the verify cost
      curve of speculative decoding), and the M=5 / M=1 ratio;

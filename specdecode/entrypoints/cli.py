@@ -16,6 +16,12 @@ from specdecode.config import SamplingParams, SpecDecodeError
 EXIT_BAD_INPUT = 2
 
 
+QUANTIZATION_HELP = (
+    "weights of the linears: auto (a GGUF's own blocks where our CPU kernel runs them, else none), none, int8, "
+    "int4[-g32|-g64|-g128], gguf; add -a8 to int4 / gguf for int8 activations (llama.cpp's arithmetic: "
+    "faster on AVX2 CPUs, not exact to the weights)"
+)
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="generate text, optionally with speculative decoding")
     g.add_argument("prompt", help="the prompt text")
@@ -30,9 +36,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--dtype", default="auto", help="auto (bfloat16), float32, bfloat16, float16")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda")
-    g.add_argument("--quantization", default="auto",
-                   help="weights of the linears: auto (a GGUF's own blocks where our CPU kernel runs them, else none), "
-                        "none, int8, int4[-g32|-g64|-g128], gguf")
+    g.add_argument("--quantization", default="auto", help=QUANTIZATION_HELP)
     g.add_argument("--batch-invariant", action="store_true",
                    help="attention one position at a time: exact greedy equality with int4/gguf weights")
     _add_compile(g)
@@ -75,9 +79,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/*")
     s.add_argument("--dtype", default="auto", help="auto (bfloat16), float32, bfloat16, float16")
     s.add_argument("--device", default="auto", help="auto, cpu, cuda")
-    s.add_argument("--quantization", default="auto",
-                   help="weights of the linears: auto (a GGUF's own blocks where our CPU kernel runs them, else none), "
-                        "none, int8, int4[-g32|-g64|-g128], gguf")
+    s.add_argument("--quantization", default="auto", help=QUANTIZATION_HELP)
     s.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     _add_compile(s)
     s.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")

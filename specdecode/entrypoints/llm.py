@@ -93,7 +93,9 @@ class LLM:
     weight format of the linears, for the target and a draft model alike; ``llm.kernels``
     says which run. The default "auto" keeps a GGUF's own blocks where our CPU kernel runs
     them (the default model: ~170 tok/s against ~68 in bf16, and exactly the file's
-    weights), and is "none" otherwise.
+    weights), and is "none" otherwise. "gguf-a8" / "int4-a8" also quantize each row's
+    activations to int8 per group of 32, as llama.cpp does: on AVX2-only CPUs ~1.5x faster,
+    close to but not exactly the file's weights (opt-in; still row-invariant, so lossless).
     ``batch_invariant=True`` computes each position's attention alone in decode and verify
     passes: with row-invariant linears (int4 / gguf on our CPU kernel) speculative greedy
     output then equals plain greedy bit for bit; it costs one attention call per position.
