@@ -39,9 +39,9 @@ from specdecode.config import SpecDecodeError
 # 32 columns), scales_and_zeros [N/32, G, 2, 32] fp16. Q8_0 (`pack_q8_cpu`): int8
 # converted the same way, one fp16 d per group and no zero term. Threads: OpenMP, which
 # resolves to the libgomp that torch has already loaded, so both share one thread pool.
-# Opt-in int8 activations (quantization "...-a8", kernels/int4_a8.c, in both builds): each
-# row's groups of 32 inputs quantized to int8 and multiplied by the nibbles with vpmaddubsw,
-# as llama.cpp does; not exact to the dequantised weights, but still row-invariant.
+# Opt-in int8 activations (quantization "...-a8", kernels/a8_avx2.c, in both builds): each
+# row's groups of 32 inputs quantized to int8 and multiplied by the int4 or Q8_0 weights with
+# vpmaddubsw, as llama.cpp does; not exact to the dequantised weights, but still row-invariant.
 
 # One library per instruction set, the same entry points and weight layouts in each: the
 # AVX512 build multiplies bf16 pairs with vdpbf16ps; the AVX2 build (kernels/*_avx2.c) widens
@@ -49,10 +49,10 @@ from specdecode.config import SpecDecodeError
 CPU_ISAS = {
     "avx512_bf16": (
         ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c", "fma"),
-        ("int4_avx512_bf16.c", "block_bf16.c", "int4_a8.c"),
+        ("int4_avx512_bf16.c", "block_bf16.c", "a8_avx2.c"),
         ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c"),
     ),
-    "avx2": (("avx2", "fma", "f16c"), ("int4_avx2.c", "block_avx2.c", "int4_a8.c"), ("-mavx2", "-mfma", "-mf16c")),
+    "avx2": (("avx2", "fma", "f16c"), ("int4_avx2.c", "block_avx2.c", "a8_avx2.c"), ("-mavx2", "-mfma", "-mf16c")),
 }
 INT4_CPU_KERNELS = ("auto", *CPU_ISAS, "stock")
 _HEADERS = ("avx2.h", "block.h", "block_body.h")
@@ -121,6 +121,7 @@ def cpu_lib(isa: str | None = None) -> ctypes.CDLL | None:
     lib.int4_a8_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
     lib.int4_a8_gemm.argtypes += [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     lib.int4_a8_gemm.restype = None
+    lib.q8_a8_gemm.argtypes, lib.q8_a8_gemm.restype = lib.int4_a8_gemm.argtypes, None
     lib.block_forward.argtypes = [ctypes.c_void_p] * 5
     lib.block_forward.restype = None
     return lib
@@ -178,10 +179,20 @@ def pack_q8_cpu(q: Tensor, d: Tensor, n_pad: int) -> tuple[Tensor, Tensor]:
     return packed, d.view(NT, 32, G).permute(0, 2, 1).to(torch.float16).contiguous()
 
 
+def pack_q8_a8(q: Tensor, d: Tensor, n_pad: int) -> tuple[Tensor, Tensor]:
+    """GGUF Q8_0 (q int8 [N, K], d [N, K/32]) -> q8_a8_gemm's layout (kernels/a8_avx2.c):
+    q [N/8, G, 8, 32] int8, vector v's byte 4c + e = q[c, 4v + e]; d [N/8, G, 8] fp16."""
+    N, K = q.shape
+    q, d = F.pad(q.to(torch.int8), (0, 0, 0, n_pad)), F.pad(d.float(), (0, 0, 0, n_pad))
+    N8, G = (N + n_pad) // 8, K // 32
+    packed = q.view(N8, 8, G, 8, 4).permute(0, 2, 3, 1, 4).reshape(N8, G, 8, 32)
+    return packed.contiguous(), d.view(N8, 8, G).permute(0, 2, 1).to(torch.float16).contiguous()
+
+
 def cpu_mm(x: Tensor, packed: Tensor, scales: Tensor, isa: str, a8: bool = False) -> Tensor:
     """y [M, N] bf16 = x [M, K] bf16 @ a packed weight, through our ``isa`` build: int4
-    (``packed`` uint8, ``scales`` the scales and zeros; with ``a8``, in `pack_int4_a8`'s layout
-    and times int8-quantized x) or Q8_0 (``packed`` int8, ``scales`` d).
+    (``packed`` uint8, ``scales`` the scales and zeros) or Q8_0 (``packed`` int8, ``scales`` d);
+    with ``a8``, in `pack_int4_a8` / `pack_q8_a8`'s layout and times int8-quantized x.
     Inside torch.compile it runs as the opaque custom op below (a ctypes call cannot be
     traced); eagerly it is called directly, since the op dispatcher would add its overhead to
     every linear of every step."""
@@ -196,7 +207,8 @@ def _mm(x: Tensor, packed: Tensor, scales: Tensor, isa: str, a8: bool) -> Tensor
     y = torch.empty(M, N, dtype=torch.bfloat16)
     lib, threads = cpu_lib(isa), torch.get_num_threads()
     if a8:
-        lib.int4_a8_gemm(x.data_ptr(), M, K, packed.data_ptr(), scales.data_ptr(), N, y.data_ptr(), threads)
+        gemm = lib.q8_a8_gemm if packed.dtype == torch.int8 else lib.int4_a8_gemm
+        gemm(x.data_ptr(), M, K, packed.data_ptr(), scales.data_ptr(), N, y.data_ptr(), threads)
     elif packed.dtype == torch.int8:  # Q8_0
         lib.q8_gemm(x.data_ptr(), M, K, packed.data_ptr(), scales.data_ptr(), N, y.data_ptr(), threads)
     else:

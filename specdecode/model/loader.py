@@ -189,7 +189,7 @@ def use_gguf_blocks_(
     Parts are fused along the outputs like the dense weights (q/k/v, gate/up); a part in two
     planes (Q8_0) turns the others into two planes too. A linear whose parts are all Q8_0 runs
     them as they are (`Q8Linear`) where our CPU kernel does. Linears with any dense part stay dense.
-    ``a8``: the Int4Linears take int8-quantized activations (Q8Linear stays weight-only).
+    ``a8``: the linears take int8-quantized activations.
     """
     blocks = {k.removeprefix("model."): v for k, v in blocks.items()}
     for i in range(config.num_layers):
@@ -216,7 +216,7 @@ def _swap_int4(model: Transformer, name: str, parts: list[Int4Groups | None], ke
     all_q8 = all(p.source_type == "Q8_0" for p in parts)
     if all_q8 and Q8Linear.available(device) and pick_cpu_kernel(kernel) in CPU_ISAS:
         q8, d = (torch.cat(t) for t in zip(*(p.as_q8() for p in parts)))
-        set_submodule(model, name, Q8Linear(q8, d, lin.in_features, bias, kernel=kernel))
+        set_submodule(model, name, Q8Linear(q8, d, lin.in_features, bias, kernel=kernel, a8=a8))
         return
     planes = max(p.planes for p in parts)
     parts = [p.to_planes(planes) for p in parts]

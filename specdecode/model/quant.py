@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from specdecode.config import SpecDecodeError
 from specdecode.model.cpu_int4 import (
-    CPU_ISAS, cpu_isa, cpu_mm, pack_int4_a8, pack_int4_cpu, pack_q8_cpu, pick_cpu_kernel,
+    CPU_ISAS, cpu_isa, cpu_mm, pack_int4_a8, pack_int4_cpu, pack_q8_a8, pack_q8_cpu, pick_cpu_kernel,
 )  # fmt: skip
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "gguf")
@@ -254,11 +254,11 @@ class Q8Linear(nn.Module):
     one fp16 d per 32 inputs, through our CPU kernel in bf16 (`Q8Linear.available()`; elsewhere
     the loader keeps Q8_0 as two int4 planes); ``kernel`` picks its build (cpu_int4.CPU_ISAS).
     1.06 bytes a weight, against 1.25 for the planes: for the default model's tied Q8_0 head,
-    30 MB read per token instead of 35."""
+    30 MB read per token instead of 35. ``a8``: times int8-quantized activations (Int4Linear's)."""
 
     def __init__(
         self, q: Tensor, d: Tensor, in_features: int, bias: Tensor | None = None, source: str = "Q8_0",
-        kernel: str = "auto",
+        kernel: str = "auto", a8: bool = False,
     ):  # fmt: skip
         super().__init__()
         N, K = q.shape
@@ -268,8 +268,8 @@ class Q8Linear(nn.Module):
         if self.impl not in CPU_ISAS:
             raise SpecDecodeError(f"Q8_0 weights kept as they are need our CPU kernel, not {self.impl!r}")
         self.out_features, self.in_features, self.source = N, in_features, source
-        self.k_pad, self.n_pad = K - in_features, -N % 32
-        packed, scales = pack_q8_cpu(q, d, self.n_pad)
+        self.k_pad, self.n_pad, self.a8 = K - in_features, -N % (8 if a8 else 32), a8
+        packed, scales = pack_q8_a8(q, d, self.n_pad) if a8 else pack_q8_cpu(q, d, self.n_pad)
         self.register_buffer("weight", packed)
         self.register_buffer("scales", scales)
         self.register_buffer("bias", None if bias is None else bias.float())
@@ -279,13 +279,15 @@ class Q8Linear(nn.Module):
         return device.type == "cpu" and cpu_isa() is not None
 
     def kernel(self) -> str:
-        return f"q8_0 {self.impl} g32 ({self.source})"
+        return f"q8_0 {self.impl} g32{' x int8 activations' * self.a8} ({self.source})"
 
     def forward(self, x: Tensor) -> Tensor:
-        return _bf16_linear(self, x, lambda x2: cpu_mm(x2.contiguous(), self.weight, self.scales, self.impl))
+        mm = lambda x2: cpu_mm(x2.contiguous(), self.weight, self.scales, self.impl, self.a8)  # noqa: E731
+        return _bf16_linear(self, x, mm)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, a8={self.a8}, "
+                f"bias={self.bias is not None}")  # fmt: skip
 
 
 def _bf16_linear(m: Int4Linear | Q8Linear, x: Tensor, mm: Callable[[Tensor], Tensor]) -> Tensor:

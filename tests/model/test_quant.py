@@ -84,18 +84,23 @@ def test_int4_rows_do_not_depend_on_how_many_are_verified(kernel):
         assert torch.equal(lin(x[:m]), alone[:m])
 
 
-def a8_reference(x: torch.Tensor, q, s, z, g) -> torch.Tensor:
-    """The int8-activation arithmetic in float64: each row's groups of 32 inputs quantized as the
-    kernel does (q = round(x * 127 / max|x|) in fp32, nearest even), exact integer dot products
-    with the nibbles, then s d (q_w . q_x) + z sum(x) per group, with the kernel's fp16 s and z."""
+def a8_dots(x: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's groups of 32 inputs quantized as the kernels do (q_x = round(x * 127 / max|x|)
+    in fp32, nearest even) and their exact integer dot products with q [N, K]: (dots [M, N, G]
+    and d_x [M, G] in float64, x [M, G, 32] as bf16 values)."""
     xf = x.bfloat16().float().view(x.shape[0], -1, 32)  # [M, G, 32]
     amax = xf.abs().amax(-1, keepdim=True)
     qx = torch.round(xf * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax)))
-    n = q.shape[0]
+    dots = torch.einsum("mgk,ngk->mng", qx.double(), q.double().view(q.shape[0], -1, 32))
+    return dots, (amax[..., 0] / 127).double(), xf
+
+
+def a8_reference(x: torch.Tensor, q, s, z, g) -> torch.Tensor:
+    """int4 times int8 activations in float64: s d_x (q_w . q_x) + z sum(x) per group, with the
+    kernel's fp16 s and z."""
+    dots, d, xf = a8_dots(x, q)
     s16 = s.half().double().repeat_interleave(g // 32, 1)  # [N, G]
     z16 = (z.double() - 8 * s.double()).half().double().repeat_interleave(g // 32, 1)
-    dots = torch.einsum("mgk,ngk->mng", qx.double(), q.double().view(n, -1, 32))
-    d = (amax[..., 0] / 127).double()  # [M, G]
     return (s16 * d[:, None] * dots).sum(-1) + (z16 * xf.double().sum(-1)[:, None]).sum(-1)
 
 
@@ -330,6 +335,27 @@ def test_q8_0_kept_as_is_equals_the_dequantized_weight(kernel):
     assert f"q8_0 {kernel}" in lin.kernel()
 
 
+@pytest.mark.parametrize("kernel", OURS)
+def test_q8_0_a8_matches_its_integer_reference(kernel):
+    """Q8_0 times int8 activations: d_w d_x (q_w . q_x) per group up to the bf16 output, close
+    to the file's weights, full-range int8 (-128 too) and zero groups, row-invariant."""
+    N, K = 40, 160  # 5 groups; N pads to 8-column jobs
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=gen)
+    q[0, :32] = -128
+    d = (torch.rand(N, K // 32, generator=gen) / 64).half().float()
+    lin = Q8Linear(q, d, K, kernel=kernel, a8=True)
+    assert "x int8 activations" in lin.kernel()
+    x = torch.randn(9, K, generator=gen).bfloat16()
+    x[2, 64:96] = 0
+    y = lin(x).float()
+    dots, dx, _ = a8_dots(x, q)
+    ref = (d.double() * dx[:, None] * dots).sum(-1)
+    assert close(y, ref, 1e-2)
+    assert close(y, x.float() @ (q.float().view(N, -1, 32) * d[..., None]).view(N, K).T, 0.03)
+    assert torch.equal(torch.cat([lin(x[i : i + 1]) for i in range(9)]).float(), y)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 def test_gguf_native_greedy_matches_fp32_dequantized(tmp_path, arch, kind):
@@ -347,15 +373,17 @@ def test_gguf_native_greedy_matches_fp32_dequantized(tmp_path, arch, kind):
 
 
 @pytest.mark.skipif(cpu_lib() is None, reason="int8 activations need our kernel (AVX2 and a C compiler)")
-def test_gguf_a8_runs_the_files_nibbles_on_int8_activations(tmp_path):
-    """gguf-a8: the same Q4_1 blocks, times int8-quantized activations; close to the file's
-    weights (not equal: that is what plain "gguf" is for), and the fused blocks run it."""
-    path, _ = make_tiny_gguf(tmp_path / "a8.gguf", "llama", quant="Q4_1", hidden_size=128)
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_gguf_a8_runs_the_files_blocks_on_int8_activations(tmp_path, kind):
+    """gguf-a8: the same blocks, times int8-quantized activations; close to the file's weights
+    (not equal: that is what plain "gguf" is for); the fused blocks run Q4_1's."""
+    path, _ = make_tiny_gguf(tmp_path / "a8.gguf", "llama", quant=kind, hidden_size=128)
     lm = load_model(str(path), dtype="bfloat16", device="cpu", progress=False, quantization="gguf-a8")
     exact = load_model(str(path), dtype="bfloat16", device="cpu", progress=False, quantization="gguf").model
     qkv = lm.model.get_submodule("layers.1.attn.qkv")
-    assert lm.quantization == "gguf-a8" and isinstance(qkv, Int4Linear) and qkv.a8
-    assert "x int8 activations (Q4_1)" in describe_kernels(lm.model) and lm.model.cpu_blocks is not None
+    assert lm.quantization == "gguf-a8" and isinstance(qkv, (Int4Linear, Q8Linear)) and qkv.a8 and lm.model.lm_head.a8
+    assert f"x int8 activations ({kind})" in describe_kernels(lm.model)
+    assert (lm.model.cpu_blocks is not None) == (kind == "Q4_1")
     ref, got = logits(exact, SEQ), logits(lm.model, SEQ)
     assert 0 < (got - ref).norm() / ref.norm() < 0.05
 

@@ -1,5 +1,6 @@
-/* Group-wise int4 weights times int8 activations (W4A8, the arithmetic of llama.cpp's Q4 x Q8
-   dot products) for AVX2 CPUs; built into both libraries (AVX512 CPUs run AVX2 too).
+/* Group-wise int4 and GGUF Q8_0 weights times int8 activations (W4A8 / W8A8, the arithmetic of
+   llama.cpp's Q4 x Q8 and Q8 x Q8 dot products) for AVX2 CPUs; built into both libraries
+   (AVX512 CPUs run AVX2 too).
 
    Why: without vdpbf16ps, widening each weight to fp32 and multiplying with FMAs costs more
    than reading it (int4_avx2.c is compute-bound at one row). Here each group of 32 inputs of a
@@ -13,7 +14,12 @@
    Layout (cpu_int4.pack_int4_a8): per 8 output columns and group, 4 vectors of 32 bytes;
    vector v's byte 4c + e holds q[c, 8v + e] (low nibble) and q[c, 8v + 4 + e] (high), so each
    nibble plane pairs with 4 consecutive inputs broadcast to every column. Scales and zeros:
-   per 8 columns and group, 8 fp16 s then 8 fp16 z. */
+   per 8 columns and group, 8 fp16 s then 8 fp16 z.
+
+   Q8_0 (w = d q, q int8; cpu_int4.pack_q8_a8): per 8 columns and group, 8 vectors of 32 bytes,
+   vector v's byte 4c + e = q[c, 4v + e], then 8 fp16 d. vpmaddubsw wants one unsigned operand:
+   |q| times x with q's sign (vpsignb), as llama.cpp does; a pair of products (at most
+   2 * 128 * 127) fills int16, so vpmaddwd widens each vector's to int32 at once. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -92,32 +98,81 @@ static inline __attribute__((always_inline)) void a8_block(
   for (int r = 0; r < MB; r++) store8(y + (size_t)r * ldy, o[r]);
 }
 
+/* The same for 8 columns of Q8_0 (layout above): per group and row an int32 dot product per
+   column, then o += d_w d_x dot. */
+static inline __attribute__((always_inline)) void q8a8_block(
+    const int MB, const int8_t* q, const float* d, const float* xs, int K, const uint8_t* wp, const uint16_t* dw,
+    uint16_t* y, int ldy) {
+  (void)xs;
+  const int G = K / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 o[4];
+#pragma GCC unroll 4
+  for (int r = 0; r < MB; r++) o[r] = _mm256_setzero_ps();
+  for (int g = 0; g < G; g++) {
+    const uint8_t* gp = wp + (size_t)g * 256;
+    __m256i acc[4];
+#pragma GCC unroll 8
+    for (int v = 0; v < 8; v++) {
+      const __m256i w = _mm256_loadu_si256((const __m256i*)(gp + 32 * v)), aw = _mm256_abs_epi8(w);
+#pragma GCC unroll 4
+      for (int r = 0; r < MB; r++) {
+        const __m256i sx = _mm256_sign_epi8(bcast4(q + (size_t)r * K + g * 32 + 4 * v), w);
+        const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones);
+        acc[r] = v == 0 ? t : _mm256_add_epi32(acc[r], t);
+      }
+    }
+    const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dw + (size_t)g * 8)));
+#pragma GCC unroll 4
+    for (int r = 0; r < MB; r++) {
+      const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(d[(int64_t)r * G + g]));
+      o[r] = _mm256_fmadd_ps(sd, _mm256_cvtepi32_ps(acc[r]), o[r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < MB; r++) store8(y + (size_t)r * ldy, o[r]);
+}
+
 typedef void (*block_fn)(const int8_t*, const float*, const float*, int, const uint8_t*, const uint16_t*, uint16_t*,
                          int);
-#define BLOCK(MB) static void a8_block##MB(const int8_t* q, const float* d, const float* xs, int K, const uint8_t* wp, \
-    const uint16_t* sz, uint16_t* y, int ldy) { a8_block(MB, q, d, xs, K, wp, sz, y, ldy); }
-BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4)
-static const block_fn BLOCKS[5] = {0, a8_block1, a8_block2, a8_block3, a8_block4};
+#define BLOCK(KIND, MB) static void KIND##MB(const int8_t* q, const float* d, const float* xs, int K, \
+    const uint8_t* wp, const uint16_t* sz, uint16_t* y, int ldy) { KIND(MB, q, d, xs, K, wp, sz, y, ldy); }
+BLOCK(a8_block, 1) BLOCK(a8_block, 2) BLOCK(a8_block, 3) BLOCK(a8_block, 4)
+BLOCK(q8a8_block, 1) BLOCK(q8a8_block, 2) BLOCK(q8a8_block, 3) BLOCK(q8a8_block, 4)
+static const block_fn INT4_BLOCKS[5] = {0, a8_block1, a8_block2, a8_block3, a8_block4};
+static const block_fn Q8_BLOCKS[5] = {0, q8a8_block1, q8a8_block2, q8a8_block3, q8a8_block4};
 
-/* y [M, N] bf16 = x [M, K] bf16 @ W.T, W int4 in the layout above; K % 32 == 0, N % 8 == 0.
-   The threads split the columns evenly, 8 at a time. */
-void int4_a8_gemm(const uint16_t* x, int M, int K, const uint8_t* wp, const uint16_t* sz, int N, uint16_t* y,
-                  int threads) {
-  const int G = K / 32;
+/* x quantized once, then jobs of 8 columns for every row, in blocks of up to 4 rows (a job's
+   weights come from memory for its first block, then from cache); the threads split the columns
+   evenly. ``job_bytes`` / ``job_scales``: a job's weight bytes and fp16 scales per group. */
+static void run_a8(const block_fn* blocks, int job_bytes, int job_scales, const uint16_t* x, int M, int K,
+                   const uint8_t* wp, const uint16_t* sz, int N, uint16_t* y, int threads) {
+  const int G = K / 32, nb = (M + 3) / 4;
   int8_t* q = malloc((size_t)M * K);
   float* d = malloc(sizeof(float) * (size_t)M * G);
   float* xs = malloc(sizeof(float) * (size_t)M * G);
   quantize_rows(x, M, K, q, d, xs);
-  const int blocks = (M + 3) / 4;
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int job = 0; job < N / 8; job++)  /* a job's weights come from memory for its first block, then cache */
-    for (int b = 0, r0 = 0; b < blocks; b++) {
-      const int rows = (M - r0) / (blocks - b);
-      BLOCKS[rows](q + (size_t)r0 * K, d + (size_t)r0 * G, xs + (size_t)r0 * G, K, wp + (size_t)job * G * 128,
-                   sz + (size_t)job * G * 16, y + (size_t)r0 * N + job * 8, N);
+  for (int job = 0; job < N / 8; job++)
+    for (int b = 0, r0 = 0; b < nb; b++) {
+      const int rows = (M - r0) / (nb - b);
+      blocks[rows](q + (size_t)r0 * K, d + (size_t)r0 * G, xs + (size_t)r0 * G, K,
+                   wp + (size_t)job * G * job_bytes, sz + (size_t)job * G * job_scales, y + (size_t)r0 * N + job * 8, N);
       r0 += rows;
     }
   free(q);
   free(d);
   free(xs);
+}
+
+/* y [M, N] bf16 = x [M, K] bf16 @ W.T, W int4 in the layout above; K % 32 == 0, N % 8 == 0. */
+void int4_a8_gemm(const uint16_t* x, int M, int K, const uint8_t* wp, const uint16_t* sz, int N, uint16_t* y,
+                  int threads) {
+  run_a8(INT4_BLOCKS, 128, 16, x, M, K, wp, sz, N, y, threads);
+}
+
+/* The same for Q8_0 weights (q and d in the layout above). */
+void q8_a8_gemm(const uint16_t* x, int M, int K, const uint8_t* wq, const uint16_t* d, int N, uint16_t* y,
+                int threads) {
+  run_a8(Q8_BLOCKS, 256, 8, x, M, K, wq, d, N, y, threads);
 }
