@@ -8,7 +8,7 @@ speculative greedy output may leave plain greedy's path at a near-tie and never 
 before the first difference; *identical* counts outputs equal to the last token. Timings
 are not measured here (see bench_quant.py and bench_core.py).
 
-    python benchmarks/bench_match.py --threads 2 --plot docs/match_rate.png
+    python benchmarks/bench_match.py --threads 2 [--modes bf16 int8 gguf gguf-a8] --plot docs/match_rate.png
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from specdecode import LLM, SamplingParams
 
 HERE = Path(__file__).resolve().parent
-MODES = {"bf16": None, "int8": "int8", "gguf Q4_1": "gguf"}
+MODES = {"bf16": None, "int8": "int8", "gguf Q4_1": "gguf", "gguf Q4_1 a8": "gguf-a8"}
 
 
 def prefix_match(a: list[int], b: list[int]) -> float:
@@ -37,7 +37,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--plot", default=None, help="PNG bar chart of the mean match rate")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--modes", nargs="+", default=["bf16", "int8", "gguf"], choices=["bf16", "int8", "gguf", "gguf-a8"],
+                    help="weight formats (gguf-a8: int8 activations)")
     args = ap.parse_args()
+    modes = {name: q for name, q in MODES.items() if (q or "bf16") in args.modes}
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = json.loads((HERE / "prompts.json").read_text())
@@ -45,7 +48,7 @@ def main() -> None:
     spec = {"method": "ngram", "num_speculative_tokens": 8}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     rows = []
-    for mode, quant in MODES.items():
+    for mode, quant in modes.items():
         for invariant in (False, True):
             llm = LLM(speculative_config=spec, dtype="bfloat16", quantization=quant, batch_invariant=invariant)
             for kind, text in texts:
@@ -57,7 +60,7 @@ def main() -> None:
                 print(f"{mode:10s} invariant={invariant!s:5s} {kind:11s} match {rows[-1]['match']:.2f}", flush=True)
     print("\n| weights | batch_invariant | mean match | identical outputs |\n|---|---|---|---|")
     summary = []
-    for mode in MODES:
+    for mode in modes:
         for invariant in (False, True):
             sel = [r for r in rows if r["mode"] == mode and r["batch_invariant"] == invariant]
             mean = statistics.mean(r["match"] for r in sel)
@@ -73,12 +76,12 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(7, 3.6))
-        x = range(len(MODES))
+        x = range(len(modes))
         for j, invariant in enumerate((False, True)):
             vals = [m for mode, inv, m in summary if inv == invariant]
             label = "batch_invariant=True" if invariant else "default (batch_invariant=False)"
             ax.bar([i + (j - 0.5) * 0.38 for i in x], vals, width=0.38, label=label)
-        ax.set_xticks(list(x), list(MODES))
+        ax.set_xticks(list(x), list(modes))
         ax.set_ylim(0, 1.05)
         ax.set_ylabel("tokens matching plain greedy\n(before the first difference)")
         ax.set_title(f"ngram γ=8 vs plain greedy, {len(texts)} prompts, {args.max_tokens} tokens (CPU)")

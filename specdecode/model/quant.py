@@ -1,4 +1,5 @@
-"""Weight-only quantized linears: int8 per output channel and group-wise int4.
+"""Quantized linears: int8 per output channel and group-wise int4, weight-only; and on our CPU
+kernel, int4 / GGUF Q8_0 times int8-quantized activations ("-a8", opt-in).
 
 Owns: `Int8Linear` (``torch._weight_int8pack_mm``), `Int4Linear` (on CPU our kernel, AVX512-BF16 or AVX2,
 compiled on first use, else torch's ``_weight_int4pack_mm_for_cpu``; on CUDA
@@ -16,6 +17,8 @@ Numerics (checked against torch 2.13's kernels):
         Only bf16 is vectorised on CPU (fp32/fp16 run a scalar loop ~30x slower), so int4 always
         computes in bf16 and casts the result back to the activation dtype. Our kernel (bottom of
         this file) keeps s and z - 8 s in fp16 instead, which holds GGUF's fp16 block scales exactly.
+  a8:   the int4 / Q8_0 weights above times x quantized per row and group of 32 to int8
+        (d = max|x| / 127, nearest even), integer dot products; see kernels/a8_avx2.c.
 Both modules pad K internally (int4: to a group multiple; int8: to a multiple of 32, as the bf16
 CPU kernel crashes otherwise) and int4 pads N to its kernel's column tiles (16 or 32).
 

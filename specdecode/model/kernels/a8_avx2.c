@@ -156,8 +156,8 @@ static void run_a8(const block_fn* blocks, int job_bytes, int job_scales, const 
   for (int job = 0; job < N / 8; job++)
     for (int b = 0, r0 = 0; b < nb; b++) {
       const int rows = (M - r0) / (nb - b);
-      blocks[rows](q + (size_t)r0 * K, d + (size_t)r0 * G, xs + (size_t)r0 * G, K,
-                   wp + (size_t)job * G * job_bytes, sz + (size_t)job * G * job_scales, y + (size_t)r0 * N + job * 8, N);
+      blocks[rows](q + (size_t)r0 * K, d + (size_t)r0 * G, xs + (size_t)r0 * G, K, wp + (size_t)job * G * job_bytes,
+                   sz + (size_t)job * G * job_scales, y + (size_t)r0 * N + job * 8, N);
       r0 += rows;
     }
   free(q);
