@@ -26,7 +26,7 @@ from specdecode.drafters.base import Draft, DrafterContext
 from specdecode.engine.batch import Batch, pad_right
 from specdecode.drafters.draft_cache import DraftKVCache
 from specdecode.kv_cache import KVCache
-from specdecode.model.loader import load_model
+from specdecode.model.loader import keeps_gguf_blocks, load_model
 from specdecode.model.transformer import Transformer
 from specdecode.drafters.draft_tree import fill_static_tree, grow_tree
 from specdecode.sampling import logits_to_probs, sample
@@ -90,8 +90,11 @@ class DraftModelDrafter:
     def draft_network(self, spec: SpecConfig, ctx: DrafterContext) -> Transformer:
         """The network that drafts: the checkpoint at ``model`` (layer_skip: the target's first layers)."""
         path = spec.options.model
-        # a GGUF target's draft keeps its own GGUF blocks if it has them ("auto"), else runs dense
-        quantization = "auto" if ctx.quantization == "gguf" else ctx.quantization
+        # a GGUF target's draft keeps its own GGUF blocks if it has them (and the target's
+        # activations: "gguf-a8"), else runs dense
+        quantization = ctx.quantization
+        if quantization in ("gguf", "gguf-a8") and not keeps_gguf_blocks(path, ctx.device):
+            quantization = None
         loaded = load_model(path, dtype=ctx.dtype, device=ctx.device, quantization=quantization)
         check_same_vocab(ctx.target, loaded, path)
         return loaded.model

@@ -124,6 +124,14 @@ def _resolve(path: str | None) -> tuple[Path, str]:
     return p, p.stem if p.is_file() else p.resolve().name
 
 
+def keeps_gguf_blocks(path: str | None, device: torch.device) -> bool:
+    """Whether "auto" keeps ``path``'s own GGUF blocks: a .gguf whose projections all stay
+    quantized, on a CPU our kernel runs on."""
+    source, _ = _resolve(path)
+    native = source.is_file() and source.suffix == ".gguf" and device.type == "cpu"
+    return native and cpu_lib() is not None and gguf_keeps_blocks(source)
+
+
 def load_model(
     path: str | None,
     dtype: str | torch.dtype = "auto",
@@ -148,9 +156,7 @@ def load_model(
     quant = parse_quantization(quantization)
     source, name = _resolve(path)
     if quant is not None and quant.mode == "auto":
-        native = source.is_file() and source.suffix == ".gguf" and device.type == "cpu"
-        native = native and cpu_lib() is not None and gguf_keeps_blocks(source)
-        quant = parse_quantization("gguf" if native else None)
+        quant = parse_quantization("gguf" if keeps_gguf_blocks(path, device) else None)
     if quant is not None and quant.a8 and (device.type != "cpu" or cpu_lib() is None):
         raise SpecDecodeError(f"quantization '{quant}' (int8 activations) needs our CPU kernel: AVX2 and a C compiler")
     if source.is_file():

@@ -54,7 +54,7 @@ LINEAR_NAMES = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # per Block, p
 class Quantization:
     mode: str  # "int8" | "int4" | "gguf" | "auto" (load_model resolves it to "gguf" or none)
     group_size: int | None = None  # int4 only
-    a8: bool = False  # int4 weights times int8-quantized activations (int4 and gguf only)
+    a8: bool = False  # the int4 / Q8_0 weights times int8-quantized activations (int4 and gguf only)
 
     def __str__(self) -> str:
         base = f"int4-g{self.group_size}" if self.mode == "int4" else self.mode
