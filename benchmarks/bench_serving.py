@@ -25,7 +25,7 @@ budget (γ ≤ ``--adaptive-gamma``). The budget policies are wrapped (`Recordin
 also receives each verify pass's positions and time from the engine.
 
     python benchmarks/bench_serving.py [--clients 1 4 16 32] [--max-tokens 64] [--gammas 2 4 8]
-        [--threads 2] [--quantization none|gguf|int8|int4] [--repeats 3] [--json out.json] [--plot docs/serving_throughput.png]
+        [--threads 2] [--quantization none|gguf|gguf-a8|int8|int4] [--repeats 3] [--json out.json] [--plot docs/serving_throughput.png]
 """
 
 from __future__ import annotations
@@ -405,7 +405,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--quantization", default="none",
-                    help="weights: none (bf16, the documented AVX512 runs), gguf (the file's Q4_1 blocks), int8, int4")
+                    help="weights: none (bf16, the documented AVX512 runs), gguf (the file's Q4_1 blocks), gguf-a8 "
+                         "(the same times int8 activations), int8, int4")
     ap.add_argument("--load-warmup", type=int, default=0,
                     help="untimed requests per client that every configuration serves at each load first "
                          "(on CUDA the first configuration at a new batch size was measured slower)")
