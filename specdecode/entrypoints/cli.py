@@ -22,6 +22,7 @@ QUANTIZATION_HELP = (
     "faster on AVX2 CPUs, not exact to the weights)"
 )
 
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="generate text, optionally with speculative decoding")
     g.add_argument("prompt", help="the prompt text")
