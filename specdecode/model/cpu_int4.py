@@ -159,7 +159,7 @@ def pack_int4_cpu(q: Tensor, scales: Tensor, zeros: Tensor, group_size: int, n_p
 
 def pack_int4_a8(q: Tensor, scales: Tensor, zeros: Tensor, group_size: int, n_pad: int) -> tuple[Tensor, Tensor]:
     """(q [N, Kp], scales / stock-convention zeros [N, Kp/g]) -> int4_a8_gemm's layout (see
-    kernels/int4_a8.c): weight [N/8, G, 4, 32] bytes, scales and zeros [N/8, G, 2, 8] fp16."""
+    kernels/a8_avx2.c): weight [N/8, G, 4, 32] bytes, scales and zeros [N/8, G, 2, 8] fp16."""
     q, s, z = _groups_of_32(q, scales, zeros, group_size, n_pad)
     N8, G = q.shape[0] // 8, q.shape[1] // 32
     q = q.view(N8, 8, G, 4, 2, 4)  # (octet, column, group, v, nibble, e): k = 32 g + 8 v + 4 nibble + e
