@@ -121,6 +121,9 @@ class Recording:
     def shadow(self):
         return self.inner.shadow()
 
+    def lookahead(self):
+        return self.inner.lookahead()
+
     def observe(self, reqs, num_accepted, num_draft, seconds, draft_seconds, draft_depth=1, proposal=None):
         self.passes.append((len(reqs) + int(num_draft.sum()), seconds))
         acc, drafted = num_accepted.tolist(), num_draft.tolist()
@@ -466,9 +469,9 @@ def main() -> None:
           f"ms, + {adaptive.attention_cost * 1e6:.3f} µs per attention query and context token, drafting {adaptive.draft_cost * 1e3:.2f} ms "
           f"per depth", flush=True)  # fmt: skip
     for state, label in ((AFTER_MISS, "after a miss (or none yet)"), (AFTER_FULL, "after a fully accepted round")):
-        c = (adaptive.acceptance.accepted[state] / adaptive.acceptance.reached[state]).tolist()
+        c = adaptive.acceptance.shared()[state].tolist()
         print(f"adaptive's shared c_k {label}: {[round(x, 2) for x in c]} over "
-              f"{int(adaptive.acceptance.reached[state, 0]) - 1} rounds (real and shadow)", flush=True)  # fmt: skip
+              f"{int(adaptive.acceptance.reached[state, 0])} rounds (real and shadow)", flush=True)  # fmt: skip
     threshold = threshold_report(model, adaptive.cost)
     calib = {name: engines[name].budget.calib for name in configs if name.startswith("adaptive")}
     print_results(results, configs, args, threshold, calib)

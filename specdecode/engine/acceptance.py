@@ -24,6 +24,7 @@ import torch
 from specdecode.engine.calibration import Rounds, SequentialTemperatureScaling
 
 PRIOR_STRENGTH = 4.0  # pseudo-rounds of the shared estimate behind a request's own counts
+SHARED_PRIOR = 1.0  # pseudo-rounds behind a shared estimate: position 1's at 1/2, position k's at k - 1's
 # A request's state: its last round rejected a token, its drafter found nothing, or it has
 # had no round yet (AFTER_MISS); or its last round accepted every draft token (AFTER_FULL).
 AFTER_MISS, AFTER_FULL = 0, 1
@@ -52,9 +53,9 @@ class AcceptanceStats:
     that learned from a round, on the most recent ``window`` rounds."""
 
     def __init__(self, max_gamma: int, refit_every: int = 64, window: int = 2048) -> None:
-        # shared counts by state and position: rounds that reached position k, and accepted it (Laplace prior)
-        self.reached = torch.ones(2, max_gamma)
-        self.accepted = torch.full((2, max_gamma), 0.5)
+        # shared counts by state and position: rounds that reached position k, and accepted it
+        self.reached = torch.zeros(2, max_gamma)
+        self.accepted = torch.zeros(2, max_gamma)
         self.per_request: dict[str, _RequestRounds] = {}
         self.sts = SequentialTemperatureScaling(max_gamma)
         self.refit_every, self.window = refit_every, window
@@ -71,12 +72,25 @@ class AcceptanceStats:
         """[γ] raw c_k: the estimated chance draft token k survives given tokens 1..k-1 did."""
         return self.confidences([request_id])[0]
 
+    def shared(self) -> torch.Tensor:
+        """[2, γ] c_k shared by all requests, by state. Each position's counts are shrunk towards
+        the estimate of the position before it (the first towards 1/2): c_k is conditional on
+        the earlier tokens surviving and changes slowly with k, so a position no round has
+        reached yet gets its predecessor's estimate, not a flat 1/2. Budgets can then grow past
+        the depth first tried: with a flat prior, ngram on an input-reuse prompt stayed at 2
+        draft tokens a round while c_1 = 0.99 and c_2 = 0.95, as c_3 = 1/2 never paid."""
+        out = torch.empty_like(self.reached)
+        prior = torch.full((2,), 0.5)
+        for k in range(self.gamma):
+            prior = out[:, k] = (self.accepted[:, k] + SHARED_PRIOR * prior) / (self.reached[:, k] + SHARED_PRIOR)
+        return out
+
     def confidences(self, request_ids: list[str], own: bool = True) -> torch.Tensor:
         """[B, γ] raw c_k for several requests at once, each in its state: its own counts shrunk
         to the shared ones (``own=False``: the shared ones alone)."""
         mine = [self.per_request.get(r) for r in request_ids]
         states = [m.state if m is not None else AFTER_MISS for m in mine]
-        shared = (self.accepted / self.reached)[states]  # [B, γ]
+        shared = self.shared()[states]  # [B, γ]
         if not own:
             return shared
         zeros = [0.0] * self.gamma
@@ -106,8 +120,9 @@ class AcceptanceStats:
             pending = mine.shadow is not None
             learned |= self._settle_shadow(req, mine, verified=d > 0)
             if d > 0:
-                self._record(mine, mine.state, self._raw.get(rid), d, a)
-                mine.state, learned = AFTER_FULL if a == d else AFTER_MISS, True
+                drafted, accepted = self._extended(req, row, d, a)
+                self._record(mine, mine.state, self._raw.get(rid), drafted, accepted)
+                mine.state, learned = AFTER_FULL if accepted == drafted else AFTER_MISS, True
             elif row is not None and row[0] != NOT_SHADOWED:
                 chain = row[: row.index(-1)] if -1 in row else row
                 if not chain:
@@ -124,6 +139,19 @@ class AcceptanceStats:
             self.sts = SequentialTemperatureScaling(self.gamma).fit(self.rounds())
             self._since_fit = 0
         return learned
+
+    def _extended(self, req: Any, row: list[int] | None, d: int, a: int) -> tuple[int, int]:
+        """A real round of ``a`` accepted of ``d`` drafts as (drafted, accepted), one position
+        longer where the step shows it: if every draft was accepted and the proposal went on
+        past the budget, the token the target generated next (the bonus) is the one a round of
+        d + 1 drafts would have accepted or not (one-hot q, or a greedy row: the same event)."""
+        if a < d or d >= self.gamma or row is None or row[0] == NOT_SHADOWED or len(row) <= d or row[d] < 0:
+            return d, a
+        at = self._lengths.get(req.request_id, -1) + d  # the bonus token's index
+        tokens = req.seq.token_ids
+        if not 0 <= at < len(tokens):  # the row stopped before a bonus token
+            return d, a
+        return d + 1, d + int(tokens[at] == row[d])
 
     def _settle_shadow(self, req: Any, mine: _RequestRounds, verified: bool) -> bool:
         """Record ``mine``'s shadow round once the tokens its row generated show a miss or the

@@ -75,6 +75,11 @@ class BudgetPolicy(Protocol):
         """Whether to propose on a step where no row will verify drafts (see shadow rounds)."""
         ...
 
+    def lookahead(self) -> int:
+        """Draft tokens to propose past the deepest budget: where a row accepts all its drafts,
+        the bonus token shows whether the next proposed one would have survived."""
+        ...
+
 
 class FixedBudget:
     """Every request verifies its own γ each step, whatever the load."""
@@ -99,6 +104,9 @@ class FixedBudget:
 
     def shadow(self) -> bool:
         return False
+
+    def lookahead(self) -> int:
+        return 0
 
 
 class AdaptiveBudget:
@@ -146,6 +154,13 @@ class AdaptiveBudget:
 
     def shadow(self) -> bool:
         return self.shadow_allowance >= 0
+
+    def lookahead(self) -> int:
+        """One token past the budgets while proposing a token costs at most SHADOW_SHARE of the
+        last pass (ngram, suffix; not a learned drafter's extra step): without it, a depth the
+        budgets never reach is never learned, and a request copying its input for hundreds of
+        tokens kept its first depth (engine/acceptance.py `_extended`)."""
+        return int(bool(self.passes) and self.draft_cost <= SHADOW_SHARE * self.passes[-1][3])
 
     def budgets(
         self, reqs: list[Any], limits: torch.Tensor, engine: ServingEngine, confidence: torch.Tensor | None = None

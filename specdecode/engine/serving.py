@@ -306,7 +306,8 @@ class ServingEngine(Engine):
         want = int(self.budget.budgets(reqs, gammas, self).max()) if self.drafter is not None else 0
         shadow: torch.Tensor | None = None
         if want > 0 or (self.drafter is not None and self._shadows and self.budget.shadow()):
-            start, depth = time.perf_counter(), min(want or self.gamma, self.gamma)
+            depth = min(want + self.budget.lookahead() if want else self.gamma, self.gamma)
+            start = time.perf_counter()
             proposed = self.drafter.propose(self.batch, depth)
             draft_seconds = time.perf_counter() - start
             if want > 0:  # else proposed only for the budget's shadow rounds: nothing is verified

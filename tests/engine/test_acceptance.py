@@ -4,6 +4,7 @@ round, and shadow rounds settled from the tokens a row generates."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specdecode.engine.acceptance import AFTER_FULL, AFTER_MISS, NOT_SHADOWED
@@ -97,3 +98,51 @@ def test_shadows_settle_when_a_row_finishes_and_drop_when_it_drafts():
     s.seq.token_ids.append(8)
     policy.observe([s], zero, zero, 1.0, 0.0, 3, torch.tensor([[NOT_SHADOWED] * 3]))
     assert policy.acceptance.per_request["s"].state == AFTER_FULL and policy.acceptance.per_request["s"].shadow is None
+
+
+def test_an_unreached_position_takes_the_estimate_of_the_one_before():
+    """c_k is conditional on tokens 1..k-1 surviving: a depth no round has reached yet is
+    estimated from the depth before it, not from a flat 1/2 that could keep budgets from ever
+    growing past the first depths tried."""
+    policy = AdaptiveBudget(roofline(knee=64), max_gamma=4)
+    r = req("r")
+    for _ in range(20):  # rounds of 2 drafts, all accepted
+        policy.budgets([r], torch.tensor([2]), engine=None)
+        policy.observe([r], torch.tensor([2]), torch.tensor([2]), 1.0, 0.0)
+    shared = policy.acceptance.shared()[AFTER_FULL]
+    assert shared[0] > 0.9 and shared[2] == pytest.approx(shared[1]) and shared[3] == pytest.approx(shared[1])
+    assert policy.acceptance.confidence("r")[2] > 0.9
+    fresh = AdaptiveBudget(roofline(knee=64), max_gamma=4).acceptance
+    assert fresh.confidence("r").tolist() == [0.5] * 4  # no rounds at all: 1/2 at every depth
+
+
+@pytest.mark.parametrize("bonus, expected", [(7, (3, 3)), (9, (3, 2))])
+def test_a_fully_accepted_round_is_extended_by_the_bonus_token(bonus, expected):
+    """Where a row accepts all d of its drafts and its proposal went on, the bonus token the
+    target generated shows whether draft d + 1 would have been accepted: the round is recorded
+    as d + 1 drafts (and the state follows it)."""
+    policy = AdaptiveBudget(roofline(knee=64), max_gamma=4)
+    r = req("r", length=4)
+    policy.budgets([r], torch.tensor([4]), engine=None)
+    r.seq.token_ids += [5, 6, bonus]  # drafts 5, 6 accepted, then the bonus token
+    policy.observe([r], torch.tensor([2]), torch.tensor([2]), 1.0, 0.0, 3, torch.tensor([[5, 6, 7, -1]]))
+    assert policy.acceptance.records[-1][1:] == expected
+    assert policy.acceptance.per_request["r"].state == (AFTER_FULL if bonus == 7 else AFTER_MISS)
+    # a rejection, a proposal that ended at the budget, or a row that stopped before its bonus: as verified
+    for accepted, proposal, stop in ((1, [5, 6, 7, -1], False), (2, [5, 6, -1, -1], False), (2, [5, 6, 7, -1], True)):
+        policy.budgets([r], torch.tensor([4]), engine=None)
+        r.seq.token_ids += [5, 6] if stop else [5, 6, 7][: accepted + 1]
+        policy.observe([r], torch.tensor([accepted]), torch.tensor([2]), 1.0, 0.0, 3, torch.tensor([proposal]))
+        assert policy.acceptance.records[-1][1:] == (2, accepted)
+
+
+def test_the_engine_proposes_one_past_the_budget_only_for_cheap_drafters():
+    policy = AdaptiveBudget(roofline(knee=64), max_gamma=4)
+    assert policy.lookahead() == 0  # no pass measured yet
+    r = req("r")
+    policy.budgets([r], torch.tensor([2]), engine=None)
+    policy.observe([r], torch.tensor([2]), torch.tensor([2]), 0.02, 0.0001, 2)  # proposing: 0.05 ms a token
+    assert policy.lookahead() == 1
+    policy.budgets([r], torch.tensor([2]), engine=None)
+    policy.observe([r], torch.tensor([2]), torch.tensor([2]), 0.02, 0.02, 2)  # a learned drafter's steps
+    assert policy.lookahead() == 0
