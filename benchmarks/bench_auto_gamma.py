@@ -1,9 +1,11 @@
 """Fixed γ against "auto" (the adaptive budget choosing each step's depth from the measured
 verify-cost curve), default model, bf16, CPU, batch 1, greedy, 128 new tokens, on the prompts
-of prompts_learned.json. Each configuration runs right after plain decoding of the same prompt;
-the ratio is decode tokens/s over plain's, and the summary is the geometric mean.
+of prompts_learned.json (``--prompts reuse``: the input-reuse prompts of prompts.json). Each
+configuration runs right after plain decoding of the same prompt; the ratio is decode tokens/s
+over plain's, and the summary is the geometric mean.
 
     python benchmarks/bench_auto_gamma.py --method eagle --gammas 2 3 --threads 2
+    python benchmarks/bench_auto_gamma.py --method ngram --gammas 2 8 --quantization gguf --prompts reuse
 """
 
 from __future__ import annotations
@@ -27,10 +29,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--quantization", default="none", help="weights: none (the documented runs: bf16), gguf, int8, int4, auto")
+    ap.add_argument("--prompts", choices=("learned", "reuse"), default="learned")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    prompts = json.loads((HERE / "prompts_learned.json").read_text())
+    if args.prompts == "reuse":
+        prompts = {"input_reuse": json.loads((HERE / "prompts.json").read_text())["input_reuse"]}
+    else:
+        prompts = json.loads((HERE / "prompts_learned.json").read_text())
     configs = {f"γ={g}": {"method": args.method, "num_speculative_tokens": g} for g in args.gammas}
     configs["auto"] = {"method": args.method, "num_speculative_tokens": "auto"}
     llms = {name: LLM(speculative_config=spec, dtype="bfloat16", quantization=args.quantization) for name, spec in configs.items()}
