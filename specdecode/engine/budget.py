@@ -36,9 +36,9 @@ from specdecode.tree import TreeBatch
 if TYPE_CHECKING:
     from specdecode.engine.serving import ServingEngine
 
-# After this many steps in a row that learned nothing (no drafts verified, no shadow round
-# settled), one step drafts a token per row: a policy that stopped on a few early
-# rejections would otherwise stay stopped (speculation switched off for good).
+# After this many steps in a row without drafts, one step drafts a token on a few rows: a
+# policy that stopped on a few early rejections, or on a cost curve that priced drafts too
+# high, would otherwise stay stopped (speculation switched off for good).
 PROBE_EVERY = 16
 PROBE_SHARE = 8  # a probe drafts on one row in this many (at least one)
 # A step carries drafts only if the model predicts at least this much more expected tokens
@@ -270,9 +270,11 @@ class AdaptiveBudget:
             per_depth = draft_seconds / max(1, draft_depth)
             self.draft_cost = per_depth if self.draft_cost == 0 else 0.9 * self.draft_cost + 0.1 * per_depth
         rows = proposal.tolist() if proposal is not None else None
-        learned = self.acceptance.observe(reqs, num_accepted.tolist(), num_draft.tolist(), rows)
-        # probes exist to learn again after drafting stopped; shadow rounds teach as well
-        self.steps_without_drafts = 0 if learned else self.steps_without_drafts + 1
+        self.acceptance.observe(reqs, num_accepted.tolist(), num_draft.tolist(), rows)
+        # Probes count passes without drafts even while shadow rounds teach acceptance: only a
+        # pass that carries drafts shows what drafting costs, and a verify-cost curve measured at
+        # load in a noisy moment (t(2) priced at 2 t(1)) otherwise kept a request from ever drafting.
+        self.steps_without_drafts = 0 if drafted else self.steps_without_drafts + 1
 
     def _observe_cost(self, rows: int, num_draft: list[int], seconds: float) -> None:
         """Refit the step time from the engine's own passes, which carry real batch sizes and

@@ -252,6 +252,26 @@ def test_a_budget_that_stopped_drafting_probes_again():
     assert max(seen[PROBE_EVERY + 1 :]) >= 1  # accepted probes revived drafting
 
 
+def test_shadow_rounds_do_not_hold_off_probes_when_a_cost_curve_prices_drafts_out():
+    """A verify-cost curve measured in a noisy moment (here t(2) = 2 t(1): no draft can pay)
+    is corrected only by passes that carry drafts; shadow rounds that keep teaching acceptance
+    must not hold off the probe, whose pass refits the curve (32+ passes of two sizes)."""
+    from specdecode.engine.budget import PROBE_EVERY
+
+    policy = AdaptiveBudget(VerifyCost([(1, 1.0), (2, 2.0), (9, 9.0)]), max_gamma=4)
+    r = req("r", length=4)
+    seen = []
+    for step in range(4 * PROBE_EVERY):
+        b = policy.budgets([r], torch.tensor([4]), engine=None)
+        seen.append(int(b[0]))
+        n = int(b[0])
+        r.seq.token_ids += [7] * (n + 1)  # every draft is a 7 and is accepted
+        policy.observe([r], b, b, 1.0 + 0.1 * n, 0.0, 4, torch.tensor([[7, 7, 7, 7]]))  # a pass of P costs 1 + 0.1 (P - 1)
+    assert seen[:PROBE_EVERY] == [0] * PROBE_EVERY and seen[PROBE_EVERY] == 1  # shadows taught, yet the probe came
+    assert policy.cost(2) < 1.5  # the curve was refitted from the passes
+    assert sum(seen[-PROBE_EVERY:]) > PROBE_EVERY  # and drafting pays now
+
+
 def test_a_probe_in_a_busy_batch_drafts_on_a_few_likely_rows():
     """A probe token on every one of 32 rows would double a compute-bound pass; it goes to one
     row in PROBE_SHARE, those whose first token is likeliest to survive."""
