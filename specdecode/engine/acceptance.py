@@ -109,10 +109,10 @@ class AcceptanceStats:
 
     def observe(
         self, reqs: list[Any], num_accepted: list[int], num_draft: list[int], proposal: list[list[int]] | None
-    ) -> bool:
+    ) -> None:
         """Record the step's real rounds, settle and start shadow rounds, forget finished
-        requests and refit STS when due. ``proposal``: the rows' proposed chains (see
-        BudgetPolicy.observe). True if any round, real or shadow, was recorded."""
+        requests and refit STS when due (counted in steps that recorded a round, real or
+        shadow). ``proposal``: the rows' proposed chains (see BudgetPolicy.observe)."""
         rows = proposal if proposal is not None else [None] * len(reqs)
         learned = False
         for req, a, d, row in zip(reqs, num_accepted, num_draft, rows):
@@ -141,7 +141,6 @@ class AcceptanceStats:
         if self._since_fit >= self.refit_every:
             self.sts = SequentialTemperatureScaling(self.gamma).fit(self.rounds())
             self._since_fit = 0
-        return learned
 
     def _extended(self, req: Any, row: list[int] | None, d: int, a: int) -> tuple[int, int]:
         """A real round of ``a`` accepted of ``d`` drafts as (drafted, accepted), one position
