@@ -118,6 +118,9 @@ class Recording:
         self._budgets = out.tolist()
         return out
 
+    def observe_prefill(self, seconds):
+        self.inner.observe_prefill(seconds)
+
     def shadow(self):
         return self.inner.shadow()
 

@@ -10,8 +10,9 @@ an estimate c_k of the chance that its k-th draft token survives given that the 
 before it did; a block of k tokens survives with probability s_k = c_1 · … · c_k, and
 a step that verifies P positions costs t(P), measured on this machine. Starting from no
 drafts at all, the scheduler adds draft positions in order of s (the most likely to
-survive first) while the expected tokens per unit of time, (B + Σ s) / t(P), still
-rises. Below the compute/bandwidth threshold t(P) is flat and every useful position is
+survive first) while the expected tokens per unit of step time, (B + Σ s) / (t(P) + f),
+still rises, f being the prefill a step carries on average (the step runs a chunk of a
+joining request's prompt beside its decode round). Below the compute/bandwidth threshold t(P) is flat and every useful position is
 kept; past it each extra position must pay for itself, so budgets shrink smoothly, per
 request, down to 0; speculation is never switched off wholesale.
 
@@ -49,6 +50,9 @@ MIN_GAIN = 0.05
 # Steps where no row drafts still propose, for shadow rounds, while proposing them costs at
 # most this share of the time spent in verify passes (ngram at 32 rows: ~1.6 ms of ~55).
 SHADOW_SHARE = 0.01
+# Weight of each step in the running mean of the prefill seconds a step carries (about the
+# last 32 steps): chunks come in bursts as requests join.
+PREFILL_DECAY = 1 / 32
 
 
 class BudgetPolicy(Protocol):
@@ -69,6 +73,10 @@ class BudgetPolicy(Protocol):
         ``proposal`` [B, w]: the chains proposed before budgets cut them, -1 padded, with rows of
         NOT_SHADOWED where matching the generated tokens is not acceptance (a sampled row's
         non-one-hot q); None when nothing was proposed or the proposal was a tree."""
+        ...
+
+    def observe_prefill(self, seconds: float) -> None:
+        """How long the step's prefill chunk took (0 when no prompt was being prefilled)."""
         ...
 
     def shadow(self) -> bool:
@@ -100,6 +108,9 @@ class FixedBudget:
         self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor, seconds: float, draft_seconds: float,
         draft_depth: int = 1, proposal: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
+        pass
+
+    def observe_prefill(self, seconds: float) -> None:
         pass
 
     def shadow(self) -> bool:
@@ -151,9 +162,20 @@ class AdaptiveBudget:
         self.context = 1  # the longest row's tokens at the last planning: attention's length
         self.draft_cost = 0.0  # seconds proposing costs per draft depth (the drafter's c, in seconds)
         self.steps_without_drafts = 0
+        # seconds of prefill a step carries, a running mean over steps. It is part of the step
+        # time the budgets maximise tokens per unit of: under load a step is mostly other
+        # requests' prompts (65% of the wall time at 32 clients, GGUF on AVX512), so a draft
+        # token that survives with probability s costs a small share of the step. (In a closed
+        # loop, prefill work per output token is fixed, so pass time alone would maximise
+        # throughput; with it, budgets stayed at 0 at 32 clients while fixed γ = 2 had 1.13×
+        # none's per-user speed at 0.95× its throughput. See docs/benchmarks.md.)
+        self.prefill_seconds = 0.0
 
     def shadow(self) -> bool:
         return self.shadow_allowance >= 0
+
+    def observe_prefill(self, seconds: float) -> None:
+        self.prefill_seconds += PREFILL_DECAY * (seconds - self.prefill_seconds)
 
     def lookahead(self) -> int:
         """One token past the budgets while proposing a token costs at most SHADOW_SHARE of the
@@ -244,7 +266,8 @@ class AdaptiveBudget:
 
     def step_time(self, B: int, positions: int, rows: int, widest: int, drafting: float) -> float:
         """Predicted seconds of a step: the pass over ``positions`` (linears), attention for B
-        rows of which ``rows`` draft up to ``widest`` deep, and ``drafting``."""
+        rows of which ``rows`` draft up to ``widest`` deep, ``drafting``, and the prefill a step
+        carries."""
         return self._seconds(positions, self._queries(B, rows, widest, positions), drafting, carries_drafts=rows > 0)
 
     def _queries(self, B: int, rows: int, widest: int, positions: int) -> int:
@@ -254,9 +277,10 @@ class AdaptiveBudget:
 
     def _seconds(self, positions: int, queries: int, drafting: float, carries_drafts: bool) -> float:
         """The cost model: linears by positions, attention by queries × the longest context,
-        proposing, and the fixed cost of a pass that carries drafts."""
+        proposing, the fixed cost of a pass that carries drafts, and the step's prefill."""
         overhead = self.draft_overhead if carries_drafts else 0.0
-        return self.cost(positions) + self.attention_cost * queries * self.context + drafting + overhead
+        pass_seconds = self.cost(positions) + self.attention_cost * queries * self.context
+        return pass_seconds + drafting + overhead + self.prefill_seconds
 
     def observe(
         self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor, seconds: float, draft_seconds: float,

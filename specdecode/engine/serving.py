@@ -211,7 +211,9 @@ class ServingEngine(Engine):
     def step(self) -> list[RequestEvent]:
         """Admit, prefill one chunk, run one round over the decode batch. Returns what changed."""
         self._admit()
+        start = time.perf_counter()
         events = self._prefill_chunk()
+        self.budget.observe_prefill(time.perf_counter() - start)
         if self.running:
             events += self._decode_round()
         return events

@@ -84,6 +84,23 @@ def test_adaptive_budget_is_zero_where_a_position_costs_as_much_as_a_token():
     assert budgets.sum() == 0
 
 
+def test_the_prefill_a_step_carries_is_part_of_its_time():
+    """The same compute-bound pass where no draft pays (above), but each step also runs 3x its
+    pass in other requests' prompt chunks: a position then costs a small share of the step, so
+    likely tokens pay. When prompts stop coming, the running mean decays and drafting stops."""
+    policy = AdaptiveBudget(roofline(knee=16, slope=1.0), max_gamma=4)
+    policy.acceptance.reached, policy.acceptance.accepted = torch.full((2, 4), 100.0), torch.full((2, 4), 90.0)
+    reqs, limits = [req(f"r{i}") for i in range(32)], torch.full((32,), 4)
+    assert policy.budgets(reqs, limits, engine=None).sum() == 0
+    for _ in range(300):
+        policy.observe_prefill(3 * policy.cost(32))
+    assert policy.prefill_seconds == pytest.approx(3 * policy.cost(32), rel=1e-3)
+    assert policy.budgets(reqs, limits, engine=None).sum() >= 32
+    for _ in range(300):
+        policy.observe_prefill(0.0)
+    assert policy.budgets(reqs, limits, engine=None).sum() == 0
+
+
 def test_confident_requests_get_more_of_a_tight_budget():
     policy = AdaptiveBudget(roofline(knee=8, slope=3.0), max_gamma=6)
     good, bad = req("good"), req("bad")

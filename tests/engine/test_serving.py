@@ -226,3 +226,17 @@ def test_shadow_proposals_teach_the_budget_and_change_no_token(plain, ckpts, ref
         assert not engine._shadows and not engine.budget.acceptance.records
     else:
         assert engine._shadows and len(engine.budget.acceptance.records) > 5  # shadow rounds: nothing was verified
+
+
+def test_the_adaptive_budget_learns_how_much_prefill_a_step_carries(plain):
+    """Each step tells the budget how long its prefill chunk took (0 with no prompt in flight):
+    the running mean rises while prompts join and decays once they are all in."""
+    spec = SpecConfig.parse(SPECS["ngram_adaptive"])
+    engine = ServingEngine(plain.target, spec, max_model_len=64, max_num_seqs=4, block_size=4)
+    engine.add_request("r0", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    engine.step()
+    after_prompt = engine.budget.prefill_seconds
+    assert after_prompt > 0
+    while engine.has_unfinished():
+        engine.step()
+    assert 0 < engine.budget.prefill_seconds < after_prompt
