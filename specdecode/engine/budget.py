@@ -164,11 +164,13 @@ class AdaptiveBudget:
         self.steps_without_drafts = 0
         # seconds of prefill a step carries, a running mean over steps. It is part of the step
         # time the budgets maximise tokens per unit of: under load a step is mostly other
-        # requests' prompts (65% of the wall time at 32 clients, GGUF on AVX512), so a draft
-        # token that survives with probability s costs a small share of the step. (In a closed
-        # loop, prefill work per output token is fixed, so pass time alone would maximise
-        # throughput; with it, budgets stayed at 0 at 32 clients while fixed γ = 2 had 1.13×
-        # none's per-user speed at 0.95× its throughput. See docs/benchmarks.md.)
+        # requests' prompts (65% of the wall time at 32 clients, GGUF on AVX512), so a likely
+        # draft token costs a small share of the step and shortens its request's life. Prefill
+        # work per output token is fixed, though, so throughput is set by the pass alone: the
+        # budgets are held to a pass that yields no fewer tokens per second than no drafts
+        # (`_fill`). Pricing the pass alone, budgets stayed at 0 at 32 clients while fixed
+        # γ = 2 had 1.13× none's per-user speed; pricing the step without that floor, they
+        # drafted 1.8 tokens a row at 16 clients at 0.92-0.98× none's throughput.
         self.prefill_seconds = 0.0
 
     def shadow(self) -> bool:
@@ -253,6 +255,7 @@ class AdaptiveBudget:
             return self._seconds(positions, queries, drafting, carries_drafts=width > 0)
 
         rate = expected / time(positions, rows)
+        taken = []
         for s, k, b in ranked:
             if limit is not None and positions >= limit:
                 break
@@ -262,6 +265,14 @@ class AdaptiveBudget:
             if new_rate < rate:
                 break  # the most likely remaining position no longer pays for its time
             out[b], positions, expected, rows, rate = k, positions + 1, expected + s, rows + (k == 1), new_rate
+            taken.append((s, k, b))
+        # No less throughput than without drafts: prefill work per output token is fixed, so the
+        # pass alone sets throughput. The least likely positions go until the pass yields at least
+        # the tokens per second it would without any (the likely ones pay for the rest).
+        floor = B / (self._seconds(B, B, 0.0, carries_drafts=False) - self.prefill_seconds)
+        while taken and expected / (time(positions, rows) - self.prefill_seconds) < floor:
+            s, k, b = taken.pop()
+            out[b], positions, expected, rows = k - 1, positions - 1, expected - s, rows - (k == 1)
         return out, expected / self.step_time(B, positions, rows, max(out, default=0), drafting)
 
     def step_time(self, B: int, positions: int, rows: int, widest: int, drafting: float) -> float:

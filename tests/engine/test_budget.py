@@ -84,21 +84,42 @@ def test_adaptive_budget_is_zero_where_a_position_costs_as_much_as_a_token():
     assert budgets.sum() == 0
 
 
-def test_the_prefill_a_step_carries_is_part_of_its_time():
-    """The same compute-bound pass where no draft pays (above), but each step also runs 3x its
-    pass in other requests' prompt chunks: a position then costs a small share of the step, so
-    likely tokens pay. When prompts stop coming, the running mean decays and drafting stops."""
-    policy = AdaptiveBudget(roofline(knee=16, slope=1.0), max_gamma=4)
-    policy.acceptance.reached, policy.acceptance.accepted = torch.full((2, 4), 100.0), torch.full((2, 4), 90.0)
+def linear(fixed: float, per_position: float) -> VerifyCost:
+    return VerifyCost([(1, fixed + per_position), (128, fixed + 128 * per_position)])
+
+
+def test_the_prefill_a_step_carries_is_part_of_its_time_within_no_drafts_throughput():
+    """A pass of P positions costs 1 + P/32 s, so at 32 rows a draft token pays for its pass time
+    only if it survives with probability above 1/2: of 16 rows at 95% and 16 at 30%, only the
+    likely rows draft. When each step also runs 6 s of other requests' prompt chunks, a 30% token pays
+    for its share of the step too; but prefill work per output token is fixed, so throughput
+    follows the pass alone, and the budgets keep the pass at no fewer tokens per second than no
+    drafts: the likely rows' surplus pays for some unlikely tokens, and with no likely rows
+    nothing is drafted."""
+    policy = AdaptiveBudget(linear(1.0, 1 / 32), max_gamma=4)
+    policy.acceptance.reached, policy.acceptance.accepted = torch.full((2, 4), 100.0), torch.full((2, 4), 30.0)
     reqs, limits = [req(f"r{i}") for i in range(32)], torch.full((32,), 4)
-    assert policy.budgets(reqs, limits, engine=None).sum() == 0
-    for _ in range(300):
-        policy.observe_prefill(3 * policy.cost(32))
-    assert policy.prefill_seconds == pytest.approx(3 * policy.cost(32), rel=1e-3)
-    assert policy.budgets(reqs, limits, engine=None).sum() >= 32
-    for _ in range(300):
-        policy.observe_prefill(0.0)
-    assert policy.budgets(reqs, limits, engine=None).sum() == 0
+    likely, unlikely = range(16), range(16, 32)
+    for b in likely:
+        policy.acceptance.per_request[f"r{b}"] = _RequestRounds([[1e4] * 4] * 2, [[0.95e4] * 4] * 2)
+
+    def plan(prefill: float, rows: list[SimpleNamespace]) -> list[int]:
+        for _ in range(300):
+            policy.observe_prefill(prefill)
+        return policy.budgets(rows, limits[: len(rows)], engine=None).tolist()
+
+    def pass_rate(budgets: list[int], rows: list[SimpleNamespace]) -> float:
+        raw = policy.acceptance.confidences([r.request_id for r in rows])
+        s = torch.cumprod(policy.acceptance.sts(raw), dim=1)
+        return (len(rows) + sum(float(s[b, :n].sum()) for b, n in enumerate(budgets))) / policy.cost(len(rows) + sum(budgets))
+
+    alone = plan(0.0, reqs)
+    assert all(alone[b] > 0 for b in likely) and not any(alone[b] for b in unlikely)
+    loaded = plan(6.0, reqs)
+    assert [loaded[b] for b in likely] == [alone[b] for b in likely] and any(loaded[b] for b in unlikely)
+    assert pass_rate(loaded, reqs) >= pass_rate([0] * 32, reqs)
+    assert not any(plan(6.0, [reqs[b] for b in unlikely]))  # no surplus to spend
+    assert plan(0.0, reqs) == alone  # the running mean decays when prompts stop coming
 
 
 def test_confident_requests_get_more_of_a_tight_budget():
