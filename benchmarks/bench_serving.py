@@ -407,6 +407,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--gammas", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--adaptive-gamma", type=int, default=8)
+    ap.add_argument("--adaptive-floors", type=float, nargs="*", default=[],
+                    help="also run the adaptive budget with these throughput_floor values (< 1: it may trade "
+                         "that share of no speculation's throughput for per-user speed)")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -427,6 +430,8 @@ def main() -> None:
     specs: dict[str, dict | None] = {"none": None}
     specs.update({f"γ={g}": {"method": "ngram", "num_speculative_tokens": g} for g in args.gammas})
     specs["adaptive"] = {"method": "ngram", "num_speculative_tokens": args.adaptive_gamma, "verify_budget": "adaptive"}
+    for floor in args.adaptive_floors:  # the same policy, allowed to trade throughput for per-user speed
+        specs[f"adaptive φ={floor:g}"] = dict(specs["adaptive"], throughput_floor=floor)
     engines = {}
     for name, spec in specs.items():
         engine = ServingEngine(model, SpecConfig.parse(spec), max_model_len=args.max_model_len,

@@ -68,10 +68,13 @@ class SamplingParams:
 @dataclass(frozen=True)
 class BudgetOptions:
     """``speculative_config`` keys: ``verify_budget`` "fixed" (γ per request, the default) or
-    "adaptive"; ``max_verify_tokens`` bounds the positions one step verifies (B rows + drafts)."""
+    "adaptive"; ``max_verify_tokens`` bounds the positions one step verifies (B rows + drafts);
+    ``throughput_floor`` (adaptive only, in (0, 1], default 1): the share of no speculation's
+    predicted throughput the budgets keep; below 1 they trade throughput for per-user speed."""
 
     verify_budget: str = "fixed"
     max_verify_tokens: int | None = None
+    throughput_floor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.verify_budget not in ("fixed", "adaptive"):
@@ -79,11 +82,14 @@ class BudgetOptions:
         m = self.max_verify_tokens
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
             raise SpecDecodeError(f"max_verify_tokens must be a positive integer, got {m!r}")
+        f = self.throughput_floor
+        if not isinstance(f, (int, float)) or isinstance(f, bool) or not 0 < f <= 1:
+            raise SpecDecodeError(f"throughput_floor must be a number in (0, 1], got {f!r}")
 
     @staticmethod
     def pop_from(raw: dict[str, Any]) -> "BudgetOptions":
         """Take the budget keys out of a raw speculative_config dict."""
-        keys = ("verify_budget", "max_verify_tokens")
+        keys = ("verify_budget", "max_verify_tokens", "throughput_floor")
         return BudgetOptions(**{k: raw.pop(k) for k in keys if k in raw})
 
 

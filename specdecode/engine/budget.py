@@ -137,8 +137,10 @@ class AdaptiveBudget:
         window: int = 2048,
         attention_cost: float = 0.0,
         fused_positions: int = 0,
+        throughput_floor: float = 1.0,
     ) -> None:
         self.cost = cost
+        self.throughput_floor = throughput_floor  # share of no drafts' throughput the budgets keep
         self.max_verify_tokens = max_verify_tokens
         self.acceptance = AcceptanceStats(max_gamma, refit_every, window)
         # seconds of shadow proposing earned (SHADOW_SHARE of each pass) less spent; never above 0,
@@ -266,11 +268,15 @@ class AdaptiveBudget:
                 break  # the most likely remaining position no longer pays for its time
             out[b], positions, expected, rows, rate = k, positions + 1, expected + s, rows + (k == 1), new_rate
             taken.append((s, k, b))
-        # No less throughput than without drafts: prefill work per output token is fixed, so the
-        # pass alone sets throughput. The least likely positions go until the pass yields at least
-        # the tokens per second it would without any (the likely ones pay for the rest).
-        floor = B / (self._seconds(B, B, 0.0, carries_drafts=False) - self.prefill_seconds)
-        while taken and expected / (time(positions, rows) - self.prefill_seconds) < floor:
+        # No less than ``throughput_floor`` of no drafts' throughput. Prefill work per output token
+        # is fixed (its share of a step without drafts), so a token's share of the wall time is that
+        # plus its share of the pass; the least likely positions go until the pass's seconds per
+        # expected token allow it (the likely ones pay for the rest). At a floor of 1: the pass
+        # yields at least the tokens per second it would without any draft.
+        prefill = self.prefill_seconds / B
+        plain = (self._seconds(B, B, 0.0, carries_drafts=False) - self.prefill_seconds) / B
+        allowed = (prefill + plain) / self.throughput_floor - prefill  # pass seconds an expected token may cost
+        while taken and time(positions, rows) - self.prefill_seconds > expected * allowed:
             s, k, b = taken.pop()
             out[b], positions, expected, rows = k - 1, positions - 1, expected - s, rows - (k == 1)
         return out, expected / self.step_time(B, positions, rows, max(out, default=0), drafting)

@@ -137,7 +137,7 @@ class ServingEngine(Engine):
         attention = measure_attention_cost(self)
         fused = self.model.fused_positions(self.batch_invariant)
         return AdaptiveBudget(cost, max(1, self.gamma), opts.max_verify_tokens, attention_cost=attention,
-                              fused_positions=fused)  # fmt: skip
+                              fused_positions=fused, throughput_floor=opts.throughput_floor)  # fmt: skip
 
     # ---- requests ----------------------------------------------------------------------
 

@@ -122,6 +122,26 @@ def test_the_prefill_a_step_carries_is_part_of_its_time_within_no_drafts_through
     assert plan(0.0, reqs) == alone  # the running mean decays when prompts stop coming
 
 
+def test_a_throughput_floor_below_one_trades_throughput_for_per_user_speed():
+    """The unlikely rows alone (30% tokens, which never pay for their pass here) draft once the
+    budgets may keep 90% of no drafts' throughput, within that share: with 6 s of prefill a
+    step, a token costs 6/16 s of prefill plus its share of the pass."""
+    reqs = [req(f"r{i}") for i in range(16)]
+    drafted = {}
+    for floor in (1.0, 0.9):
+        policy = AdaptiveBudget(linear(1.0, 1 / 32), max_gamma=4, throughput_floor=floor)
+        policy.acceptance.reached, policy.acceptance.accepted = torch.full((2, 4), 100.0), torch.full((2, 4), 30.0)
+        for _ in range(300):
+            policy.observe_prefill(6.0)
+        budgets = policy.budgets(reqs, torch.full((16,), 4), engine=None).tolist()
+        s = torch.cumprod(policy.acceptance.sts(policy.acceptance.confidences(["r0"])), dim=1)[0].tolist()
+        expected = 16 + sum(sum(s[:n]) for n in budgets)
+        per_token = 6.0 / 16 + policy.cost(16 + sum(budgets)) / expected  # seconds of wall time a token
+        assert 16 / (6.0 + policy.cost(16)) / (1 / per_token) <= 1 / floor + 1e-9  # within the floor
+        drafted[floor] = sum(budgets)
+    assert drafted[1.0] == 0 and drafted[0.9] >= 16
+
+
 def test_confident_requests_get_more_of_a_tight_budget():
     policy = AdaptiveBudget(roofline(knee=8, slope=3.0), max_gamma=6)
     good, bad = req("good"), req("bad")
@@ -149,7 +169,10 @@ def test_fixed_budget_cap_splits_evenly():
     [
         ({"method": "ngram", "verify_budget": "sometimes"}, "verify_budget"),
         ({"method": "ngram", "max_verify_tokens": 0}, "max_verify_tokens"),
-        ({"method": "ngram", "budget": "adaptive"}, "verify_budget, max_verify_tokens"),
+        ({"method": "ngram", "budget": "adaptive"}, "verify_budget, max_verify_tokens, throughput_floor"),
+        ({"method": "ngram", "verify_budget": "adaptive", "throughput_floor": 0}, "throughput_floor"),
+        ({"method": "ngram", "verify_budget": "adaptive", "throughput_floor": 1.5}, "throughput_floor"),
+        ({"method": "ngram", "verify_budget": "adaptive", "throughput_floor": "high"}, "throughput_floor"),
     ],
 )
 def test_bad_budget_keys(config, match):
