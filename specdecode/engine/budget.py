@@ -12,9 +12,11 @@ a step that verifies P positions costs t(P), measured on this machine. Starting 
 drafts at all, the scheduler adds draft positions in order of s (the most likely to
 survive first) while the expected tokens per unit of step time, (B + Σ s) / (t(P) + f),
 still rises, f being the prefill a step carries on average (the step runs a chunk of a
-joining request's prompt beside its decode round). Below the compute/bandwidth threshold t(P) is flat and every useful position is
-kept; past it each extra position must pay for itself, so budgets shrink smoothly, per
-request, down to 0; speculation is never switched off wholesale.
+joining request's prompt beside its decode round), and the pass still yields at least
+``throughput_floor`` (default 1) of no drafts' throughput. Below the compute/bandwidth
+threshold t(P) is flat and every useful position is kept; past it each extra position must
+pay for itself, so budgets shrink smoothly, per request, down to 0; speculation is never
+switched off wholesale.
 
 Where c_k comes from (acceptance counts by request state, shadow rounds, their calibration)
 is engine/acceptance.py's.
@@ -169,7 +171,7 @@ class AdaptiveBudget:
         # requests' prompts (65% of the wall time at 32 clients, GGUF on AVX512), so a likely
         # draft token costs a small share of the step and shortens its request's life. Prefill
         # work per output token is fixed, though, so throughput is set by the pass alone: the
-        # budgets are held to a pass that yields no fewer tokens per second than no drafts
+        # budgets are held to a pass that keeps ``throughput_floor`` of no drafts' throughput
         # (`_fill`). Pricing the pass alone, budgets stayed at 0 at 32 clients while fixed
         # γ = 2 had 1.13× none's per-user speed; pricing the step without that floor, they
         # drafted 1.8 tokens a row at 16 clients at 0.92-0.98× none's throughput.
@@ -273,8 +275,8 @@ class AdaptiveBudget:
         # plus its share of the pass; the least likely positions go until the pass's seconds per
         # expected token allow it (the likely ones pay for the rest). At a floor of 1: the pass
         # yields at least the tokens per second it would without any draft.
-        prefill = self.prefill_seconds / B
-        plain = (self._seconds(B, B, 0.0, carries_drafts=False) - self.prefill_seconds) / B
+        prefill = self.prefill_seconds / max(1, B)
+        plain = (self._seconds(B, B, 0.0, carries_drafts=False) - self.prefill_seconds) / max(1, B)
         allowed = (prefill + plain) / self.throughput_floor - prefill  # pass seconds an expected token may cost
         while taken and time(positions, rows) - self.prefill_seconds > expected * allowed:
             s, k, b = taken.pop()
