@@ -109,11 +109,6 @@ class Recording:
         self._planned: dict[str, tuple[list[float], list[float]]] = {}
 
     def budgets(self, reqs, limits, engine, confidence=None):
-        if isinstance(self.inner, AdaptiveBudget):
-            ids = [r.request_id for r in reqs]
-            prior = self.inner.acceptance.confidences(ids, own=False).tolist()  # batched calls
-            online = self.inner.acceptance.confidences(ids).tolist()
-            self._planned = {r.request_id: (p, c) for r, p, c in zip(reqs, prior, online)}
         out = self.inner.budgets(reqs, limits, engine, confidence)
         self._budgets = out.tolist()
         return out
@@ -128,6 +123,14 @@ class Recording:
         return self.inner.lookahead()
 
     def observe(self, reqs, num_accepted, num_draft, seconds, draft_seconds, draft_depth=1, proposal=None):
+        if isinstance(self.inner, AdaptiveBudget) and len(self._budgets) == len(reqs):
+            # the confidences the step was planned with (nothing has changed them since): read
+            # once a step here, not on each of the engine's two planning calls, so that the
+            # recording costs the adaptive runs as little as it can
+            ids = [r.request_id for r in reqs]
+            prior = self.inner.acceptance.confidences(ids, own=False).tolist()  # batched calls
+            online = self.inner.acceptance.confidences(ids).tolist()
+            self._planned = {r.request_id: (p, c) for r, p, c in zip(reqs, prior, online)}
         self.passes.append((len(reqs) + int(num_draft.sum()), seconds))
         acc, drafted = num_accepted.tolist(), num_draft.tolist()
         budget = sum(self._budgets) if len(self._budgets) == len(reqs) else 0
