@@ -249,7 +249,7 @@ class AdaptiveBudget:
         out, positions, expected = [0] * B, B, float(B)  # every row verifies its root and gains one token
         rows = 0  # rows drafting
 
-        def time(positions: int, rows: int) -> float:
+        def pass_time(positions: int, rows: int) -> float:
             if mode == "fused":
                 queries = positions
             elif mode == "split":
@@ -257,6 +257,9 @@ class AdaptiveBudget:
             else:  # padded
                 queries = B * (1 + width)
             return self._seconds(positions, queries, drafting, carries_drafts=width > 0)
+
+        def time(positions: int, rows: int) -> float:  # the whole step's
+            return pass_time(positions, rows) + self.prefill_seconds
 
         rate = expected / time(positions, rows)
         taken = []
@@ -276,9 +279,9 @@ class AdaptiveBudget:
         # expected token allow it (the likely ones pay for the rest). At a floor of 1: the pass
         # yields at least the tokens per second it would without any draft.
         prefill = self.prefill_seconds / max(1, B)
-        plain = (self._seconds(B, B, 0.0, carries_drafts=False) - self.prefill_seconds) / max(1, B)
+        plain = self._seconds(B, B, 0.0, carries_drafts=False) / max(1, B)
         allowed = (prefill + plain) / self.throughput_floor - prefill  # pass seconds an expected token may cost
-        while taken and time(positions, rows) - self.prefill_seconds > expected * allowed:
+        while taken and pass_time(positions, rows) > expected * allowed:
             s, k, b = taken.pop()
             out[b], positions, expected, rows = k - 1, positions - 1, expected - s, rows - (k == 1)
         return out, expected / self.step_time(B, positions, rows, max(out, default=0), drafting)
@@ -287,7 +290,8 @@ class AdaptiveBudget:
         """Predicted seconds of a step: the pass over ``positions`` (linears), attention for B
         rows of which ``rows`` draft up to ``widest`` deep, ``drafting``, and the prefill a step
         carries."""
-        return self._seconds(positions, self._queries(B, rows, widest, positions), drafting, carries_drafts=rows > 0)
+        queries = self._queries(B, rows, widest, positions)
+        return self._seconds(positions, queries, drafting, carries_drafts=rows > 0) + self.prefill_seconds
 
     def _queries(self, B: int, rows: int, widest: int, positions: int) -> int:
         """The attention queries of a pass as it will run: each real one in the fused CPU block,
@@ -296,10 +300,9 @@ class AdaptiveBudget:
 
     def _seconds(self, positions: int, queries: int, drafting: float, carries_drafts: bool) -> float:
         """The cost model: linears by positions, attention by queries × the longest context,
-        proposing, the fixed cost of a pass that carries drafts, and the step's prefill."""
+        proposing, and the fixed cost of a pass that carries drafts (the step's prefill aside)."""
         overhead = self.draft_overhead if carries_drafts else 0.0
-        pass_seconds = self.cost(positions) + self.attention_cost * queries * self.context
-        return pass_seconds + drafting + overhead + self.prefill_seconds
+        return self.cost(positions) + self.attention_cost * queries * self.context + drafting + overhead
 
     def observe(
         self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor, seconds: float, draft_seconds: float,
