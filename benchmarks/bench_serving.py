@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from specdecode.config import SamplingParams, SpecConfig
-from specdecode.engine.acceptance import AFTER_FULL, AFTER_MISS
+from specdecode.engine.acceptance import AFTER_FULL, AFTER_MISS, AFTER_NOTHING
 from specdecode.engine.budget import AdaptiveBudget, BudgetPolicy
 from specdecode.engine.cost import VerifyCost, least_squares_line
 from specdecode.engine.serving import ServingEngine
@@ -479,7 +479,9 @@ def main() -> None:
     print(f"adaptive's cost model at the end: t(P) through {[(p, round(t * 1e3, 1)) for p, t in adaptive.cost.points]} "
           f"ms, + {adaptive.attention_cost * 1e6:.3f} µs per attention query and context token, drafting {adaptive.draft_cost * 1e3:.2f} ms "
           f"per depth", flush=True)  # fmt: skip
-    for state, label in ((AFTER_MISS, "after a miss (or none yet)"), (AFTER_FULL, "after a fully accepted round")):
+    labels = ((AFTER_NOTHING, "after the drafter found nothing (or no round yet)"), (AFTER_MISS, "after a rejection"),
+              (AFTER_FULL, "after a fully accepted round"))
+    for state, label in labels:
         c = adaptive.acceptance.shared()[state].tolist()
         print(f"adaptive's shared c_k {label}: {[round(x, 2) for x in c]} over "
               f"{int(adaptive.acceptance.reached[state, 0])} rounds (real and shadow)", flush=True)  # fmt: skip

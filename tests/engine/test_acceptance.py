@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode.engine.acceptance import AFTER_FULL, AFTER_MISS, NOT_SHADOWED
+from specdecode.engine.acceptance import AFTER_FULL, AFTER_MISS, AFTER_NOTHING, NOT_SHADOWED
 from specdecode.engine.budget import AdaptiveBudget
 from tests.engine.test_budget import req, roofline
 
@@ -42,16 +42,16 @@ def test_shadow_rounds_learn_from_the_tokens_a_row_generates():
     step(5, [5, 6, 7])  # the shadow starts; its first token was generated
     step(6, [6, 8, 9])  # matches again; one shadow at a time: this proposal is not kept
     assert policy.acceptance.per_request["r"].shadow is not None and policy.acceptance.records == []
-    step(9, None)  # 9 != 7: accepted 2 of 3
+    step(9, None)  # 9 != 7: accepted 2 of 3, counted in the state it was proposed in (no round yet)
     mine = policy.acceptance.per_request["r"]
-    assert (mine.reached[AFTER_MISS], mine.accepted[AFTER_MISS]) == ([1, 1, 1], [1, 1, 0])
+    assert (mine.reached[AFTER_NOTHING], mine.accepted[AFTER_NOTHING]) == ([1, 1, 1], [1, 1, 0])
     assert mine.state == AFTER_MISS and mine.shadow is None and policy.acceptance.records[-1][1:] == (3, 2)
     for t in (1, 2, 3):
         step(t, [1, 2, 3] if t == 1 else None)
     assert mine.state == AFTER_FULL and policy.acceptance.records[-1][1:] == (3, 3)
-    assert mine.reached[AFTER_MISS] == [2, 2, 2] and mine.accepted[AFTER_MISS] == [2, 2, 1]
+    assert mine.reached[AFTER_MISS] == [1, 1, 1] and mine.accepted[AFTER_MISS] == [1, 1, 1]
     step(4, [-1, -1, -1])  # the drafter found nothing: a copied run, if any, has ended
-    assert mine.state == AFTER_MISS
+    assert mine.state == AFTER_NOTHING
 
 
 def test_confidence_is_conditioned_on_the_last_round():
@@ -68,6 +68,35 @@ def test_confidence_is_conditioned_on_the_last_round():
     policy.acceptance.per_request["r"].state = AFTER_FULL
     after_full = policy.acceptance.confidence("r")[0]
     assert after_full > 0.8 and after_miss < 0.2
+
+
+def test_a_fresh_match_is_counted_apart_from_a_rejected_copy():
+    """A lookup drafter's proposal right after it found nothing (a fresh match) and one right
+    after a rejection (a copy the row was following) are counted apart: here the first keeps
+    its first token 1 time in 9, the second 8 in 9, and c_1 follows each."""
+    policy = AdaptiveBudget(roofline(knee=64), max_gamma=2)
+    r = req("r")
+    nothing = torch.tensor([[-1, -1]])
+
+    def round_(accepted: int) -> None:
+        policy.budgets([r], torch.tensor([2]), engine=None)
+        r.seq.token_ids += [1] * (accepted + 1)
+        policy.observe([r], torch.tensor([accepted]), torch.tensor([2]), 1.0, 0.0, 2, torch.tensor([[1, 1]]))
+
+    for i in range(9):
+        policy.budgets([r], torch.tensor([2]), engine=None)
+        r.seq.token_ids.append(1)
+        policy.observe([r], torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 1.0, 0.0, 2, nothing)
+        assert policy.acceptance.per_request["r"].state == AFTER_NOTHING
+        round_(1 if i == 0 else 0)  # a fresh match: rejected at once, but once
+        assert policy.acceptance.per_request["r"].state == AFTER_MISS
+        round_(0 if i == 0 else 1)  # the copy it then follows: its first token kept, but once
+    mine = policy.acceptance.per_request["r"]
+    assert mine.reached[AFTER_NOTHING][0] == 9 and mine.accepted[AFTER_NOTHING][0] == 1
+    assert mine.reached[AFTER_MISS][0] == 9 and mine.accepted[AFTER_MISS][0] == 8
+    after_miss = policy.acceptance.confidence("r")[0]
+    mine.state = AFTER_NOTHING
+    assert policy.acceptance.confidence("r")[0] < 0.25 < 0.75 < after_miss
 
 
 def test_shadows_settle_when_a_row_finishes_and_drop_when_it_drafts():
