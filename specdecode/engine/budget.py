@@ -13,7 +13,7 @@ drafts at all, the scheduler adds draft positions in order of s (the most likely
 survive first) while the expected tokens per unit of step time, (B + Σ s) / (t(P) + f),
 still rises, f being the prefill a step carries on average (the step runs a chunk of a
 joining request's prompt beside its decode round), and the pass still yields at least
-``throughput_floor`` (default 1) of no drafts' throughput. Below the compute/bandwidth
+``throughput_floor`` (default 0.96) of no drafts' predicted throughput. Below the compute/bandwidth
 threshold t(P) is flat and every useful position is kept; past it each extra position must
 pay for itself, so budgets shrink smoothly, per request, down to 0; speculation is never
 switched off wholesale.
@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from specdecode.config import BudgetOptions
 from specdecode.drafters.base import Draft
 from specdecode.engine.acceptance import AcceptanceStats
 from specdecode.engine.cost import VerifyCost
@@ -139,7 +140,7 @@ class AdaptiveBudget:
         window: int = 2048,
         attention_cost: float = 0.0,
         fused_positions: int = 0,
-        throughput_floor: float = 1.0,
+        throughput_floor: float = BudgetOptions.throughput_floor,
     ) -> None:
         self.cost = cost
         self.throughput_floor = throughput_floor  # share of no drafts' throughput the budgets keep

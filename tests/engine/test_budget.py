@@ -10,7 +10,7 @@ import torch
 
 from specdecode.config import SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Draft
-from specdecode.engine.acceptance import _RequestRounds
+from specdecode.engine.acceptance import STATES, _RequestRounds
 from specdecode.engine.budget import AdaptiveBudget, FixedBudget, apply_budgets
 from specdecode.engine.cost import VerifyCost
 from specdecode.model.masks import attention_queries
@@ -95,13 +95,13 @@ def test_the_prefill_a_step_carries_is_part_of_its_time_within_no_drafts_through
     for its share of the step too; but prefill work per output token is fixed, so throughput
     follows the pass alone, and the budgets keep the pass at no fewer tokens per second than no
     drafts: the likely rows' surplus pays for some unlikely tokens, and with no likely rows
-    nothing is drafted."""
-    policy = AdaptiveBudget(linear(1.0, 1 / 32), max_gamma=4)
-    policy.acceptance.reached, policy.acceptance.accepted = torch.full((2, 4), 100.0), torch.full((2, 4), 30.0)
+    nothing is drafted (a floor of 1; the default, below 1, is the next test's)."""
+    policy = AdaptiveBudget(linear(1.0, 1 / 32), max_gamma=4, throughput_floor=1.0)
+    policy.acceptance.reached, policy.acceptance.accepted = torch.full((STATES, 4), 100.0), torch.full((STATES, 4), 30.0)
     reqs, limits = [req(f"r{i}") for i in range(32)], torch.full((32,), 4)
     likely, unlikely = range(16), range(16, 32)
     for b in likely:
-        policy.acceptance.per_request[f"r{b}"] = _RequestRounds([[1e4] * 4] * 2, [[0.95e4] * 4] * 2)
+        policy.acceptance.per_request[f"r{b}"] = _RequestRounds([[1e4] * 4] * STATES, [[0.95e4] * 4] * STATES)
 
     def plan(prefill: float, rows: list[SimpleNamespace]) -> list[int]:
         for _ in range(300):
@@ -130,7 +130,7 @@ def test_a_throughput_floor_below_one_trades_throughput_for_per_user_speed():
     drafted = {}
     for floor in (1.0, 0.9):
         policy = AdaptiveBudget(linear(1.0, 1 / 32), max_gamma=4, throughput_floor=floor)
-        policy.acceptance.reached, policy.acceptance.accepted = torch.full((2, 4), 100.0), torch.full((2, 4), 30.0)
+        policy.acceptance.reached, policy.acceptance.accepted = torch.full((STATES, 4), 100.0), torch.full((STATES, 4), 30.0)
         for _ in range(300):
             policy.observe_prefill(6.0)
         budgets = policy.budgets(reqs, torch.full((16,), 4), engine=None).tolist()
@@ -273,7 +273,7 @@ def test_where_the_fused_block_runs_a_deep_row_pays_no_padding_and_the_pass_stay
     policy.acceptance.reached, policy.acceptance.accepted = torch.full((2, 8), 100.0), torch.full((2, 8), 30.0)
     reqs = [req(f"r{i}") for i in range(32)]
     for r in reqs[:4]:  # four rows whose drafts nearly always survive
-        policy.acceptance.per_request[r.request_id] = _RequestRounds([[1000.0] * 8] * 2, [[990.0] * 8] * 2)
+        policy.acceptance.per_request[r.request_id] = _RequestRounds([[1000.0] * 8] * STATES, [[990.0] * 8] * STATES)
     policy.attention_cost = 0.0005 / 8  # per query and context token: padding the batch costs (the rows hold 8)
     padded = policy.budgets(reqs, torch.full((32,), 8), engine=None)
     policy.fused_positions = 64
@@ -287,7 +287,7 @@ def test_where_the_fused_block_runs_a_deep_row_pays_no_padding_and_the_pass_stay
 
 def test_drafting_overhead_is_paid_only_when_it_pays():
     policy = AdaptiveBudget(VerifyCost([(1, 0.05), (200, 0.05 + 0.001 * 199)]), max_gamma=4)
-    policy.acceptance.reached, policy.acceptance.accepted = torch.full((2, 4), 100.0), torch.full((2, 4), 60.0)  # 60% survive
+    policy.acceptance.reached, policy.acceptance.accepted = torch.full((STATES, 4), 100.0), torch.full((STATES, 4), 60.0)  # 60% survive
     reqs = [req(f"r{i}") for i in range(32)]
     assert policy.budgets(reqs, torch.full((32,), 4), engine=None).sum() > 0
     policy.observe(reqs, torch.zeros(32, dtype=torch.long), torch.zeros(32, dtype=torch.long), 0.08, 0.02)
@@ -377,7 +377,7 @@ def test_the_fixed_cost_of_drafting_is_paid_by_all_the_positions_together():
     """Carrying any draft costs a pass δ more. One position's 0.9 tokens cannot pay a δ of 10%
     of a 32-row step, but 32 such positions (below the threshold, where they are free) can."""
     policy = AdaptiveBudget(roofline(knee=64), max_gamma=4)
-    policy.acceptance.reached, policy.acceptance.accepted = torch.full((2, 4), 100.0), torch.full((2, 4), 90.0)  # every token survives 90%
+    policy.acceptance.reached, policy.acceptance.accepted = torch.full((STATES, 4), 100.0), torch.full((STATES, 4), 90.0)  # every token survives 90%
     policy.draft_overhead = 0.1  # seconds; a step without drafts takes 1 s
     reqs = [req(f"r{i}") for i in range(32)]
     assert policy.budgets(reqs, torch.full((32,), 4), engine=None).sum() >= 32
