@@ -461,9 +461,12 @@ def main() -> None:
             run_load(engines[name], mix, clients, args.load_warmup * clients, args.max_tokens)
             engines[name].budget.calib = kept
         for rep in range(args.repeats):
-            # each repetition runs every configuration once, the order rotated, so that no
-            # configuration always meets the machine in the same state
-            for name in configs[rep % len(configs) :] + configs[: rep % len(configs)]:
+            # each repetition runs every configuration once, the order rotated and every other
+            # repetition reversed, so that no configuration always meets the machine in the same
+            # state (a rotation alone keeps each one's neighbours: at 32 clients the adaptive runs
+            # both followed γ = 8's, after which prefill ran ~10% slower for whichever came next)
+            order = configs[rep % len(configs) :] + configs[: rep % len(configs)]
+            for name in order[::-1] if rep % 2 else order:
                 r = run_load(engines[name], mix, clients, n, args.max_tokens)
                 runs[name].append(r)
                 print(f"[{clients} clients, {n} requests, rep {rep + 1}] {name}: {r['throughput']:.1f} tok/s, "
