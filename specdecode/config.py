@@ -69,16 +69,12 @@ class SamplingParams:
 class BudgetOptions:
     """``speculative_config`` keys: ``verify_budget`` "fixed" (γ per request, the default) or
     "adaptive"; ``max_verify_tokens`` bounds the positions one step verifies (B rows + drafts);
-    ``throughput_floor`` (adaptive only, in (0, 1], default 0.96): the share of no
-    speculation's predicted throughput the budgets keep; below 1 they trade throughput for
-    per-user speed. The default spends a predicted 4% where drafts are likeliest: on the
-    serving benchmark at 16 and 32 clients that measured as no speculation's throughput
-    (within the noise) with 1.3-1.4x fixed γ = 2's per-user speed, where a floor of 1 drafted
-    next to nothing (engine/budget.py, docs/benchmarks.md)."""
+    ``throughput_floor`` (adaptive only, in (0, 1], default 1): the share of no speculation's
+    predicted throughput the budgets keep; below 1 they trade throughput for per-user speed."""
 
     verify_budget: str = "fixed"
     max_verify_tokens: int | None = None
-    throughput_floor: float = 0.96
+    throughput_floor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.verify_budget not in ("fixed", "adaptive"):

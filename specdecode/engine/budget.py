@@ -13,7 +13,7 @@ drafts at all, the scheduler adds draft positions in order of s (the most likely
 survive first) while the expected tokens per unit of step time, (B + Σ s) / (t(P) + f),
 still rises, f being the prefill a step carries on average (the step runs a chunk of a
 joining request's prompt beside its decode round), and the pass still yields at least
-``throughput_floor`` (default 0.96) of no drafts' predicted throughput. Below the compute/bandwidth
+``throughput_floor`` (default 1) of no drafts' predicted throughput. Below the compute/bandwidth
 threshold t(P) is flat and every useful position is kept; past it each extra position must
 pay for itself, so budgets shrink smoothly, per request, down to 0; speculation is never
 switched off wholesale.
@@ -177,6 +177,11 @@ class AdaptiveBudget:
         # γ = 2 had 1.13× none's per-user speed; pricing the step without that floor, they
         # drafted 1.8 tokens a row at 16 clients at 0.92-0.98× none's throughput.
         self.prefill_seconds = 0.0
+        # tokens the steps emit, a running mean with the same weights: prefill per output token is
+        # their ratio. Per row instead, it grew as rows drafted (the same prompts spread over fewer
+        # steps), and so did the pass time the floor allowed a token: below a floor of 1 the
+        # budgets fed their own allowance.
+        self.tokens_per_step = 0.0
 
     def shadow(self) -> bool:
         return self.shadow_allowance >= 0
@@ -275,11 +280,11 @@ class AdaptiveBudget:
             out[b], positions, expected, rows, rate = k, positions + 1, expected + s, rows + (k == 1), new_rate
             taken.append((s, k, b))
         # No less than ``throughput_floor`` of no drafts' throughput. Prefill work per output token
-        # is fixed (its share of a step without drafts), so a token's share of the wall time is that
+        # is fixed (every prompt is prefilled once), so a token's share of the wall time is that
         # plus its share of the pass; the least likely positions go until the pass's seconds per
         # expected token allow it (the likely ones pay for the rest). At a floor of 1: the pass
         # yields at least the tokens per second it would without any draft.
-        prefill = self.prefill_seconds / max(1, B)
+        prefill = self.prefill_seconds / self.tokens_per_step if self.tokens_per_step > 0 else 0.0
         plain = self._seconds(B, B, 0.0, carries_drafts=False) / max(1, B)
         allowed = (prefill + plain) / self.throughput_floor - prefill  # pass seconds an expected token may cost
         while taken and pass_time(positions, rows) > expected * allowed:
@@ -310,6 +315,8 @@ class AdaptiveBudget:
         draft_depth: int = 1, proposal: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
         self._observe_cost(len(reqs), num_draft.tolist(), seconds)
+        tokens = len(reqs) + int(num_accepted.sum())  # each row's accepted drafts and its one new token
+        self.tokens_per_step += PREFILL_DECAY * (tokens - self.tokens_per_step)
         drafted = int(num_draft.sum()) > 0
         spent = 0.0 if drafted else draft_seconds  # proposing on a step that verified nothing
         self.shadow_allowance = min(0.0, self.shadow_allowance + SHADOW_SHARE * seconds - spent)

@@ -11,7 +11,7 @@ import torch
 from specdecode.config import SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Draft
 from specdecode.engine.acceptance import STATES, _RequestRounds
-from specdecode.engine.budget import AdaptiveBudget, FixedBudget, apply_budgets
+from specdecode.engine.budget import PREFILL_DECAY, AdaptiveBudget, FixedBudget, apply_budgets
 from specdecode.engine.cost import VerifyCost
 from specdecode.model.masks import attention_queries
 from specdecode.tree import TreeBatch
@@ -133,6 +133,7 @@ def test_a_throughput_floor_below_one_trades_throughput_for_per_user_speed():
         policy.acceptance.reached, policy.acceptance.accepted = torch.full((STATES, 4), 100.0), torch.full((STATES, 4), 30.0)
         for _ in range(300):
             policy.observe_prefill(6.0)
+        policy.tokens_per_step = 16.0  # steps emitted a token a row: 6/16 s of prefill per token
         budgets = policy.budgets(reqs, torch.full((16,), 4), engine=None).tolist()
         s = torch.cumprod(policy.acceptance.sts(policy.acceptance.confidences(["r0"])), dim=1)[0].tolist()
         expected = 16 + sum(sum(s[:n]) for n in budgets)
@@ -140,6 +141,25 @@ def test_a_throughput_floor_below_one_trades_throughput_for_per_user_speed():
         assert 16 / (6.0 + policy.cost(16)) / (1 / per_token) <= 1 / floor + 1e-9  # within the floor
         drafted[floor] = sum(budgets)
     assert drafted[1.0] == 0 and drafted[0.9] >= 16
+
+
+def test_prefill_per_token_counts_every_token_the_steps_emit():
+    """Prefill per output token is the prefill a step carries over the tokens a step emits, not
+    over its rows: where rows drafted and steps emitted two tokens a row, the same prompts were
+    spread over half the steps, and a floor below 1 allows less than where they emitted one."""
+    reqs = [req(f"r{i}") for i in range(16)]
+    drafted = {}
+    for tokens in (16, 32):
+        policy = AdaptiveBudget(linear(1.0, 1 / 32), max_gamma=4, throughput_floor=0.95)
+        policy.acceptance.reached, policy.acceptance.accepted = torch.full((STATES, 4), 100.0), torch.full((STATES, 4), 30.0)
+        for _ in range(300):
+            policy.observe_prefill(6.0)
+        policy.tokens_per_step = float(tokens)
+        drafted[tokens] = int(policy.budgets(reqs, torch.full((16,), 4), engine=None).sum())
+    assert 0 < drafted[32] < drafted[16]
+    fresh = AdaptiveBudget(linear(1.0, 1 / 32), max_gamma=4)  # the engine's rounds feed it: rows + accepted
+    fresh.observe(reqs, torch.full((16,), 2), torch.full((16,), 3), 1.0, 0.0)
+    assert fresh.tokens_per_step == pytest.approx(PREFILL_DECAY * 48)
 
 
 def test_confident_requests_get_more_of_a_tight_budget():
