@@ -97,7 +97,8 @@ def test_the_prefill_a_step_carries_is_part_of_its_time_within_no_drafts_through
     drafts: the likely rows' surplus pays for some unlikely tokens, and with no likely rows
     nothing is drafted (a floor of 1; the default, below 1, is the next test's)."""
     policy = AdaptiveBudget(linear(1.0, 1 / 32), max_gamma=4, throughput_floor=1.0)
-    policy.acceptance.reached, policy.acceptance.accepted = torch.full((STATES, 4), 100.0), torch.full((STATES, 4), 30.0)
+    policy.acceptance.reached = torch.full((STATES, 4), 100.0)
+    policy.acceptance.accepted = torch.full((STATES, 4), 30.0)
     reqs, limits = [req(f"r{i}") for i in range(32)], torch.full((32,), 4)
     likely, unlikely = range(16), range(16, 32)
     for b in likely:
@@ -130,7 +131,8 @@ def test_a_throughput_floor_below_one_trades_throughput_for_per_user_speed():
     drafted = {}
     for floor in (1.0, 0.9):
         policy = AdaptiveBudget(linear(1.0, 1 / 32), max_gamma=4, throughput_floor=floor)
-        policy.acceptance.reached, policy.acceptance.accepted = torch.full((STATES, 4), 100.0), torch.full((STATES, 4), 30.0)
+        policy.acceptance.reached = torch.full((STATES, 4), 100.0)
+        policy.acceptance.accepted = torch.full((STATES, 4), 30.0)
         for _ in range(300):
             policy.observe_prefill(6.0)
         policy.tokens_per_step = 16.0  # steps emitted a token a row: 6/16 s of prefill per token
@@ -151,7 +153,8 @@ def test_prefill_per_token_counts_every_token_the_steps_emit():
     drafted = {}
     for tokens in (16, 32):
         policy = AdaptiveBudget(linear(1.0, 1 / 32), max_gamma=4, throughput_floor=0.95)
-        policy.acceptance.reached, policy.acceptance.accepted = torch.full((STATES, 4), 100.0), torch.full((STATES, 4), 30.0)
+        policy.acceptance.reached = torch.full((STATES, 4), 100.0)
+        policy.acceptance.accepted = torch.full((STATES, 4), 30.0)
         for _ in range(300):
             policy.observe_prefill(6.0)
         policy.tokens_per_step = float(tokens)
