@@ -222,7 +222,8 @@ class AdaptiveBudget:
         limit = self.max_verify_tokens
         if fused:
             limit = self.fused_positions if limit is None else min(limit, self.fused_positions)
-        out, plain = self._fill(ranked, B, 0, 0.0, "fused" if fused else "padded", limit)
+        allowed = self._allowed_seconds_per_token(B)
+        out, plain = self._fill(ranked, B, 0, 0.0, "fused" if fused else "padded", limit, allowed)
         best_rate = plain * (1 + MIN_GAIN)  # what drafts must beat
         for w in range(1, max(cap, default=0) + 1):
             if fused:
@@ -230,7 +231,7 @@ class AdaptiveBudget:
             else:  # splitting applies only if one drafting row keeps attention within a third of padded
                 modes = ("padded", "split") if attention_queries(B, 1, 1 + w) < B * (1 + w) else ("padded",)
             for mode in modes:
-                budgets, rate = self._fill(ranked, B, w, self.draft_cost * w, mode, limit)  # proposing w deep
+                budgets, rate = self._fill(ranked, B, w, self.draft_cost * w, mode, limit, allowed)  # w deep
                 if rate > best_rate:
                     best_rate, out = rate, budgets
         if not any(out) and self.steps_without_drafts >= PROBE_EVERY:
@@ -242,7 +243,8 @@ class AdaptiveBudget:
         return torch.tensor(out, dtype=torch.long, device=limits.device)
 
     def _fill(
-        self, ranked: list[tuple[float, int, int]], B: int, width: int, drafting: float, mode: str, limit: int | None
+        self, ranked: list[tuple[float, int, int]], B: int, width: int, drafting: float, mode: str, limit: int | None,
+        allowed: float,
     ) -> tuple[list[int], float]:
         """Budgets from ``ranked`` (survival, depth, row) positions of depth <= ``width``, taken
         while each pays for its time (plus ``drafting`` seconds) and the pass stays within
@@ -251,7 +253,9 @@ class AdaptiveBudget:
         ``width`` for every row ("padded", paid up front), or ``width`` queries for each row
         that drafts ("split"). The fixed cost of carrying drafts is paid up front too (width >
         0): no single position need cover it alone, and the returned rate, of the budgets as
-        taken, says whether they did."""
+        taken, says whether they did. Then the least likely positions go until the pass costs at
+        most ``allowed`` seconds per expected token (the throughput floor,
+        `_allowed_seconds_per_token`)."""
         out, positions, expected = [0] * B, B, float(B)  # every row verifies its root and gains one token
         rows = 0  # rows drafting
 
@@ -279,18 +283,21 @@ class AdaptiveBudget:
                 break  # the most likely remaining position no longer pays for its time
             out[b], positions, expected, rows, rate = k, positions + 1, expected + s, rows + (k == 1), new_rate
             taken.append((s, k, b))
-        # No less than ``throughput_floor`` of no drafts' throughput. Prefill work per output token
-        # is fixed (every prompt is prefilled once), so a token's share of the wall time is that
-        # plus its share of the pass; the least likely positions go until the pass's seconds per
-        # expected token allow it (the likely ones pay for the rest). At a floor of 1: the pass
-        # yields at least the tokens per second it would without any draft.
-        prefill = self.prefill_seconds / self.tokens_per_step if self.tokens_per_step > 0 else 0.0
-        plain = self._seconds(B, B, 0.0, carries_drafts=False) / max(1, B)
-        allowed = (prefill + plain) / self.throughput_floor - prefill  # pass seconds an expected token may cost
         while taken and pass_time(positions, rows) > expected * allowed:
             s, k, b = taken.pop()
             out[b], positions, expected, rows = k - 1, positions - 1, expected - s, rows - (k == 1)
         return out, expected / self.step_time(B, positions, rows, max(out, default=0), drafting)
+
+    def _allowed_seconds_per_token(self, B: int) -> float:
+        """Pass seconds an expected token may cost so that B rows keep ``throughput_floor`` of no
+        drafts' throughput. Prefill work per output token is fixed (every prompt is prefilled
+        once), so a token's share of the wall time is that plus its share of the pass; likely
+        positions pay for less likely ones. At a floor of 1: the pass yields at least the tokens
+        per second it would without any draft. Independent of the widths and attention modes
+        `budgets` tries, so computed once per planning."""
+        prefill = self.prefill_seconds / self.tokens_per_step if self.tokens_per_step > 0 else 0.0
+        plain = self._seconds(B, B, 0.0, carries_drafts=False) / max(1, B)
+        return (prefill + plain) / self.throughput_floor - prefill
 
     def step_time(self, B: int, positions: int, rows: int, widest: int, drafting: float) -> float:
         """Predicted seconds of a step: the pass over ``positions`` (linears), attention for B

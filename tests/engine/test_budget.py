@@ -95,7 +95,7 @@ def test_the_prefill_a_step_carries_is_part_of_its_time_within_no_drafts_through
     for its share of the step too; but prefill work per output token is fixed, so throughput
     follows the pass alone, and the budgets keep the pass at no fewer tokens per second than no
     drafts: the likely rows' surplus pays for some unlikely tokens, and with no likely rows
-    nothing is drafted (a floor of 1; the default, below 1, is the next test's)."""
+    nothing is drafted (a floor of 1, the default; the next test lowers it)."""
     policy = AdaptiveBudget(linear(1.0, 1 / 32), max_gamma=4, throughput_floor=1.0)
     policy.acceptance.reached = torch.full((STATES, 4), 100.0)
     policy.acceptance.accepted = torch.full((STATES, 4), 30.0)
@@ -293,7 +293,8 @@ def test_where_the_fused_block_runs_a_deep_row_pays_no_padding_and_the_pass_stay
     draft deep without making the batch pay padding; and a batch that fits in the block is
     planned not to leave it (the torch blocks it would fall back to cost ~2x per position)."""
     policy = AdaptiveBudget(VerifyCost([(1, 0.05), (200, 0.05 + 0.001 * 199)]), max_gamma=8)
-    policy.acceptance.reached, policy.acceptance.accepted = torch.full((2, 8), 100.0), torch.full((2, 8), 30.0)
+    policy.acceptance.reached = torch.full((STATES, 8), 100.0)
+    policy.acceptance.accepted = torch.full((STATES, 8), 30.0)
     reqs = [req(f"r{i}") for i in range(32)]
     for r in reqs[:4]:  # four rows whose drafts nearly always survive
         policy.acceptance.per_request[r.request_id] = _RequestRounds([[1000.0] * 8] * STATES, [[990.0] * 8] * STATES)
