@@ -258,6 +258,10 @@ class AdaptiveBudget:
         `_allowed_seconds_per_token`)."""
         out, positions, expected = [0] * B, B, float(B)  # every row verifies its root and gains one token
         rows = 0  # rows drafting
+        # `_seconds` unrolled, its terms that do not change with the positions taken summed once:
+        # this runs for every position tried, in 9-16 widths and modes, twice a step
+        attention, cost = self.attention_cost * self.context, self.cost
+        fixed = drafting + (self.draft_overhead if width > 0 else 0.0)
 
         def pass_time(positions: int, rows: int) -> float:
             if mode == "fused":
@@ -266,7 +270,7 @@ class AdaptiveBudget:
                 queries = B + rows * width
             else:  # padded
                 queries = B * (1 + width)
-            return self._seconds(positions, queries, drafting, carries_drafts=width > 0)
+            return cost(positions) + attention * queries + fixed
 
         def time(positions: int, rows: int) -> float:  # the whole step's
             return pass_time(positions, rows) + self.prefill_seconds
