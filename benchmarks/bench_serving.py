@@ -107,10 +107,12 @@ class Recording:
         self.passes: list[tuple[int, float]] = []  # each verify pass: positions, seconds
         self._budgets: list[int] = []
         self._planned: dict[str, tuple[list[float], list[float]]] = {}
+        self._evidence: list[int] | None = None  # the drafter's evidence the step was planned with
 
-    def budgets(self, reqs, limits, engine, confidence=None):
-        out = self.inner.budgets(reqs, limits, engine, confidence)
+    def budgets(self, reqs, limits, engine, proposal=None):
+        out = self.inner.budgets(reqs, limits, engine, proposal)
         self._budgets = out.tolist()
+        self._evidence = proposal.evidence if proposal is not None else None
         return out
 
     def observe_prefill(self, seconds):
@@ -121,15 +123,15 @@ class Recording:
 
     def lookahead(self):
         return self.inner.lookahead()
-
     def observe(self, reqs, num_accepted, num_draft, seconds, draft_seconds, draft_depth=1, proposal=None):
         if isinstance(self.inner, AdaptiveBudget) and len(self._budgets) == len(reqs):
             # the confidences the step was planned with (nothing has changed them since): read
             # once a step here, not on each of the engine's two planning calls, so that the
             # recording costs the adaptive runs as little as it can
             ids = [r.request_id for r in reqs]
-            prior = self.inner.acceptance.confidences(ids, own=False).tolist()  # batched calls
-            online = self.inner.acceptance.confidences(ids).tolist()
+            acceptance, evidence = self.inner.acceptance, self._evidence
+            prior = acceptance.confidences(ids, own=False, evidence=evidence).tolist()  # batched calls
+            online = acceptance.confidences(ids, evidence=evidence).tolist()
             self._planned = {r.request_id: (p, c) for r, p, c in zip(reqs, prior, online)}
         self.passes.append((len(reqs) + int(num_draft.sum()), seconds))
         acc, drafted = num_accepted.tolist(), num_draft.tolist()

@@ -2,7 +2,8 @@
 
 Finds the most recent earlier occurrence of the sequence's last n tokens (n from
 ``prompt_lookup_max`` down to ``prompt_lookup_min``, longest first) in prompt + output,
-and proposes the tokens that followed it. Costs a few vectorised numpy comparisons
+and proposes the tokens that followed it, with n as the proposal's evidence (an adaptive
+budget counts acceptance by it). Costs a few vectorised numpy comparisons
 per row and round. With ``max_matches > 1`` it merges the continuations of several
 matches (longest n first, then most recent) into one tree of at most
 ``num_draft_tokens`` nodes; siblings are distinct, as one-hot tree verification needs.
@@ -41,18 +42,31 @@ class NgramOptions:
         check_node_budget(budget)
 
 
+def longest_match(tokens: np.ndarray, min_n: int, max_n: int) -> tuple[int, int]:
+    """(n, where its continuation starts) for the most recent earlier match of the longest
+    suffix n-gram, n at most ``max_n``; (0, len) if no match reaches ``min_n``.
+
+    Grows the match backwards from the earlier occurrences of the newest token, so each
+    round compares only the candidates still matching: one pass over the sequence in all
+    (a window comparison per n took ~0.6 ms a step on a 500-token prompt)."""
+    size = len(tokens)
+    if size < 2:
+        return 0, size
+    ends = np.flatnonzero(tokens[: size - 1] == tokens[-1])  # where earlier 1-gram matches end
+    n, best = 0, -1
+    while ends.size:
+        n, best = n + 1, int(ends[-1])
+        if n == max_n:
+            break
+        ends = ends[ends >= n]  # room for one more token before the match
+        ends = ends[tokens[ends - n] == tokens[size - 1 - n]]
+    return (n, best + 1) if n >= min_n else (0, size)
+
+
 def lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
     """Up to ``k`` tokens that followed the most recent earlier match of the longest suffix n-gram."""
-    size = len(tokens)
-    for n in range(min(max_n, size - 1), min_n - 1, -1):
-        suffix = tokens[size - n :]
-        # windows[i] = tokens[i : i + n]; the last window is the suffix itself, so skip it.
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[: size - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return tokens[start : start + k]
-    return tokens[:0]
+    _, start = longest_match(tokens, min_n, max_n)
+    return tokens[start : start + k]
 
 
 def lookup_all(tokens: np.ndarray, min_n: int, max_n: int, k: int, max_matches: int) -> list[np.ndarray]:
@@ -117,10 +131,12 @@ class NgramDrafter:
         if self.options.max_matches > 1:
             return self._propose_tree(rows, num_tokens)
         out = np.full((len(batch), num_tokens), -1, dtype=np.int64)
+        matched = [0] * len(batch)  # each row's n: a longer match is likelier a copy (see Draft.evidence)
         for row, tokens in enumerate(rows):
-            found = lookup(tokens, lo, hi, num_tokens)
+            matched[row], start = longest_match(tokens, lo, hi)
+            found = tokens[start : start + num_tokens]
             out[row, : len(found)] = found
-        return Draft(tokens=torch.from_numpy(out).to(self.device), q=None)
+        return Draft(tokens=torch.from_numpy(out).to(self.device), q=None, evidence=matched)
 
     def _propose_tree(self, rows: list[np.ndarray], depth: int) -> Draft:
         o = self.options

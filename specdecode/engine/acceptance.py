@@ -29,6 +29,7 @@ from specdecode.engine.calibration import Rounds, SequentialTemperatureScaling
 
 PRIOR_STRENGTH = 4.0  # pseudo-rounds of the shared estimate behind a request's own counts
 SHARED_PRIOR = 1.0  # pseudo-rounds behind a shared estimate: position 1's at 1/2, position k's at k - 1's
+EVIDENCE_PRIOR = 4.0  # pseudo-rounds of a state's shared estimate behind its counts with one evidence
 # A request's state: its drafter found nothing last step, or it has had no round yet
 # (AFTER_NOTHING); its last round rejected a token (AFTER_MISS); or its last round accepted
 # every draft token (AFTER_FULL).
@@ -40,12 +41,12 @@ NOT_SHADOWED = -2  # a proposal row whose matching is not acceptance (see Servin
 @dataclasses.dataclass
 class _RequestRounds:
     """One request's rounds (real and shadow) by state and position, its state, and the
-    shadow round it has in flight: (tokens before it, its draft tokens, state and raw c)."""
+    shadow round it has in flight: (tokens before it, its draft tokens, state, evidence and raw c)."""
 
     reached: list[list[float]]  # [state][k]: rounds that reached draft position k
     accepted: list[list[float]]  # [state][k]: ... and accepted it
     state: int = AFTER_NOTHING
-    shadow: tuple[int, list[int], int, torch.Tensor] | None = None
+    shadow: tuple[int, list[int], int, int | None, torch.Tensor] | None = None
 
     @staticmethod
     def empty(gamma: int) -> _RequestRounds:
@@ -62,6 +63,8 @@ class AcceptanceStats:
         # shared counts by state and position: rounds that reached position k, and accepted it
         self.reached = torch.zeros(STATES, max_gamma)
         self.accepted = torch.zeros(STATES, max_gamma)
+        # shared counts by state and the drafter's evidence (Draft.evidence): (reached, accepted) by k
+        self.by_evidence: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
         self.per_request: dict[str, _RequestRounds] = {}
         self.sts = SequentialTemperatureScaling(max_gamma)
         self.refit_every, self.window = refit_every, window
@@ -69,6 +72,7 @@ class AcceptanceStats:
         self._since_fit = 0
         self._raw: dict[str, torch.Tensor] = {}  # the raw confidences each row was planned with
         self._lengths: dict[str, int] = {}  # tokens each row held when it was last planned
+        self._evidence: dict[str, int] = {}  # the evidence each row was planned with, where it had one
 
     @property
     def gamma(self) -> int:
@@ -97,30 +101,37 @@ class AcceptanceStats:
             rows.append(row)
         return rows
 
-    def confidences(self, request_ids: list[str], own: bool = True) -> torch.Tensor:
+    def confidences(self, request_ids: list[str], own: bool = True, evidence: list[int] | None = None) -> torch.Tensor:
         """[B, γ] raw c_k for several requests at once, each in its state: its own counts shrunk
-        to the shared ones (``own=False``: the shared ones alone). In Python floats, as
-        `shared`: at one client the tensor version was a third of the planning time."""
+        to the shared ones (``own=False``: the shared ones alone). With the drafter's
+        ``evidence`` for each row's proposal, the shared estimate is first refined by the rounds
+        that had the same state and evidence (shrunk to the state's estimate: a pair few rounds
+        had keeps it). Own counts are by state alone: a request has too few rounds to split. In
+        Python floats, as `shared`: at one client the tensor version was a third of the planning."""
         shared = self._shared_rows()
         rows = []
-        for rid in request_ids:
+        for b, rid in enumerate(request_ids):
             mine = self.per_request.get(rid)
-            if mine is None:  # no round yet: its own counts are zeros
-                rows.append(shared[AFTER_NOTHING])
-                continue
-            prior, state = shared[mine.state], mine.state
-            if not own:
+            state = mine.state if mine is not None else AFTER_NOTHING
+            prior = shared[state]
+            counts = self.by_evidence.get((state, evidence[b])) if evidence is not None else None
+            if counts is not None:
+                prior = [(a + EVIDENCE_PRIOR * c) / (r + EVIDENCE_PRIOR) for r, a, c in zip(*counts, prior)]
+            if mine is None or not own:  # no round yet: its own counts are zeros
                 rows.append(prior)
                 continue
             counts = zip(mine.accepted[state], mine.reached[state], prior)
             rows.append([(a + PRIOR_STRENGTH * c) / (r + PRIOR_STRENGTH) for a, r, c in counts])
         return torch.tensor(rows).reshape(len(request_ids), self.gamma)
 
-    def planned(self, reqs: list[Any], raw: torch.Tensor) -> None:
-        """Remember what each row was planned with (raw [B, γ]) and its length then: the step's
-        rounds are recorded against them, and a shadow round starts after that length."""
-        self._raw = dict(zip((r.request_id for r in reqs), raw.unbind(0)))
+    def planned(self, reqs: list[Any], raw: torch.Tensor, evidence: list[int] | None = None) -> None:
+        """Remember what each row was planned with (raw [B, γ], the drafter's evidence) and its
+        length then: the step's rounds are recorded against them, and a shadow round starts
+        after that length."""
+        ids = [r.request_id for r in reqs]
+        self._raw = dict(zip(ids, raw.unbind(0)))
         self._lengths = {r.request_id: len(r.seq.token_ids) for r in reqs}
+        self._evidence = dict(zip(ids, evidence)) if evidence is not None else {}
 
     def observe(
         self, reqs: list[Any], num_accepted: list[int], num_draft: list[int], proposal: list[list[int]] | None
@@ -139,14 +150,14 @@ class AcceptanceStats:
             learned |= self._settle_shadow(req, mine, verified=d > 0)
             if d > 0:
                 drafted, accepted = self._extended(req, row, d, a)
-                self._record(mine, mine.state, self._raw.get(rid), drafted, accepted)
+                self._record(mine, mine.state, self._evidence.get(rid), self._raw.get(rid), drafted, accepted)
                 mine.state, learned = AFTER_FULL if accepted == drafted else AFTER_MISS, True
             elif row is not None and row[0] != NOT_SHADOWED:
                 chain = row[: row.index(-1)] if -1 in row else row
                 if not chain:
                     mine.state = AFTER_NOTHING  # the drafter found nothing: a run of copied text, if any, ended
                 elif not pending and rid in self._raw:  # one at a time, none reusing a settled one's tokens
-                    mine.shadow = (self._lengths[rid], chain, mine.state, self._raw[rid])
+                    mine.shadow = (self._lengths[rid], chain, mine.state, self._evidence.get(rid), self._raw[rid])
         live = {r.request_id for r in reqs if r.seq.finish_reason is None}
         self.per_request = {k: v for k, v in self.per_request.items() if k in live}  # finished or cancelled
         del self.records[: -self.window]
@@ -177,7 +188,7 @@ class AcceptanceStats:
         covers the same tokens. True if a round was recorded."""
         if mine.shadow is None:
             return False
-        start, chain, state, raw = mine.shadow
+        start, chain, state, evidence, raw = mine.shadow
         made = req.seq.token_ids[start : start + len(chain)]
         n = next((k for k, (t, m) in enumerate(zip(chain, made)) if t != m), len(made))
         settled = n < len(made) or len(made) == len(chain)  # a miss, or the whole chain generated
@@ -189,12 +200,16 @@ class AcceptanceStats:
         mine.shadow = None
         if not made:
             return False
-        self._record(mine, state, raw, len(chain) if settled else len(made), n)
+        self._record(mine, state, evidence, raw, len(chain) if settled else len(made), n)
         mine.state = AFTER_FULL if n == len(chain) else AFTER_MISS
         return True
 
-    def _record(self, mine: _RequestRounds, state: int, raw: torch.Tensor | None, drafted: int, accepted: int) -> None:
-        """One round (real or shadow): ``accepted`` of ``drafted`` tokens, from ``state``."""
+    def _record(
+        self, mine: _RequestRounds, state: int, evidence: int | None, raw: torch.Tensor | None, drafted: int,
+        accepted: int,
+    ) -> None:  # fmt: skip
+        """One round (real or shadow): ``accepted`` of ``drafted`` tokens, from ``state``, its
+        proposal found with ``evidence`` (None: the drafter gave none)."""
         if raw is not None:
             self.records.append((raw, drafted, accepted))
         reached = min(accepted + 1, drafted)  # positions 1..a were accepted; a+1 was tried and rejected
@@ -204,6 +219,12 @@ class AcceptanceStats:
             mine.accepted[state][k] += 1
         self.reached[state, :reached] += 1
         self.accepted[state, :accepted] += 1
+        if evidence is not None:
+            counts = self.by_evidence.setdefault((state, evidence), ([0.0] * self.gamma, [0.0] * self.gamma))
+            for k in range(reached):
+                counts[0][k] += 1
+            for k in range(accepted):
+                counts[1][k] += 1
 
     def rounds(self) -> Rounds:
         """The recorded rounds, as STS fits them."""

@@ -60,11 +60,13 @@ PREFILL_DECAY = 1 / 32
 
 class BudgetPolicy(Protocol):
     def budgets(
-        self, reqs: list[Any], limits: torch.Tensor, engine: ServingEngine, confidence: torch.Tensor | None = None
+        self, reqs: list[Any], limits: torch.Tensor, engine: ServingEngine, proposal: Draft | None = None
     ) -> torch.Tensor:
         """[B] draft tokens per running row this step, each in [0, limits[b]] (limits: what the
-        drafter proposed, capped by each request's γ). ``confidence`` [B, w]: the drafter's own
-        estimates that each proposed token is accepted given the earlier ones were, if it has any."""
+        drafter proposed, capped by each request's γ). ``proposal``: what the drafter proposed,
+        when planning after it (its ``confidence``, a head's own estimates that each token is
+        accepted given the earlier ones were, and its ``evidence``, where it has them); None
+        when planning whether to propose at all."""
         ...
 
     def observe(
@@ -91,7 +93,6 @@ class BudgetPolicy(Protocol):
         the bonus token shows whether the next proposed one would have survived."""
         ...
 
-
 class FixedBudget:
     """Every request verifies its own γ each step, whatever the load."""
 
@@ -99,7 +100,7 @@ class FixedBudget:
         self.max_verify_tokens = max_verify_tokens
 
     def budgets(
-        self, reqs: list[Any], limits: torch.Tensor, engine: ServingEngine, confidence: torch.Tensor | None = None
+        self, reqs: list[Any], limits: torch.Tensor, engine: ServingEngine, proposal: Draft | None = None
     ) -> torch.Tensor:
         if self.max_verify_tokens is None:
             return limits
@@ -121,7 +122,6 @@ class FixedBudget:
 
     def lookahead(self) -> int:
         return 0
-
 
 class AdaptiveBudget:
     """Per-request budgets that maximise expected accepted tokens per unit of step time.
@@ -195,18 +195,19 @@ class AdaptiveBudget:
         budgets never reach is never learned, and a request copying its input for hundreds of
         tokens kept its first depth (engine/acceptance.py `_extended`)."""
         return int(bool(self.passes) and self.draft_cost <= SHADOW_SHARE * self.passes[-1][3])
-
     def budgets(
-        self, reqs: list[Any], limits: torch.Tensor, engine: ServingEngine, confidence: torch.Tensor | None = None
+        self, reqs: list[Any], limits: torch.Tensor, engine: ServingEngine, proposal: Draft | None = None
     ) -> torch.Tensor:
         B = len(reqs)
         cap = limits.tolist()
         self.context = max((len(r.seq.token_ids) for r in reqs), default=1)
-        raw = self.acceptance.confidences([r.request_id for r in reqs])  # [B, γ]
+        evidence = proposal.evidence if proposal is not None else None
+        raw = self.acceptance.confidences([r.request_id for r in reqs], evidence=evidence)  # [B, γ]
+        confidence = proposal.confidence if proposal is not None else None
         if confidence is not None:  # a trained head's estimates, where it gave them
             w = min(raw.shape[1], confidence.shape[1])
             raw[:, :w] = confidence[:, :w].float().cpu().clamp(1e-4, 1 - 1e-4)
-        self.acceptance.planned(reqs, raw)
+        self.acceptance.planned(reqs, raw, evidence)
         survival = torch.cumprod(self.acceptance.sts(raw), dim=1).tolist()
         # Candidate positions (row b's k-th draft token), most likely to survive first; survival
         # falls with k, so a row's positions come in order.

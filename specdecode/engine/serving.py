@@ -312,12 +312,14 @@ class ServingEngine(Engine):
             start = time.perf_counter()
             proposed = self.drafter.propose(self.batch, depth)
             draft_seconds = time.perf_counter() - start
-            if want > 0:  # else proposed only for the budget's shadow rounds: nothing is verified
-                # budget over what was actually proposed: a row that found nothing costs nothing
-                limits = torch.minimum(proposed.num_tokens, gammas)
-                budgets = self.budget.budgets(reqs, limits, self, proposed.confidence)  # [B] >= 0
-                if int(budgets.max()) > 0 or proposed.aux is not None:
-                    draft = apply_budgets(proposed, budgets)
+            # Plan again over what was actually proposed: a row that found nothing costs nothing,
+            # and the drafter's evidence and confidences refine the estimates. Also where it
+            # proposed only for the budget's shadow rounds: a proposal found with strong
+            # evidence may pay where the estimate without it did not.
+            limits = torch.minimum(proposed.num_tokens, gammas)
+            budgets = self.budget.budgets(reqs, limits, self, proposed)  # [B] >= 0
+            if int(budgets.max()) > 0 or (want > 0 and proposed.aux is not None):
+                draft = apply_budgets(proposed, budgets)
             shadow = self._shadow_chains(proposed)
             self._shadows = self._shadows and shadow is not None  # trees and typical acceptance give none
         start = time.perf_counter()

@@ -1,10 +1,13 @@
 """The n-gram drafter needs no model: test its lookup directly."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
+import torch
 
 from specdecode.config import SpecConfig, SpecDecodeError
-from specdecode.drafters.ngram import lookup
+from specdecode.drafters.ngram import NgramDrafter, NgramOptions, longest_match, lookup
 
 
 def arr(*xs):
@@ -33,6 +36,37 @@ def test_no_match_and_min_length():
 def test_draft_cut_at_end_of_context():
     toks = arr(7, 8, 7)
     assert lookup(toks, 1, 1, 5).tolist() == [8, 7]
+
+
+def test_lookup_agrees_with_a_plain_search_on_random_sequences():
+    """The backwards-growing match against the definition: for n from max down to min, the most
+    recent earlier window equal to the last n tokens; its n is the proposal's evidence."""
+
+    def plain(toks: list[int], lo: int, hi: int) -> tuple[int, int]:
+        for n in range(min(hi, len(toks) - 1), lo - 1, -1):
+            ends = [i + n for i in range(len(toks) - n) if toks[i : i + n] == toks[-n:]]
+            if ends:
+                return n, ends[-1]
+        return 0, len(toks)
+
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        toks = rng.integers(0, int(rng.choice([2, 3, 6])), size=int(rng.integers(0, 30)))
+        lo = int(rng.integers(1, 4))
+        hi = int(rng.integers(lo, 7))
+        assert longest_match(toks, lo, hi) == plain(toks.tolist(), lo, hi), (toks.tolist(), lo, hi)
+
+
+def test_a_proposal_carries_its_matched_length_as_evidence():
+    class Rows(list):
+        seqs = property(lambda self: self)
+
+    spec = SimpleNamespace(options=NgramOptions(prompt_lookup_min=2, prompt_lookup_max=4))
+    drafter = NgramDrafter(spec, SimpleNamespace(device=torch.device("cpu")))
+    rows = Rows([SimpleNamespace(token_ids=t) for t in ([1, 2, 3, 4, 9, 2, 3, 4], [5, 6, 7, 5, 6], [1, 2, 3])])
+    draft = drafter.propose(rows, 2)
+    assert draft.tokens.tolist() == [[9, 2], [7, 5], [-1, -1]]
+    assert draft.evidence == [3, 2, 0]
 
 
 def test_options_validated():

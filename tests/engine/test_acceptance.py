@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdecode.drafters.base import Draft
 from specdecode.engine.acceptance import AFTER_FULL, AFTER_MISS, AFTER_NOTHING, NOT_SHADOWED
 from specdecode.engine.budget import AdaptiveBudget
 from tests.engine.test_budget import req, roofline
@@ -175,3 +176,21 @@ def test_the_engine_proposes_one_past_the_budget_only_for_cheap_drafters():
     policy.budgets([r], torch.tensor([2]), engine=None)
     policy.observe([r], torch.tensor([2]), torch.tensor([2]), 0.02, 0.02, 2)  # a learned drafter's steps
     assert policy.lookahead() == 0
+
+
+def test_rounds_are_counted_apart_by_the_drafters_evidence():
+    """In one state, proposals found with different evidence (ngram: a 5-gram match, a
+    2-gram one) survive at different rates; planning with a proposal's evidence uses its
+    own rounds, and without evidence the state's pooled ones."""
+    policy = AdaptiveBudget(roofline(knee=64), max_gamma=3)  # drafts are free: every row drafts
+    proposal = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    for step in range(20):  # fresh requests: every round is in the state "no round yet"
+        reqs = [req(f"long{step}"), req(f"short{step}")]
+        budgets = policy.budgets(reqs, torch.tensor([3, 3]), None, Draft(proposal, evidence=[5, 2]))
+        assert budgets.tolist() == [3, 3]
+        policy.observe(reqs, torch.tensor([3, 0]), budgets, 1.0, 0.0)
+    acceptance = policy.acceptance
+    after_long, after_short = acceptance.confidences(["new", "new"], evidence=[5, 2])[:, 0].tolist()
+    pooled = acceptance.confidence("new")[0]
+    assert after_long > 0.8 > pooled > 0.2 > after_short
+    assert acceptance.confidences(["new"], evidence=[3])[0, 0] == pooled  # no round had a 3-gram

@@ -377,8 +377,10 @@ def test_a_drafters_confidence_replaces_the_online_estimate():
     rounds seen yet) sits in between."""
     policy = AdaptiveBudget(roofline(knee=1, slope=0.5), max_gamma=4)
     r = [req("r")]
-    sure = policy.budgets(r, torch.tensor([4]), engine=None, confidence=torch.tensor([[0.99, 0.99, 0.05, 0.05]]))
-    unsure = policy.budgets(r, torch.tensor([4]), engine=None, confidence=torch.tensor([[0.05, 0.05, 0.05, 0.05]]))
+    proposal = torch.tensor([[5, 6, 7, 8]])
+    likely = torch.tensor([[0.99, 0.99, 0.05, 0.05]])
+    sure = policy.budgets(r, torch.tensor([4]), None, Draft(proposal, confidence=likely))
+    unsure = policy.budgets(r, torch.tensor([4]), None, Draft(proposal, confidence=torch.tensor([[0.05] * 4])))
     assert sure.tolist() == [2] and unsure.tolist() == [0]
 
 
