@@ -273,24 +273,26 @@ class AdaptiveBudget:
                 queries = B * (1 + width)
             return cost(positions) + attention * queries + fixed
 
-        def time(positions: int, rows: int) -> float:  # the whole step's
-            return pass_time(positions, rows) + self.prefill_seconds
-
-        rate = expected / time(positions, rows)
-        taken = []
+        prefill = self.prefill_seconds
+        rate = expected / (pass_time(positions, rows) + prefill)
+        taken: list[tuple[int, int]] = []  # (depth, row) in the order taken
+        keep, kept = 0, (positions, expected, rows)  # the longest prefix of taken within the floor
         for s, k, b in ranked:
             if limit is not None and positions >= limit:
                 break
             if k > width or k != out[b] + 1:
                 continue
-            new_rate = (expected + s) / time(positions + 1, rows + (k == 1))
+            seconds = pass_time(positions + 1, rows + (k == 1))
+            new_rate = (expected + s) / (seconds + prefill)  # the whole step's
             if new_rate < rate:
                 break  # the most likely remaining position no longer pays for its time
             out[b], positions, expected, rows, rate = k, positions + 1, expected + s, rows + (k == 1), new_rate
-            taken.append((s, k, b))
-        while taken and pass_time(positions, rows) > expected * allowed:
-            s, k, b = taken.pop()
-            out[b], positions, expected, rows = k - 1, positions - 1, expected - s, rows - (k == 1)
+            taken.append((k, b))
+            if seconds <= expected * allowed:
+                keep, kept = len(taken), (positions, expected, rows)
+        positions, expected, rows = kept  # the least likely positions past it go
+        for k, b in taken[keep:]:
+            out[b] = min(out[b], k - 1)
         return out, expected / self.step_time(B, positions, rows, max(out, default=0), drafting)
 
     def _allowed_seconds_per_token(self, B: int) -> float:
