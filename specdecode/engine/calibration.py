@@ -29,13 +29,16 @@ def expected_calibration_error(pred: torch.Tensor, outcome: torch.Tensor, bins: 
     """ECE: Σ over equal-width bins of |mean prediction − observed rate| · (bin share)."""
     if pred.numel() == 0:
         return 0.0
-    pred, outcome = pred.flatten().float(), outcome.flatten().float()
+    return float(expected_calibration_errors(pred.flatten().float()[None], outcome.flatten().float(), bins)[0])
+
+
+def expected_calibration_errors(pred: torch.Tensor, outcome: torch.Tensor, bins: int = 10) -> torch.Tensor:
+    """[T] the ECE of each row of predictions ``pred`` [T, N] against one ``outcome`` [N]
+    (a bin no prediction fell in adds |0 − 0|)."""
     which = (pred * bins).long().clamp(0, bins - 1)
-    count = torch.zeros(bins).scatter_add_(0, which, torch.ones_like(pred))
-    conf = torch.zeros(bins).scatter_add_(0, which, pred)
-    hits = torch.zeros(bins).scatter_add_(0, which, outcome)
-    used = count > 0
-    return float(((conf[used] - hits[used]).abs()).sum() / pred.numel())
+    conf = torch.zeros(pred.shape[0], bins).scatter_add_(1, which, pred)
+    hits = torch.zeros(pred.shape[0], bins).scatter_add_(1, which, outcome.expand_as(pred))
+    return (conf - hits).abs().sum(dim=1) / pred.shape[1]
 
 
 @dataclass
@@ -77,8 +80,8 @@ class SequentialTemperatureScaling:
             if int(reached.sum()) < min_rounds:
                 break
             prefix, raw_k = survival[reached], rounds.raw[reached, k]
-            errors = [expected_calibration_error(prefix * _scaled(raw_k, t), target) for t in TEMPERATURES]
-            self.temps[k] = TEMPERATURES[int(torch.tensor(errors).argmin())]
+            candidates = prefix[None, :] * _scaled(raw_k[None, :], TEMPERATURES[:, None])  # [T, R]: each temperature
+            self.temps[k] = TEMPERATURES[int(expected_calibration_errors(candidates, target).argmin())]
             survival = survival * _scaled(rounds.raw[:, k], self.temps[k])
         return self
 
