@@ -25,7 +25,6 @@ is engine/acceptance.py's.
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -33,7 +32,7 @@ import torch
 from specdecode.config import BudgetOptions
 from specdecode.drafters.base import Draft
 from specdecode.engine.acceptance import AcceptanceStats
-from specdecode.engine.cost import VerifyCost
+from specdecode.engine.cost import VerifyCost, fit_passes
 from specdecode.model.masks import attention_queries
 from specdecode.tree import TreeBatch
 
@@ -151,6 +150,7 @@ class AdaptiveBudget:
         self.shadow_allowance = 0.0
         self.window = window
         self.passes: list[tuple[int, int, bool, float]] = []  # the engine's passes: positions, attention, drafted?, s
+        self.passes_since_refit = 0
         # seconds per attention query and context token (measured at load, see
         # measure_attention_cost), each query priced at the longest context. The torch blocks
         # run attention on the batch padded to its widest draft (or split, see
@@ -345,48 +345,23 @@ class AdaptiveBudget:
         self.steps_without_drafts = 0 if drafted else self.steps_without_drafts + 1
 
     def _observe_cost(self, rows: int, num_draft: list[int], seconds: float) -> None:
-        """Refit the step time from the engine's own passes, which carry real batch sizes and
-        contexts (the start-up curve has one row and an empty context): t = a + b·P + c·Q,
-        P the real positions (linears) and Q = attention queries · context (the queries of the
-        batch padded to its widest draft, or split, each over the longest context). c is the
-        cost measured at load; a and b are fitted, and with them δ, the fixed cost of a pass
-        that carries any draft (t = a + b·P + c·Q + δ·[drafts]), once passes of both kinds, and
-        drafting passes of two sizes, are in the window and δ comes out ≥ 0; else the line
-        alone, δ = 0. (Fitting c too failed: Q rises with P, and from real passes c came out
-        at 0-0.2 µs where SDPA alone measures ~0.6-0.8 µs on this CPU, so deep drafts in busy
-        batches looked cheap.)"""
+        """Log the pass (positions, attention queries · context, whether it carried drafts, its
+        seconds) and refit the step time from the window of them (engine/cost.py `fit_passes`)."""
         drafting, widest = sum(d > 0 for d in num_draft), max(num_draft, default=0)
         positions = rows + sum(num_draft)
         padded = self._queries(rows, drafting, widest, positions) * self.context
         self.passes.append((positions, padded, drafting > 0, seconds))
         del self.passes[: -self.window]
-        if len(self.passes) < 32 or len(self.passes) % 16:
+        # after a thirty-second of the window is new (at least 16 passes), counted: by the window's
+        # length, a full window refitted on every pass (3.4 ms a step at 4 rows, of ~40 ms)
+        self.passes_since_refit += 1
+        if len(self.passes) < 32 or self.passes_since_refit < max(16, len(self.passes) // 32):
             return
-        c = self.attention_cost
-        kinds = sum(d for _, _, d, _ in self.passes)
-        if 8 <= kinds <= len(self.passes) - 8:
-            # δ and the slope are told apart only by drafting passes of several sizes: at one
-            # client nearly every drafting pass has 2 positions, and a single 3-position pass
-            # set the slope (7 ms a position, where 2 positions measured 4.7 ms over 1)
-            if _spread([p for p, _, d, _ in self.passes if d]):
-                X = torch.tensor([[1.0, p, float(d)] for p, _, d, _ in self.passes], dtype=torch.float64)
-                y = torch.tensor([t - c * q for _, q, _, t in self.passes], dtype=torch.float64)
-                a, b, delta = torch.linalg.lstsq(X, y[:, None]).solution[:, 0].tolist()
-                if a > 0 and b >= 0 and delta >= 0 and torch.linalg.matrix_rank(X) == 3:
-                    lo, hi = min(p for p, *_ in self.passes), max(p for p, *_ in self.passes)
-                    hi = max(hi, lo + 1)
-                    self.cost, self.draft_overhead = VerifyCost([(lo, a + b * lo), (hi, a + b * hi)]), delta
-                    return
-            # a line through all passes then holds what drafting costs in its slope (a
-            # negative δ is the curve bending upwards: AVX2's 1-2 row tiles, then octets)
-            self.draft_overhead = 0.0
-        self.cost = VerifyCost.fit_line([(p, t - c * q) for p, q, _, t in self.passes]) or self.cost
-
-
-def _spread(sizes: list[int], others: int = 8) -> bool:
-    """Whether at least ``others`` of the passes' ``sizes`` differ from the commonest one."""
-    commonest = Counter(sizes).most_common(1)
-    return len(sizes) - (commonest[0][1] if commonest else 0) >= others
+        self.passes_since_refit = 0
+        cost, overhead = fit_passes(self.passes, self.attention_cost)
+        self.cost = cost or self.cost
+        if overhead is not None:
+            self.draft_overhead = overhead
 
 
 def apply_budgets(draft: Draft, budgets: torch.Tensor) -> Draft:

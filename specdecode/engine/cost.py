@@ -1,8 +1,8 @@
 """What a step costs on this machine: the measured verify-cost curve t(P) of the target's
 passes, and what attention costs per query and context token.
 
-Owns: `VerifyCost` (measured at load, refitted by the adaptive budget from the engine's own
-passes), `measure_attention_cost`, and the least-squares line both use. Does not own what
+Owns: `VerifyCost` (measured at load, refitted from the engine's own passes by
+`fit_passes`), `measure_attention_cost`, and the least-squares line both use. Does not own what
 the costs are spent on (engine/budget.py).
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import torch
@@ -123,3 +124,42 @@ def measure_attention_cost(engine: ServingEngine, rows: int = 16, width: int = 9
 
     extra = max(0.0, seconds(width) - seconds(1))
     return extra * cfg.num_layers / (rows * (width - 1) * context)
+
+
+def fit_passes(
+    passes: list[tuple[int, int, bool, float]], attention_cost: float
+) -> tuple[VerifyCost | None, float | None]:
+    """t(P), and δ (None: keep the last), from the engine's own passes (positions, attention
+    queries · context, whether it carried drafts, seconds), which carry real batch sizes and
+    contexts (the start-up curve has one row and an empty context): t = a + b·P + c·Q, P the
+    real positions (linears) and Q = attention queries · context (the queries of the batch
+    padded to its widest draft, or split, each over the longest context). c is the cost
+    measured at load; a and b are fitted, and with them δ, the fixed cost of a pass that
+    carries any draft (t = a + b·P + c·Q + δ·[drafts]), once passes of both kinds, and
+    drafting passes of two sizes, are in the window and δ comes out ≥ 0; else the line
+    alone, δ = 0. (Fitting c too failed: Q rises with P, and from real passes c came out at
+    0-0.2 µs where SDPA alone measures ~0.6-0.8 µs on this CPU, so deep drafts in busy
+    batches looked cheap.) The curve is None where the line does not fit (see `fit_line`)."""
+    p, q, d, t = torch.tensor(passes, dtype=torch.float64).unbind(1)  # [N] each
+    y = t - attention_cost * q
+    delta = None
+    if 8 <= int(d.sum()) <= len(passes) - 8:
+        # δ and the slope are told apart only by drafting passes of several sizes: at one
+        # client nearly every drafting pass has 2 positions, and a single 3-position pass
+        # set the slope (7 ms a position, where 2 positions measured 4.7 ms over 1)
+        if _spread(p[d > 0].tolist()):
+            X = torch.stack([torch.ones_like(p), p, d], dim=1)  # [N, 3]
+            a, b, delta = torch.linalg.lstsq(X, y[:, None]).solution[:, 0].tolist()
+            if a > 0 and b >= 0 and delta >= 0 and torch.linalg.matrix_rank(X) == 3:
+                lo, hi = float(p.min()), float(p.max())
+                return VerifyCost([(lo, a + b * lo), (max(hi, lo + 1), a + b * max(hi, lo + 1))]), delta
+        # a line through all passes then holds what drafting costs in its slope (a negative
+        # δ is the curve bending upwards: AVX2's 1-2 row tiles, then octets)
+        delta = 0.0
+    return VerifyCost.fit_line(list(zip(p.tolist(), y.tolist()))), delta
+
+
+def _spread(sizes: list[float], others: int = 8) -> bool:
+    """Whether at least ``others`` of the passes' ``sizes`` differ from the commonest one."""
+    commonest = Counter(sizes).most_common(1)
+    return len(sizes) - (commonest[0][1] if commonest else 0) >= others

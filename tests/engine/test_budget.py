@@ -458,3 +458,15 @@ def test_shadow_proposals_cost_at_most_their_share_of_recent_time():
         policy.observe([r], zero, zero, 0.1, 0.002 if propose else 0.0)
     assert sum(shadows[:20]) <= 11  # nothing banked from the drafting phase (banked: all 20)
     assert sum(shadows) == pytest.approx(400 * SHADOW_SHARE * 0.1 / 0.002, rel=0.05)  # every 2nd step: 2 ms per 200
+
+
+def test_a_full_window_of_passes_is_refitted_now_and_then_not_on_every_pass():
+    policy = AdaptiveBudget(roofline(knee=64), max_gamma=4, window=64)
+    for i in range(64 + 16):  # the window fills, then holds 64 passes
+        policy._observe_cost(4, [i % 3, 0, 0, 0], 0.01 + 0.001 * (i % 3) + 0.0001 * (i % 7))
+    fitted = policy.cost
+    for i in range(15):
+        policy._observe_cost(4, [i % 3, 0, 0, 0], 0.01 + 0.001 * (i % 3))
+        assert policy.cost is fitted  # refitted once 16 new passes are in
+    policy._observe_cost(4, [0, 0, 0, 0], 0.01)
+    assert policy.cost is not fitted
