@@ -120,8 +120,8 @@ class AcceptanceStats:
             if mine is None or not own:  # no round yet: its own counts are zeros
                 rows.append(prior)
                 continue
-            counts = zip(mine.accepted[state], mine.reached[state], prior)
-            rows.append([(a + PRIOR_STRENGTH * c) / (r + PRIOR_STRENGTH) for a, r, c in counts])
+            own_counts = zip(mine.accepted[state], mine.reached[state], prior)
+            rows.append([(a + PRIOR_STRENGTH * c) / (r + PRIOR_STRENGTH) for a, r, c in own_counts])
         return torch.tensor(rows).reshape(len(request_ids), self.gamma)
 
     def planned(self, reqs: list[Any], raw: torch.Tensor, evidence: list[int] | None = None) -> None:

@@ -92,6 +92,7 @@ class BudgetPolicy(Protocol):
         the bonus token shows whether the next proposed one would have survived."""
         ...
 
+
 class FixedBudget:
     """Every request verifies its own γ each step, whatever the load."""
 
@@ -121,6 +122,7 @@ class FixedBudget:
 
     def lookahead(self) -> int:
         return 0
+
 
 class AdaptiveBudget:
     """Per-request budgets that maximise expected accepted tokens per unit of step time.
@@ -195,6 +197,7 @@ class AdaptiveBudget:
         budgets never reach is never learned, and a request copying its input for hundreds of
         tokens kept its first depth (engine/acceptance.py `_extended`)."""
         return int(bool(self.passes) and self.draft_cost <= SHADOW_SHARE * self.passes[-1][3])
+
     def budgets(
         self, reqs: list[Any], limits: torch.Tensor, engine: ServingEngine, proposal: Draft | None = None
     ) -> torch.Tensor:

@@ -131,32 +131,66 @@ def fit_passes(
 ) -> tuple[VerifyCost | None, float | None]:
     """t(P), and δ (None: keep the last), from the engine's own passes (positions, attention
     queries · context, whether it carried drafts, seconds), which carry real batch sizes and
-    contexts (the start-up curve has one row and an empty context): t = a + b·P + c·Q, P the
-    real positions (linears) and Q = attention queries · context (the queries of the batch
-    padded to its widest draft, or split, each over the longest context). c is the cost
-    measured at load; a and b are fitted, and with them δ, the fixed cost of a pass that
-    carries any draft (t = a + b·P + c·Q + δ·[drafts]), once passes of both kinds, and
-    drafting passes of two sizes, are in the window and δ comes out ≥ 0; else the line
-    alone, δ = 0. (Fitting c too failed: Q rises with P, and from real passes c came out at
-    0-0.2 µs where SDPA alone measures ~0.6-0.8 µs on this CPU, so deep drafts in busy
-    batches looked cheap.) The curve is None where the line does not fit (see `fit_line`)."""
+    contexts (the start-up curve has one row and an empty context): t = a + b·P + e·P² + c·Q,
+    P the real positions (linears) and Q = attention queries · context (the queries of the
+    batch padded to its widest draft, or split, each over the longest context). c is the
+    cost measured at load; a, b and e are fitted, and with them δ, the fixed cost of a pass
+    that carries any draft (+ δ·[drafts]), once passes of both kinds, and drafting passes of
+    two sizes, are in the window and δ comes out ≥ 0; else without it, δ = 0. (Fitting c too
+    failed: Q rises with P, and from real passes c came out at 0-0.2 µs where SDPA alone
+    measures ~0.6-0.8 µs on this CPU, so deep drafts in busy batches looked cheap.)
+
+    The bend e: a position costs less in a bigger pass (AVX512, GGUF, 2 threads: ~1.9 ms a
+    position from 1 to 4, ~1.1 ms from 30 to 52), and a line through a window of passes from
+    every load priced a draft at 32 rows at 1.49 ms, so only tokens surviving 93% paid. It is
+    fitted only where passes of three sizes, each at least 8 times, are in the window (a
+    single odd pass would set it), and kept only where the curve rises over the window's
+    sizes; else the line. The curve is None where neither fits."""
     p, q, d, t = torch.tensor(passes, dtype=torch.float64).unbind(1)  # [N] each
     y = t - attention_cost * q
+    lo = float(p.min())
+    hi = max(float(p.max()), lo + 1)
+    shapes = (True, False) if sum(n >= 8 for n in Counter(p.tolist()).values()) >= 3 else (False,)
     delta = None
     if 8 <= int(d.sum()) <= len(passes) - 8:
         # δ and the slope are told apart only by drafting passes of several sizes: at one
         # client nearly every drafting pass has 2 positions, and a single 3-position pass
         # set the slope (7 ms a position, where 2 positions measured 4.7 ms over 1)
         if _spread(p[d > 0].tolist()):
-            X = torch.stack([torch.ones_like(p), p, d], dim=1)  # [N, 3]
-            a, b, delta = torch.linalg.lstsq(X, y[:, None]).solution[:, 0].tolist()
-            if a > 0 and b >= 0 and delta >= 0 and torch.linalg.matrix_rank(X) == 3:
-                lo, hi = float(p.min()), float(p.max())
-                return VerifyCost([(lo, a + b * lo), (max(hi, lo + 1), a + b * max(hi, lo + 1))]), delta
-        # a line through all passes then holds what drafting costs in its slope (a negative
+            for bend in shapes:
+                fitted = _fit(p, y, d, bend, lo, hi)
+                if fitted is not None:
+                    return fitted
+        # a curve through all passes then holds what drafting costs in its slope (a negative
         # δ is the curve bending upwards: AVX2's 1-2 row tiles, then octets)
         delta = 0.0
-    return VerifyCost.fit_line(list(zip(p.tolist(), y.tolist()))), delta
+    for bend in shapes:
+        fitted = _fit(p, y, None, bend, lo, hi)
+        if fitted is not None:
+            return fitted[0], delta
+    return None, delta
+
+
+def _fit(
+    p: torch.Tensor, y: torch.Tensor, d: torch.Tensor | None, bend: bool, lo: float, hi: float
+) -> tuple[VerifyCost, float] | None:
+    """Least squares y = a + b·P (+ e·P² if ``bend``) (+ δ·d if ``d``), as a curve through
+    sizes lo..hi (each 1.5× the last) and δ; None where the columns are not independent,
+    a ≤ 0, δ < 0, or the curve falls somewhere in [lo, hi]."""
+    columns = [torch.ones_like(p), p] + ([p * p] if bend else []) + ([d] if d is not None else [])
+    X = torch.stack(columns, dim=1)  # [N, 2-4]
+    if int(torch.linalg.matrix_rank(X)) < X.shape[1]:
+        return None
+    fit = torch.linalg.lstsq(X, y[:, None]).solution[:, 0].tolist()
+    a, b, e = fit[0], fit[1], fit[2] if bend else 0.0
+    delta = fit[-1] if d is not None else 0.0
+    if a <= 0 or delta < 0 or b + 2 * e * lo < 0 or b + 2 * e * hi < 0:
+        return None
+    sizes, size = [], lo
+    while size < hi:
+        sizes.append(size)
+        size *= 1.5
+    return VerifyCost([(x, a + b * x + e * x * x) for x in [*sizes, hi]]), delta
 
 
 def _spread(sizes: list[float], others: int = 8) -> bool:

@@ -470,3 +470,19 @@ def test_a_full_window_of_passes_is_refitted_now_and_then_not_on_every_pass():
         assert policy.cost is fitted  # refitted once 16 new passes are in
     policy._observe_cost(4, [0, 0, 0, 0], 0.01)
     assert policy.cost is not fitted
+
+
+def test_a_pass_cost_that_bends_is_priced_by_its_local_slope():
+    """Positions cost less in a bigger pass: passes at every load, t = 4 ms + 2 ms·P − 0.01 ms·P²
+    (1.04 ms a position at P = 48, where a line through all of them says ~1.4), refitted from
+    the window: a draft at 48 positions is priced as the curve, not the line."""
+    policy = AdaptiveBudget(roofline(knee=64), max_gamma=4)
+    g = torch.Generator().manual_seed(0)
+    for i in range(400):
+        rows = [1, 4, 16, 32][i % 4]
+        drafts = torch.randint(0, 3, (rows,), generator=g) * (i % 3 != 0)
+        P = rows + int(drafts.sum())
+        policy.observe([req(f"x{j}") for j in range(rows)], torch.zeros(rows, dtype=torch.long), drafts,
+                       0.004 + 0.002 * P - 0.00001 * P * P, 0.0)  # fmt: skip
+    assert policy.cost(49) - policy.cost(48) == pytest.approx(0.00104, rel=0.05)
+    assert policy.cost(2) - policy.cost(1) == pytest.approx(0.00197, rel=0.05)
