@@ -123,6 +123,7 @@ class Recording:
 
     def lookahead(self):
         return self.inner.lookahead()
+
     def observe(self, reqs, num_accepted, num_draft, seconds, draft_seconds, draft_depth=1, proposal=None):
         if isinstance(self.inner, AdaptiveBudget) and len(self._budgets) == len(reqs):
             # the confidences the step was planned with (nothing has changed them since): read

@@ -2,8 +2,8 @@
 passes, and what attention costs per query and context token.
 
 Owns: `VerifyCost` (measured at load, refitted from the engine's own passes by
-`fit_passes`), `measure_attention_cost`, and the least-squares line both use. Does not own what
-the costs are spent on (engine/budget.py).
+`fit_passes`), `measure_attention_cost`, and the least-squares line the benchmark uses.
+Does not own what the costs are spent on (engine/budget.py).
 """
 
 from __future__ import annotations
@@ -49,13 +49,9 @@ class VerifyCost:
     def fit_line(samples: list[tuple[int, float]]) -> VerifyCost | None:
         """A least-squares line t = a + b·P through measured passes, as a curve; None if the
         samples do not span two sizes or the fit is not an increasing positive line."""
-        if len({p for p, _ in samples}) < 2:
-            return None
-        a, b = least_squares_line(samples)
-        if b < 0 or a <= 0:
-            return None
-        lo, hi = min(p for p, _ in samples), max(p for p, _ in samples)
-        return VerifyCost([(lo, a + b * lo), (hi, a + b * hi)])
+        p, t = torch.tensor(samples, dtype=torch.float64).reshape(-1, 2).unbind(1)  # [N] each
+        fitted = _fit(p, t, None, False, float(p.min()), float(p.max())) if len(samples) else None
+        return fitted[0] if fitted is not None else None
 
     def __call__(self, positions: int) -> float:
         pts = self.points
