@@ -6,10 +6,13 @@ previous one finishes, so requests arrive while the engine steps. The request mi
 fixed: request i is prompt i of a deterministic interleaving of prompts.json's kinds
 (chat template applied), greedy, ``--max-tokens`` new tokens (EOS may end it earlier),
 max(``--min-requests``, ``--requests-per-client`` · C) requests per load. Configurations
-are interleaved within each load so they share the machine's noise; with ``--repeats R``
-each load runs every configuration R times (the order rotated each time), reports the
-pooled figures, and the median and range of each configuration's throughput over *none*'s
-in the same repetition (a paired ratio: both met the same stretch of machine noise).
+are interleaved within each load so they share the machine's noise: by default every
+configuration's loop is stepped in turn, one engine step each, and each keeps its own clock
+(the seconds of its own submissions and steps; ``--interleave runs`` runs one loop after
+another instead). With ``--repeats R`` each load runs every configuration R times (the order
+rotated each time), reports the pooled figures, and the median and range of each
+configuration's throughput over *none*'s in the same repetition (a paired ratio: both met
+the same stretch of machine noise).
 
 Per configuration and load it reports output throughput (output tokens / wall time of the
 load), per-user speed (mean over requests of output tokens / (finish − submit), and of
@@ -25,7 +28,8 @@ budget (γ ≤ ``--adaptive-gamma``). The budget policies are wrapped (`Recordin
 also receives each verify pass's positions and time from the engine.
 
     python benchmarks/bench_serving.py [--clients 1 4 16 32] [--max-tokens 64] [--gammas 2 4 8]
-        [--threads 2] [--quantization none|gguf|gguf-a8|int8|int4] [--repeats 3] [--json out.json] [--plot docs/serving_throughput.png]
+        [--threads 2] [--quantization none|gguf|gguf-a8|int8|int4] [--repeats 3] [--interleave steps|runs]
+        [--json out.json] [--plot docs/serving_throughput.png]
 """
 
 from __future__ import annotations
@@ -174,64 +178,95 @@ def ece(pairs: list[tuple[float, int]], bins: int = 10) -> float:
 # ---- the load generator ----------------------------------------------------------------
 
 
-def run_load(engine: ServingEngine, mix, clients: int, num_requests: int, max_tokens: int) -> dict:
-    """Closed loop: ``clients`` requests in flight; each finished one is replaced at once."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    policy: Recording = engine.budget
-    first_step, first_pass = len(policy.steps), len(policy.passes)
-    submit, first, finish, n_out, stats, kind = {}, {}, {}, {}, {}, {}
-    next_req, in_flight = 0, 0
-    t0 = time.perf_counter()
-    while next_req < num_requests or engine.has_unfinished():
-        while in_flight < clients and next_req < num_requests:
-            rid = f"r{next_req}"
-            kind[rid], prompt = mix[next_req % len(mix)]
-            engine.add_request(rid, prompt, params)
-            submit[rid] = time.perf_counter()
-            next_req += 1
-            in_flight += 1
-        events = engine.step()
-        now = time.perf_counter()
+class ClosedLoop:
+    """One configuration's closed loop: ``clients`` requests in flight, each finished one
+    replaced at once, timed on its own clock (the seconds spent in its own submissions and
+    engine steps), so that several loops can be stepped in turn (`run_loads`)."""
+
+    def __init__(self, engine: ServingEngine, mix, clients: int, num_requests: int, max_tokens: int) -> None:
+        self.engine, self.mix, self.clients, self.num_requests = engine, mix, clients, num_requests
+        self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        self.policy: Recording = engine.budget
+        self.first_step, self.first_pass = len(self.policy.steps), len(self.policy.passes)
+        self.submit, self.first, self.finish, self.n_out, self.stats, self.kind = {}, {}, {}, {}, {}, {}
+        self.next_req, self.in_flight, self.clock = 0, 0, 0.0
+
+    def done(self) -> bool:
+        return self.next_req >= self.num_requests and not self.engine.has_unfinished()
+
+    def advance(self) -> None:
+        """Top the clients up, then one engine step."""
+        t0 = time.perf_counter()
+        while self.in_flight < self.clients and self.next_req < self.num_requests:
+            rid = f"r{self.next_req}"
+            self.kind[rid], prompt = self.mix[self.next_req % len(self.mix)]
+            self.engine.add_request(rid, prompt, self.params)
+            self.submit[rid] = self.clock + time.perf_counter() - t0
+            self.next_req += 1
+            self.in_flight += 1
+        events = self.engine.step()
+        self.clock += time.perf_counter() - t0
         for e in events:
-            if e.new_token_ids and e.request_id not in first:
-                first[e.request_id] = now
+            if e.new_token_ids and e.request_id not in self.first:
+                self.first[e.request_id] = self.clock
             if e.finish_reason is not None:
-                finish[e.request_id], n_out[e.request_id], stats[e.request_id] = now, e.num_output_tokens, e.stats
-                in_flight -= 1
-    wall = time.perf_counter() - t0
-    steps = policy.steps[first_step:]
-    drafts = sum(s.num_drafts for s in stats.values())
-    draft_tokens = sum(s.num_draft_tokens for s in stats.values())
-    accepted = sum(s.num_accepted_tokens for s in stats.values())
-    rows = sum(s.rows for s in steps)
-    passes = policy.passes[first_pass:]
-    # per-user speed by prompt kind: speculation may speed one kind up and slow another down
-    by_kind = {
-        f"per_user[{k}]": statistics.fmean(n_out[r] / (finish[r] - submit[r]) for r in finish if kind[r] == k)
-        for k in sorted(set(kind.values()))
-    }
-    return by_kind | {
-        "clients": clients,
-        "requests": num_requests,
-        "output_tokens": sum(n_out.values()),
-        "wall_s": wall,
-        "throughput": sum(n_out.values()) / wall,
-        "per_user_e2e": statistics.fmean(n_out[r] / (finish[r] - submit[r]) for r in finish),
-        "per_user_decode": statistics.fmean(
-            (n_out[r] - 1) / (finish[r] - first[r]) for r in finish if n_out[r] > 1 and finish[r] > first[r]
-        ),
-        "ttft_s": statistics.fmean(first[r] - submit[r] for r in first),
-        "tau": 1 + accepted / drafts if drafts else 1.0,
-        "alpha": accepted / draft_tokens if draft_tokens else 0.0,
-        "budget_per_row": sum(s.budget for s in steps) / max(rows, 1),
-        "drafted_per_row": sum(s.drafted for s in steps) / max(rows, 1),
-        "positions_per_step": statistics.fmean(s.rows + s.drafted for s in steps) if steps else 0.0,
-        "rows_per_step": rows / max(len(steps), 1),
-        "decode_steps": len(steps),
-        "pass_ms": 1e3 * statistics.fmean(t for _, t in passes) if passes else 0.0,
-        "pass_share": sum(t for _, t in passes) / wall,  # of the wall time, in verify passes
-        "passes": list(passes),
-    }
+                self.finish[e.request_id], self.n_out[e.request_id] = self.clock, e.num_output_tokens
+                self.stats[e.request_id] = e.stats
+                self.in_flight -= 1
+
+    def result(self) -> dict:
+        submit, first, finish, n_out, kind = self.submit, self.first, self.finish, self.n_out, self.kind
+        stats = self.stats
+        wall = self.clock
+        steps = self.policy.steps[self.first_step :]
+        drafts = sum(s.num_drafts for s in stats.values())
+        draft_tokens = sum(s.num_draft_tokens for s in stats.values())
+        accepted = sum(s.num_accepted_tokens for s in stats.values())
+        rows = sum(s.rows for s in steps)
+        passes = self.policy.passes[self.first_pass :]
+        # per-user speed by prompt kind: speculation may speed one kind up and slow another down
+        by_kind = {
+            f"per_user[{k}]": statistics.fmean(n_out[r] / (finish[r] - submit[r]) for r in finish if kind[r] == k)
+            for k in sorted(set(kind.values()))
+        }
+        return by_kind | {
+            "clients": self.clients,
+            "requests": self.num_requests,
+            "output_tokens": sum(n_out.values()),
+            "wall_s": wall,
+            "throughput": sum(n_out.values()) / wall,
+            "per_user_e2e": statistics.fmean(n_out[r] / (finish[r] - submit[r]) for r in finish),
+            "per_user_decode": statistics.fmean(
+                (n_out[r] - 1) / (finish[r] - first[r]) for r in finish if n_out[r] > 1 and finish[r] > first[r]
+            ),
+            "ttft_s": statistics.fmean(first[r] - submit[r] for r in first),
+            "tau": 1 + accepted / drafts if drafts else 1.0,
+            "alpha": accepted / draft_tokens if draft_tokens else 0.0,
+            "budget_per_row": sum(s.budget for s in steps) / max(rows, 1),
+            "drafted_per_row": sum(s.drafted for s in steps) / max(rows, 1),
+            "positions_per_step": statistics.fmean(s.rows + s.drafted for s in steps) if steps else 0.0,
+            "rows_per_step": rows / max(len(steps), 1),
+            "decode_steps": len(steps),
+            "pass_ms": 1e3 * statistics.fmean(t for _, t in passes) if passes else 0.0,
+            "pass_share": sum(t for _, t in passes) / wall,  # of the wall time, in verify passes
+            "passes": list(passes),
+        }
+
+
+def run_loads(loops: list[ClosedLoop]) -> list[dict]:
+    """Step the loops in turn, one engine step each, until all are done: each runs on its own
+    clock, and the machine's noise (which drifts over seconds: a configuration run alone
+    measured 147-207 tok/s in one session's consecutive runs) falls on all of them alike."""
+    while not all(loop.done() for loop in loops):
+        for loop in loops:
+            if not loop.done():
+                loop.advance()
+    return [loop.result() for loop in loops]
+
+
+def run_load(engine: ServingEngine, mix, clients: int, num_requests: int, max_tokens: int) -> dict:
+    """One configuration's closed loop, alone."""
+    return run_loads([ClosedLoop(engine, mix, clients, num_requests, max_tokens)])[0]
 
 
 def merge_runs(runs: list[dict]) -> dict:
@@ -426,6 +461,9 @@ def main() -> None:
                     help="untimed requests per client that every configuration serves at each load first "
                          "(on CUDA the first configuration at a new batch size was measured slower)")
     ap.add_argument("--repeats", type=int, default=1, help="runs of every configuration per load, interleaved")
+    ap.add_argument("--interleave", choices=("steps", "runs"), default="steps",
+                    help="steps: a repetition steps every configuration's load in turn, each on its own clock "
+                         "(paired at the step); runs: one configuration's load after another")
     ap.add_argument("--json", default=None, help="also write the raw results here")
     ap.add_argument("--plot", default=None, help="write the throughput / per-user plot (PNG) here")
     args = ap.parse_args()
@@ -469,8 +507,12 @@ def main() -> None:
             # state (a rotation alone keeps each one's neighbours: at 32 clients the adaptive runs
             # both followed γ = 8's, after which prefill ran ~10% slower for whichever came next)
             order = configs[rep % len(configs) :] + configs[: rep % len(configs)]
-            for name in order[::-1] if rep % 2 else order:
-                r = run_load(engines[name], mix, clients, n, args.max_tokens)
+            order = order[::-1] if rep % 2 else order
+            if args.interleave == "steps":  # all at once, one step each in turn
+                done = run_loads([ClosedLoop(engines[name], mix, clients, n, args.max_tokens) for name in order])
+            else:
+                done = [run_load(engines[name], mix, clients, n, args.max_tokens) for name in order]
+            for name, r in zip(order, done):
                 runs[name].append(r)
                 print(f"[{clients} clients, {n} requests, rep {rep + 1}] {name}: {r['throughput']:.1f} tok/s, "
                       f"per-user {r['per_user_e2e']:.2f} tok/s, τ={r['tau']:.2f}, α={r['alpha']:.2f}, budget/row "
