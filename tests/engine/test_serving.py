@@ -201,6 +201,22 @@ def test_chunked_prefill_matches_one_pass(plain, ckpts):
     assert got == want
 
 
+def test_a_chunk_runs_as_passes_of_at_most_prefill_pass_tokens(plain, ckpts):
+    long_prompt = [int(t) for t in torch.randint(1, 30, (40,), generator=torch.Generator().manual_seed(0))]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    want = plain.generate([long_prompt], params)[0].token_ids
+    engine = make_engine(plain, ckpts, "ngram", max_num_batched_tokens=16, block_size=4)
+    assert engine.prefill_pass == 16  # no fused CPU block in fp32: a chunk is one pass
+    engine.prefill_pass = 3  # as the fused block's 64 would split a longer chunk
+    widths, target = [], engine._target
+    engine._target = lambda tokens, *a, **kw: widths.append(tokens.shape[1]) or target(tokens, *a, **kw)
+    engine.add_request("long", long_prompt, params)
+    got = [t for _ in range(100) if engine.has_unfinished() for e in engine.step() for t in e.new_token_ids]
+    assert got == want
+    assert widths[:14] == [3, 3, 3, 3, 3, 1] * 2 + [3, 3]  # 16-token chunks, 3 at a time; the rest decodes
+    assert engine.cache.pool.num_used == 0
+
+
 @pytest.mark.parametrize("name", ["ngram_adaptive", "ngram_tree"])
 def test_shadow_proposals_teach_the_budget_and_change_no_token(plain, ckpts, reference, name, monkeypatch):
     """Under a cost where no draft ever pays, the adaptive budget verifies nothing, yet steps
