@@ -45,9 +45,11 @@ if TYPE_CHECKING:
 PROBE_EVERY = 16
 PROBE_SHARE = 8  # a probe drafts on one row in this many (at least one)
 # A step carries drafts only if the model predicts at least this much more expected tokens
-# per second than without any: what the cost model leaves out (sampling and bookkeeping
-# per draft, the prefill that a closed loop brings in sooner) costs a few percent, so a
-# predicted gain below it was measured as a loss (0.97x of no drafts at 32 clients).
+# per second than without any, for the step and for throughput (the floor): what the cost
+# model leaves out (sampling and bookkeeping per draft, the prefill that a closed loop
+# brings in sooner) costs a few percent, so a predicted gain below it was measured as a
+# loss (0.97x of no drafts at 32 clients; at 16, a pass predicted and measured 3% above no
+# drafts' tokens per second gave 0.93-1.04x of its throughput, median 0.98).
 MIN_GAIN = 0.05
 # Steps where no row drafts still propose, for shadow rounds, while proposing them costs at
 # most this share of the time spent in verify passes (ngram at 32 rows: ~1.6 ms of ~55).
@@ -229,7 +231,7 @@ class AdaptiveBudget:
         allowed = self._allowed_seconds_per_token(B)
         out, plain = self._fill(ranked, B, 0, 0.0, "fused" if fused else "padded", limit, allowed)
         best_rate = plain * (1 + MIN_GAIN)  # what drafts must beat
-        for w in range(1, max(cap, default=0) + 1):
+        for w in range(1, max(cap, default=0) + 1 if self._floor_reachable(B, ranked, allowed, limit) else 0):
             if fused:
                 modes: tuple[str, ...] = ("fused",)
             else:  # splitting applies only if one drafting row keeps attention within a third of padded
@@ -298,16 +300,31 @@ class AdaptiveBudget:
             out[b] = min(out[b], k - 1)
         return out, expected / self.step_time(B, positions, rows, max(out, default=0), drafting)
 
+    def _floor_reachable(
+        self, B: int, ranked: list[tuple[float, int, int]], allowed: float, limit: int | None
+    ) -> bool:
+        """Whether any n drafts could keep the pass within ``allowed`` seconds per expected token:
+        they cost at least n · (the curve's least slope past B) beyond no drafts' pass, B ·
+        ``plain``, and yield at most n · (the likeliest one's survival), so the margin is at
+        most linear in n and is checked at n = 1 and at the most drafts the step may hold.
+        Under load most steps fail this, and `budgets` skips its widths (9-16 `_fill` runs)."""
+        most = len(ranked) if limit is None else min(len(ranked), limit - B)
+        if most < 1:
+            return False
+        plain = self._seconds(B, B, 0.0, carries_drafts=False) / max(1, B)
+        per_draft = ranked[0][0] * allowed - self.cost.min_slope(B)  # [s] the margin a draft adds, at best
+        return B * (allowed - plain) + max(per_draft, most * per_draft) >= 0
+
     def _allowed_seconds_per_token(self, B: int) -> float:
         """Pass seconds an expected token may cost so that B rows keep ``throughput_floor`` of no
         drafts' throughput. Prefill work per output token is fixed (every prompt is prefilled
         once), so a token's share of the wall time is that plus its share of the pass; likely
-        positions pay for less likely ones. At a floor of 1: the pass yields at least the tokens
-        per second it would without any draft. Independent of the widths and attention modes
+        positions pay for less likely ones. At a floor of 1: the step's tokens per second of
+        the wall time beat no drafts' by MIN_GAIN. Independent of the widths and attention modes
         `budgets` tries, so computed once per planning."""
         prefill = self.prefill_seconds / self.tokens_per_step if self.tokens_per_step > 0 else 0.0
         plain = self._seconds(B, B, 0.0, carries_drafts=False) / max(1, B)
-        return (prefill + plain) / self.throughput_floor - prefill
+        return (prefill + plain) / (self.throughput_floor * (1 + MIN_GAIN)) - prefill
 
     def step_time(self, B: int, positions: int, rows: int, widest: int, drafting: float) -> float:
         """Predicted seconds of a step: the pass over ``positions`` (linears), attention for B

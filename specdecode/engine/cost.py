@@ -9,6 +9,7 @@ Does not own what the costs are spent on (engine/budget.py).
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 from collections import Counter
 from typing import TYPE_CHECKING
@@ -63,6 +64,15 @@ class VerifyCost:
             return t0 + (t1 - t0) * (positions - p0) / (p1 - p0)
         (p0, t0), (p1, t1) = pts[-2:] if len(pts) > 1 else (pts[0], (pts[0][0] + 1, pts[0][1]))
         return t1 + (t1 - t0) / max(1, p1 - p0) * (positions - p1)  # extrapolate the last slope
+
+    def min_slope(self, positions: int) -> float:
+        """The least seconds an extra position adds anywhere past ``positions``: the smallest
+        slope of the curve's segments there (0 where the curve is flat before its first point)."""
+        pts = self.points
+        if len(pts) < 2 or positions < pts[0][0]:
+            return 0.0
+        slopes = [(t1 - t0) / (p1 - p0) for (p0, t0), (p1, t1) in itertools.pairwise(pts) if p1 > positions]
+        return min(slopes) if slopes else (pts[-1][1] - pts[-2][1]) / (pts[-1][0] - pts[-2][0])
 
     @staticmethod
     def measure(engine: ServingEngine, max_positions: int, repeats: int = 3) -> VerifyCost:

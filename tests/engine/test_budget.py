@@ -486,3 +486,35 @@ def test_a_pass_cost_that_bends_is_priced_by_its_local_slope():
                        0.004 + 0.002 * P - 0.00001 * P * P, 0.0)  # fmt: skip
     assert policy.cost(49) - policy.cost(48) == pytest.approx(0.00104, rel=0.05)
     assert policy.cost(2) - policy.cost(1) == pytest.approx(0.00197, rel=0.05)
+
+
+def test_skipping_the_widths_where_no_draft_can_meet_the_floor_changes_no_budget(monkeypatch):
+    """`_floor_reachable` is a bound, not a heuristic: over random loads, curves (bent, flat,
+    steep), confidences, prefill and floors, the budgets equal those planned by trying every
+    width, and the skip is taken in a good share of them (and not in all)."""
+    g = torch.Generator().manual_seed(0)
+    reachable = AdaptiveBudget._floor_reachable
+    verdicts = []
+    monkeypatch.setattr(AdaptiveBudget, "_floor_reachable", lambda *a: verdicts.append(reachable(*a)) or verdicts[-1])
+
+    def rand() -> float:
+        return float(torch.rand(1, generator=g))
+
+    for trial in range(150):
+        B = int(torch.randint(1, 40, (1,), generator=g))
+        a, b, e = rand(), rand(), rand()
+        cost = VerifyCost([(p, 0.005 + a * 0.01 + b * 0.002 * p + e * 3e-5 * p * p) for p in (1, 4, 16, 64, 200)])
+        policy = AdaptiveBudget(cost, max_gamma=6, throughput_floor=(1.0, 0.9)[trial % 2],
+                                fused_positions=(0, 64)[trial % 3 > 0], attention_cost=1e-7 * rand())  # fmt: skip
+        policy.draft_overhead, policy.draft_cost = 0.002 * rand(), 1e-4 * rand()
+        policy.prefill_seconds, policy.tokens_per_step = 0.05 * rand(), float(B)
+        reqs = [req(f"r{i}", length=int(torch.randint(8, 300, (1,), generator=g))) for i in range(B)]
+        for r in reqs:
+            acc = 50.0 * rand() ** 0.3
+            policy.acceptance.per_request[r.request_id] = _RequestRounds([[50.0] * 6] * STATES, [[acc] * 6] * STATES)
+        limits = torch.randint(0, 7, (B,), generator=g)
+        got = policy.budgets(reqs, limits, engine=None).tolist()
+        with monkeypatch.context() as m:
+            m.setattr(AdaptiveBudget, "_floor_reachable", lambda *a: True)
+            assert policy.budgets(reqs, limits, engine=None).tolist() == got, trial
+    assert len(verdicts) == 150 and 20 <= verdicts.count(False) <= 130  # skipped in some, not in others
