@@ -129,10 +129,12 @@ class Recording:
         return self.inner.lookahead()
 
     def observe(self, reqs, num_accepted, num_draft, seconds, draft_seconds, draft_depth=1, proposal=None):
-        if isinstance(self.inner, AdaptiveBudget) and len(self._budgets) == len(reqs):
+        drafting = len(self._budgets) == len(reqs) and (any(self._budgets) or int(num_draft.sum()) > 0)
+        if isinstance(self.inner, AdaptiveBudget) and drafting:
             # the confidences the step was planned with (nothing has changed them since): read
-            # once a step here, not on each of the engine's two planning calls, so that the
-            # recording costs the adaptive runs as little as it can
+            # once a step here, not on each of the engine's two planning calls, and only where a
+            # row was given drafts (no other row makes a pair), so that the recording costs the
+            # adaptive runs as little as it can
             ids = [r.request_id for r in reqs]
             acceptance, evidence = self.inner.acceptance, self._evidence
             prior = acceptance.confidences(ids, own=False, evidence=evidence).tolist()  # batched calls

@@ -25,6 +25,7 @@ is engine/acceptance.py's.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -44,6 +45,10 @@ if TYPE_CHECKING:
 # high, would otherwise stay stopped (speculation switched off for good).
 PROBE_EVERY = 16
 PROBE_SHARE = 8  # a probe drafts on one row in this many (at least one)
+# Each probe after which the plans still find no drafts doubles the wait for the next, up to
+# this many steps: under load, where no draft pays, probes cost ~0.5% of the wall time every
+# 16 steps (16 clients); a plan that drafts again brings the wait back to PROBE_EVERY.
+PROBE_MAX = 128
 # A step carries drafts only if the model predicts at least this much more expected tokens
 # per second than without any, for the step and for throughput (the floor): what the cost
 # model leaves out (sampling and bookkeeping per draft, the prefill that a closed loop
@@ -51,8 +56,9 @@ PROBE_SHARE = 8  # a probe drafts on one row in this many (at least one)
 # loss (0.97x of no drafts at 32 clients; at 16, a pass predicted and measured 3% above no
 # drafts' tokens per second gave 0.93-1.04x of its throughput, median 0.98).
 MIN_GAIN = 0.05
-# Steps where no row drafts still propose, for shadow rounds, while proposing them costs at
-# most this share of the time spent in verify passes (ngram at 32 rows: ~1.6 ms of ~55).
+# Steps where no row drafts still propose, for shadow rounds, while proposing them and
+# planning on the proposal cost at most this share of the time spent in verify passes (ngram
+# at 32 rows: ~1.6 ms of ~55 proposing; the second planning costs as much again).
 SHADOW_SHARE = 0.01
 # Weight of each step in the running mean of the prefill seconds a step carries (about the
 # last 32 steps): chunks come in bursts as requests join.
@@ -171,6 +177,9 @@ class AdaptiveBudget:
         self.context = 1  # the longest row's tokens at the last planning: attention's length
         self.draft_cost = 0.0  # seconds proposing costs per draft depth (the drafter's c, in seconds)
         self.steps_without_drafts = 0
+        self.probe_every = PROBE_EVERY  # steps without drafts before the next probe
+        self.probed = False  # whether the last planning was a probe
+        self.plan_seconds = 0.0  # the last planning on a proposal: a shadow step's cost with its proposing
         # seconds of prefill a step carries, a running mean over steps. It is part of the step
         # time the budgets maximise tokens per unit of: under load a step is mostly other
         # requests' prompts (65% of the wall time at 32 clients, GGUF on AVX512), so a likely
@@ -203,6 +212,7 @@ class AdaptiveBudget:
     def budgets(
         self, reqs: list[Any], limits: torch.Tensor, engine: ServingEngine, proposal: Draft | None = None
     ) -> torch.Tensor:
+        start = time.perf_counter()
         B = len(reqs)
         cap = limits.tolist()
         self.context = max((len(r.seq.token_ids) for r in reqs), default=1)
@@ -214,24 +224,41 @@ class AdaptiveBudget:
             raw[:, :w] = confidence[:, :w].float().cpu().clamp(1e-4, 1 - 1e-4)
         self.acceptance.planned(reqs, raw, evidence)
         survival = torch.cumprod(self.acceptance.sts(raw), dim=1).tolist()
-        # Candidate positions (row b's k-th draft token), most likely to survive first; survival
-        # falls with k, so a row's positions come in order.
-        ranked = sorted(
-            ((survival[b][k - 1], k, b) for b in range(B) for k in range(1, cap[b] + 1)), key=lambda c: (-c[0], c[1])
-        )
-        # Proposing costs by depth, and the torch blocks pad every row's attention to the widest
-        # draft (or, when few rows draft, compute only their extra queries), so the widest draft
-        # is chosen first: for each width w and each way attention may run, take positions of
-        # depth <= w in that order while they pay, then keep the budgets whose step yields the
-        # most expected tokens per second.
         fused = B <= self.fused_positions
         limit = self.max_verify_tokens
         if fused:
             limit = self.fused_positions if limit is None else min(limit, self.fused_positions)
         allowed = self._allowed_seconds_per_token(B)
+        out = [0] * B
+        if self._floor_reachable(B, survival, cap, allowed):  # under load, most steps skip this
+            out = self._plan(survival, cap, B, fused, limit, allowed)
+        self.probed = not any(out) and self.steps_without_drafts >= self.probe_every
+        if self.probed:
+            # a probe: see whether drafts pay again, one token on the rows likeliest to keep it
+            # (a few per step: in a busy batch, a token on every row would double the pass)
+            likely = sorted((b for b in range(B) if cap[b] > 0), key=lambda b: -survival[b][0])
+            for b in likely[: max(1, B // PROBE_SHARE)]:
+                out[b] = 1
+        if proposal is not None:
+            self.plan_seconds = time.perf_counter() - start
+        return torch.tensor(out, dtype=torch.long, device=limits.device)
+
+    def _plan(
+        self, survival: list[list[float]], cap: list[int], B: int, fused: bool, limit: int | None, allowed: float
+    ) -> list[int]:
+        """The budgets whose step yields the most expected tokens per second, by MIN_GAIN over
+        none, within the floor. Proposing costs by depth, and the torch blocks pad every row's
+        attention to the widest draft (or, when few rows draft, compute only their extra
+        queries), so the widest draft is chosen first: for each width w and each way attention
+        may run, positions of depth <= w are taken most likely first while they pay."""
+        # Candidate positions (row b's k-th draft token), most likely to survive first; survival
+        # falls with k, so a row's positions come in order.
+        ranked = sorted(
+            ((survival[b][k - 1], k, b) for b in range(B) for k in range(1, cap[b] + 1)), key=lambda c: (-c[0], c[1])
+        )
         out, plain = self._fill(ranked, B, 0, 0.0, "fused" if fused else "padded", limit, allowed)
         best_rate = plain * (1 + MIN_GAIN)  # what drafts must beat
-        for w in range(1, max(cap, default=0) + 1 if self._floor_reachable(B, ranked, allowed, limit) else 0):
+        for w in range(1, max(cap, default=0) + 1):
             if fused:
                 modes: tuple[str, ...] = ("fused",)
             else:  # splitting applies only if one drafting row keeps attention within a third of padded
@@ -240,13 +267,7 @@ class AdaptiveBudget:
                 budgets, rate = self._fill(ranked, B, w, self.draft_cost * w, mode, limit, allowed)  # w deep
                 if rate > best_rate:
                     best_rate, out = rate, budgets
-        if not any(out) and self.steps_without_drafts >= PROBE_EVERY:
-            # a probe: see whether drafts pay again, one token on the rows likeliest to keep it
-            # (a few per step: in a busy batch, a token on every row would double the pass)
-            likely = sorted((b for b in range(B) if cap[b] > 0), key=lambda b: -survival[b][0])
-            for b in likely[: max(1, B // PROBE_SHARE)]:
-                out[b] = 1
-        return torch.tensor(out, dtype=torch.long, device=limits.device)
+        return out
 
     def _fill(
         self, ranked: list[tuple[float, int, int]], B: int, width: int, drafting: float, mode: str, limit: int | None,
@@ -300,20 +321,23 @@ class AdaptiveBudget:
             out[b] = min(out[b], k - 1)
         return out, expected / self.step_time(B, positions, rows, max(out, default=0), drafting)
 
-    def _floor_reachable(
-        self, B: int, ranked: list[tuple[float, int, int]], allowed: float, limit: int | None
-    ) -> bool:
-        """Whether any n drafts could keep the pass within ``allowed`` seconds per expected token:
-        they cost at least n · (the curve's least slope past B) beyond no drafts' pass, B ·
-        ``plain``, and yield at most n · (the likeliest one's survival), so the margin is at
-        most linear in n and is checked at n = 1 and at the most drafts the step may hold.
-        Under load most steps fail this, and `budgets` skips its widths (9-16 `_fill` runs)."""
-        most = len(ranked) if limit is None else min(len(ranked), limit - B)
-        if most < 1:
-            return False
+    def _floor_reachable(self, B: int, survival: list[list[float]], cap: list[int], allowed: float) -> bool:
+        """Whether any drafts could keep the pass within ``allowed`` seconds per expected token. A
+        pass with n drafts costs at least no drafts' pass (B · ``plain``) + δ + proposing one deep
+        + n · m, m being the curve's least slope past B plus one attention query (every mode runs
+        at least one a draft), and yields B + the n drafts' survivals: the margin is largest with
+        every draft whose survival s beats m / ``allowed``, each adding s · ``allowed`` − m.
+        Where even that fails no width can keep a draft, and `_plan` (9-16 `_fill` runs, ~0.6
+        ms at 16 rows) is skipped."""
         plain = self._seconds(B, B, 0.0, carries_drafts=False) / max(1, B)
-        per_draft = ranked[0][0] * allowed - self.cost.min_slope(B)  # [s] the margin a draft adds, at best
-        return B * (allowed - plain) + max(per_draft, most * per_draft) >= 0
+        m = self.cost.min_slope(B) + self.attention_cost * self.context  # [s] the least a draft adds
+        margin = B * (allowed - plain) - self.draft_overhead - self.draft_cost
+        for b in range(B):
+            for s in survival[b][: cap[b]]:
+                if s * allowed <= m:
+                    break  # a row's survival falls with depth
+                margin += s * allowed - m
+        return margin >= 0
 
     def _allowed_seconds_per_token(self, B: int) -> float:
         """Pass seconds an expected token may cost so that B rows keep ``throughput_floor`` of no
@@ -352,8 +376,12 @@ class AdaptiveBudget:
         tokens = len(reqs) + int(num_accepted.sum())  # each row's accepted drafts and its one new token
         self.tokens_per_step += PREFILL_DECAY * (tokens - self.tokens_per_step)
         drafted = int(num_draft.sum()) > 0
-        spent = 0.0 if drafted else draft_seconds  # proposing on a step that verified nothing
+        # proposing, and planning on the proposal, on a step that verified nothing
+        spent = 0.0 if drafted or draft_seconds == 0 else draft_seconds + self.plan_seconds
         self.shadow_allowance = min(0.0, self.shadow_allowance + SHADOW_SHARE * seconds - spent)
+        self.plan_seconds = 0.0
+        if drafted:  # a probe that found no drafts paying doubles the wait; a plan that drafts resets it
+            self.probe_every = min(2 * self.probe_every, PROBE_MAX) if self.probed else PROBE_EVERY
         if draft_seconds > 0:  # a running mean of what proposing costs per draft depth
             per_depth = draft_seconds / max(1, draft_depth)
             self.draft_cost = per_depth if self.draft_cost == 0 else 0.9 * self.draft_cost + 0.1 * per_depth

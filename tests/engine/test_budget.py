@@ -321,20 +321,45 @@ def test_drafting_overhead_is_paid_only_when_it_pays():
 
 def test_a_budget_that_stopped_drafting_probes_again():
     """Estimates move only when drafts are tried: after PROBE_EVERY steps without any, one step
-    verifies a token per row, and acceptances there bring the budget back."""
+    verifies a token per row, and acceptances there bring the budget back (here after the
+    second probe, which came twice as late as the first). Passes cost what the curve says."""
     from specdecode.engine.budget import PROBE_EVERY
 
     policy = AdaptiveBudget(roofline(knee=1, slope=0.5), max_gamma=4)
     unlucky = req("unlucky")
     for _ in range(10):  # early rejections
-        policy.observe([unlucky], torch.tensor([0]), torch.tensor([2]), 1.0, 0.0)
+        policy.observe([unlucky], torch.tensor([0]), torch.tensor([2]), 2.0, 0.0)
     seen = []
-    for _ in range(3 * PROBE_EVERY):
+    for _ in range(4 * PROBE_EVERY):
         b = policy.budgets([unlucky], torch.tensor([4]), engine=None)
         seen.append(int(b[0]))
-        policy.observe([unlucky], b, b, 1.0, 0.0)  # every probed token is accepted
+        policy.observe([unlucky], b, b, 1.0 + 0.5 * int(b[0]), 0.0)  # every probed token is accepted
+    second = 2 * PROBE_EVERY + PROBE_EVERY + 1
     assert seen[:PROBE_EVERY] == [0] * PROBE_EVERY and seen[PROBE_EVERY] == 1  # the probe
-    assert max(seen[PROBE_EVERY + 1 :]) >= 1  # accepted probes revived drafting
+    assert seen[PROBE_EVERY + 1 : second] == [0] * (second - PROBE_EVERY - 1) and seen[second] == 1  # the next
+    assert min(seen[second + 2 :]) >= 2  # accepted probes revived drafting
+
+
+def test_probes_that_find_nothing_come_ever_more_rarely_and_never_stop():
+    """Each probe after which no plan drafts doubles the wait for the next (up to PROBE_MAX
+    steps): under load, where no draft pays, they cost less and less, but keep coming. A plan
+    that drafts brings the wait back to PROBE_EVERY."""
+    from specdecode.engine.budget import PROBE_EVERY, PROBE_MAX
+
+    policy = AdaptiveBudget(roofline(knee=1, slope=0.5), max_gamma=4)
+    r = req("r")
+    probes = []
+    for step in range(1200):
+        b = policy.budgets([r], torch.tensor([4]), engine=None)
+        if int(b[0]):
+            probes.append(step)
+        policy.observe([r], torch.zeros(1, dtype=torch.long), b, 1.0 + 0.5 * int(b[0]), 0.0)  # each rejected
+    gaps = [b - a for a, b in zip([-1] + probes, probes)]
+    want = [PROBE_EVERY + 1] + [min(PROBE_EVERY * 2**k, PROBE_MAX) + 1 for k in range(1, len(gaps))]
+    assert gaps == want and gaps[-1] == PROBE_MAX + 1 and len(gaps) > 8
+    policy.probed = False  # a plan that drafted, not a probe
+    policy.observe([r], torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long), 1.0, 0.0)
+    assert policy.probe_every == PROBE_EVERY
 
 
 def test_shadow_rounds_do_not_hold_off_probes_when_a_cost_curve_prices_drafts_out():
