@@ -100,6 +100,9 @@ class Calibration:
     plan_online: list[tuple[float, int]] = field(default_factory=list)
 
 
+CALIBRATION_EVERY = 4  # steps: the calibration pairs are a sample (at one client, every step cost 0.6%)
+
+
 class Recording:
     """Wraps the engine's budget policy: records each step's budgets and outcome, and for
     `AdaptiveBudget` the confidence it planned with (shared prior and per-request)."""
@@ -130,11 +133,11 @@ class Recording:
 
     def observe(self, reqs, num_accepted, num_draft, seconds, draft_seconds, draft_depth=1, proposal=None):
         drafting = len(self._budgets) == len(reqs) and (any(self._budgets) or int(num_draft.sum()) > 0)
-        if isinstance(self.inner, AdaptiveBudget) and drafting:
+        if isinstance(self.inner, AdaptiveBudget) and drafting and len(self.steps) % CALIBRATION_EVERY == 0:
             # the confidences the step was planned with (nothing has changed them since): read
-            # once a step here, not on each of the engine's two planning calls, and only where a
-            # row was given drafts (no other row makes a pair), so that the recording costs the
-            # adaptive runs as little as it can
+            # once a step here, not on each of the engine's two planning calls, only where a row
+            # was given drafts (no other row makes a pair), and on one step in CALIBRATION_EVERY,
+            # so that the recording costs the adaptive runs as little as it can
             ids = [r.request_id for r in reqs]
             acceptance, evidence = self.inner.acceptance, self._evidence
             prior = acceptance.confidences(ids, own=False, evidence=evidence).tolist()  # batched calls

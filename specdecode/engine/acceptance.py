@@ -68,9 +68,9 @@ class AcceptanceStats:
         self.per_request: dict[str, _RequestRounds] = {}
         self.sts = SequentialTemperatureScaling(max_gamma)
         self.refit_every, self.window = refit_every, window
-        self.records: list[tuple[torch.Tensor, int, int]] = []  # (raw [γ], drafted, accepted)
+        self.records: list[tuple[list[float], int, int]] = []  # (raw [γ], drafted, accepted)
         self._since_fit = 0
-        self._raw: dict[str, torch.Tensor] = {}  # the raw confidences each row was planned with
+        self._raw: dict[str, list[float]] = {}  # the raw confidences each row was planned with
         self._lengths: dict[str, int] = {}  # tokens each row held when it was last planned
         self._evidence: dict[str, int] = {}  # the evidence each row was planned with, where it had one
 
@@ -102,6 +102,12 @@ class AcceptanceStats:
         return rows
 
     def confidences(self, request_ids: list[str], own: bool = True, evidence: list[int] | None = None) -> torch.Tensor:
+        """[B, γ] raw c_k (`confidence_rows`, as a tensor)."""
+        return torch.tensor(self.confidence_rows(request_ids, own, evidence)).reshape(len(request_ids), self.gamma)
+
+    def confidence_rows(
+        self, request_ids: list[str], own: bool = True, evidence: list[int] | None = None
+    ) -> list[list[float]]:
         """[B, γ] raw c_k for several requests at once, each in its state: its own counts shrunk
         to the shared ones (``own=False``: the shared ones alone). With the drafter's
         ``evidence`` for each row's proposal, the shared estimate is first refined by the rounds
@@ -122,14 +128,14 @@ class AcceptanceStats:
                 continue
             own_counts = zip(mine.accepted[state], mine.reached[state], prior)
             rows.append([(a + PRIOR_STRENGTH * c) / (r + PRIOR_STRENGTH) for a, r, c in own_counts])
-        return torch.tensor(rows).reshape(len(request_ids), self.gamma)
+        return rows
 
-    def planned(self, reqs: list[Any], raw: torch.Tensor, evidence: list[int] | None = None) -> None:
-        """Remember what each row was planned with (raw [B, γ], the drafter's evidence) and its
-        length then: the step's rounds are recorded against them, and a shadow round starts
-        after that length."""
+    def planned(self, reqs: list[Any], raw: list[list[float]], evidence: list[int] | None = None) -> None:
+        """Remember what each row was planned with (raw, B rows of γ, the drafter's evidence)
+        and its length then: the step's rounds are recorded against them, and a shadow round
+        starts after that length."""
         ids = [r.request_id for r in reqs]
-        self._raw = dict(zip(ids, raw.unbind(0)))
+        self._raw = dict(zip(ids, raw))
         self._lengths = {r.request_id: len(r.seq.token_ids) for r in reqs}
         self._evidence = dict(zip(ids, evidence)) if evidence is not None else {}
 
@@ -205,7 +211,7 @@ class AcceptanceStats:
         return True
 
     def _record(
-        self, mine: _RequestRounds, state: int, evidence: int | None, raw: torch.Tensor | None, drafted: int,
+        self, mine: _RequestRounds, state: int, evidence: int | None, raw: list[float] | None, drafted: int,
         accepted: int,
     ) -> None:  # fmt: skip
         """One round (real or shadow): ``accepted`` of ``drafted`` tokens, from ``state``, its
@@ -231,7 +237,7 @@ class AcceptanceStats:
         if not self.records:
             return Rounds(torch.empty(0, self.gamma), torch.empty(0, dtype=torch.long), torch.empty(0))
         raw, drafted, accepted = zip(*self.records)
-        return Rounds(torch.stack(raw), torch.tensor(drafted), torch.tensor(accepted))
+        return Rounds(torch.tensor(raw).reshape(-1, self.gamma), torch.tensor(drafted), torch.tensor(accepted))
 
     def calibration_error(self) -> tuple[float, float]:
         """ECE of block survival before and after STS: fitted on the older half of the recorded

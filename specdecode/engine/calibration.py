@@ -17,6 +17,7 @@ single-token confidence, is what the scheduler multiplies into expected tokens.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +71,22 @@ class SequentialTemperatureScaling:
         """Calibrated conditional confidences, same shape as ``raw`` [.., k ≤ γ]."""
         k = raw.shape[-1]
         return _scaled(raw, self.temps[:k])
+
+    def survival_rows(self, raw: list[list[float]]) -> list[list[float]]:
+        """Calibrated block survival s_k = c_1 · … · c_k of each row of raw c_k, in Python floats:
+        the planner's path (torch's per-op cost made a third of a planning at one row)."""
+        temps = self.temps.tolist()
+        out = []
+        for row in raw:
+            s, survival = 1.0, []
+            for c, t in zip(row, temps):
+                c = min(max(c, EPS), 1 - EPS)
+                if t != 1.0:
+                    c = 1.0 / (1.0 + math.exp(-math.log(c / (1 - c)) / t))
+                s *= c
+                survival.append(s)
+            out.append(survival)
+        return out
 
     def fit(self, rounds: Rounds, min_rounds: int = 8) -> "SequentialTemperatureScaling":
         """Fit T_1, T_2, … in order; a position with fewer than ``min_rounds`` records keeps T = 1."""
