@@ -135,7 +135,7 @@ class Recording:
         drafting = len(self._budgets) == len(reqs) and (any(self._budgets) or int(num_draft.sum()) > 0)
         if isinstance(self.inner, AdaptiveBudget) and drafting and len(self.steps) % CALIBRATION_EVERY == 0:
             # the confidences the step was planned with (nothing has changed them since): read
-            # once a step here, not on each of the engine's two planning calls, only where a row
+            # once a step here, not on each of the engine's planning calls, only where a row
             # was given drafts (no other row makes a pair), and on one step in CALIBRATION_EVERY,
             # so that the recording costs the adaptive runs as little as it can
             ids = [r.request_id for r in reqs]

@@ -230,9 +230,10 @@ class AdaptiveBudget:
         limit = self.max_verify_tokens
         if fused:
             limit = self.fused_positions if limit is None else min(limit, self.fused_positions)
-        allowed = self._allowed_seconds_per_token(B)
+        plain = self._seconds(B, B, 0.0, carries_drafts=False) / max(1, B)  # no drafts' pass seconds a token
+        allowed = self._allowed_seconds_per_token(plain)
         out = [0] * B
-        if self._floor_reachable(B, survival, cap, allowed):  # under load, most steps skip this
+        if self._floor_reachable(B, survival, cap, allowed, plain):  # under load, most steps skip this
             out = self._plan(survival, cap, B, fused, limit, allowed)
         self.probed = not any(out) and self.steps_without_drafts >= self.probe_every
         if self.probed:
@@ -323,7 +324,9 @@ class AdaptiveBudget:
             out[b] = min(out[b], k - 1)
         return out, expected / self.step_time(B, positions, rows, max(out, default=0), drafting)
 
-    def _floor_reachable(self, B: int, survival: list[list[float]], cap: list[int], allowed: float) -> bool:
+    def _floor_reachable(
+        self, B: int, survival: list[list[float]], cap: list[int], allowed: float, plain: float
+    ) -> bool:
         """Whether any drafts could keep the pass within ``allowed`` seconds per expected token. A
         pass with n drafts costs at least no drafts' pass (B · ``plain``) + δ + proposing one deep
         + n · m, m being the curve's least slope past B plus one attention query (every mode runs
@@ -331,7 +334,6 @@ class AdaptiveBudget:
         every draft whose survival s beats m / ``allowed``, each adding s · ``allowed`` − m.
         Where even that fails no width can keep a draft, and `_plan` (9-16 `_fill` runs, ~0.6
         ms at 16 rows) is skipped."""
-        plain = self._seconds(B, B, 0.0, carries_drafts=False) / max(1, B)
         m = self.cost.min_slope(B) + self.attention_cost * self.context  # [s] the least a draft adds
         margin = B * (allowed - plain) - self.draft_overhead - self.draft_cost
         for b in range(B):
@@ -341,15 +343,15 @@ class AdaptiveBudget:
                 margin += s * allowed - m
         return margin >= 0
 
-    def _allowed_seconds_per_token(self, B: int) -> float:
-        """Pass seconds an expected token may cost so that B rows keep ``throughput_floor`` of no
-        drafts' throughput. Prefill work per output token is fixed (every prompt is prefilled
-        once), so a token's share of the wall time is that plus its share of the pass; likely
-        positions pay for less likely ones. At a floor of 1: the pass yields at least the tokens
-        per second it would without any draft. Independent of the widths and attention modes
-        `budgets` tries, so computed once per planning."""
+    def _allowed_seconds_per_token(self, plain: float) -> float:
+        """Pass seconds an expected token may cost so that the rows keep ``throughput_floor`` of
+        no drafts' throughput (``plain``: no drafts' pass seconds per token). Prefill work per
+        output token is fixed (every prompt is prefilled once), so a token's share of the wall
+        time is that plus its share of the pass; likely positions pay for less likely ones. At a
+        floor of 1: the pass yields at least the tokens per second it would without any draft.
+        Independent of the widths and attention modes `budgets` tries, so computed once per
+        planning."""
         prefill = self.prefill_seconds / self.tokens_per_step if self.tokens_per_step > 0 else 0.0
-        plain = self._seconds(B, B, 0.0, carries_drafts=False) / max(1, B)
         return (prefill + plain) / self.throughput_floor - prefill
 
     def step_time(self, B: int, positions: int, rows: int, widest: int, drafting: float) -> float:

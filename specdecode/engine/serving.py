@@ -318,13 +318,14 @@ class ServingEngine(Engine):
         # Where proposing is cheap (the budget looks past its budgets) and the step would propose
         # for shadow rounds anyway, it proposes γ deep and plans once, on what it found (at one
         # client the first planning was ~1.3% of a step).
-        cheap = self.drafter is not None and self._shadows and self.budget.shadow() and self.budget.lookahead() > 0
+        shadowing = self.drafter is not None and self._shadows and self.budget.shadow()
+        cheap = shadowing and self.budget.lookahead() > 0
         if cheap:
             want = self.gamma
         else:
             want = int(self.budget.budgets(reqs, gammas, self).max()) if self.drafter is not None else 0
         shadow: torch.Tensor | None = None
-        if want > 0 or (self.drafter is not None and self._shadows and self.budget.shadow()):
+        if want > 0 or shadowing:
             depth = min(want + self.budget.lookahead() if want else self.gamma, self.gamma)
             start = time.perf_counter()
             proposed = self.drafter.propose(self.batch, depth)
