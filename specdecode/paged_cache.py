@@ -235,8 +235,10 @@ class PagedKVCache(KVCache):
         if total == 0:
             return
         blocks = self.pool.allocate(total)  # raises OutOfBlocks before anything changes
+        # The last rows first: the pool hands back the latest freed blocks first, and a commit
+        # frees the rows' tails in row order, so each row gets back the room it gave up.
         at = 0
-        for seq, n in zip(seqs, need):
+        for seq, n in zip(reversed(seqs), reversed(need)):
             seq.blocks.extend(blocks[at : at + n])
             at += n
         self._version += 1
