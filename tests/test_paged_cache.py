@@ -259,7 +259,6 @@ def test_reserve_is_atomic(llama):
     assert cache.pool.num_free == 0
 
 
-
 def test_rows_that_give_back_their_room_get_the_same_blocks_again(llama):
     """A round reserves room for drafts on every row, and the commit frees what the rejected
     ones held; the next round must hand each row its own blocks back, not its neighbour's (a
@@ -278,6 +277,8 @@ def test_rows_that_give_back_their_room_get_the_same_blocks_again(llama):
         cache.reserve([9, 9, 9])
         assert [cache.block_table(s) for s in rows] == tables, step
         cache.commit([0, 0, 0])
+
+
 def test_write_past_reservation_raises(llama):
     cache = new_paged_cache(llama, 8, BS)
     cache.add_sequence("a")

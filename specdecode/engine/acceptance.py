@@ -56,8 +56,8 @@ class _RequestRounds:
 class AcceptanceStats:
     """Raw confidences c_k from acceptance statistics (a request's own counts by state and
     position, shrunk towards the counts shared by all requests in that state; real and
-    shadow rounds alike), and their calibration: STS refitted every ``refit_every`` steps
-    that learned from a round, on the most recent ``window`` rounds."""
+    shadow rounds alike), and their calibration: STS refitted on the most recent ``window``
+    rounds, every ``refit_every`` steps that learned from a round once an eighth of them is new."""
 
     def __init__(self, max_gamma: int, refit_every: int = 64, window: int = 2048) -> None:
         # shared counts by state and position: rounds that reached position k, and accepted it
@@ -69,7 +69,8 @@ class AcceptanceStats:
         self.sts = SequentialTemperatureScaling(max_gamma)
         self.refit_every, self.window = refit_every, window
         self.records: list[tuple[list[float], int, int]] = []  # (raw [γ], drafted, accepted)
-        self._since_fit = 0
+        self._since_fit = 0  # steps that learned from a round since the last fit
+        self._new_records = 0  # rounds recorded since the last fit
         self._raw: dict[str, list[float]] = {}  # the raw confidences each row was planned with
         self._lengths: dict[str, int] = {}  # tokens each row held when it was last planned
         self._evidence: dict[str, int] = {}  # the evidence each row was planned with, where it had one
@@ -167,12 +168,14 @@ class AcceptanceStats:
         live = {r.request_id for r in reqs if r.seq.finish_reason is None}
         self.per_request = {k: v for k, v in self.per_request.items() if k in live}  # finished or cancelled
         del self.records[: -self.window]
-        # refit every refit_every steps, not rows: with 32 rows a row count would refit every
-        # other step, and the fit costs about as much as the planning itself
+        # Refit every refit_every steps, not rows: with 32 rows a row count would refit every
+        # other step, and the fit costs about as much as the planning itself. And only once an
+        # eighth of the window is new: a fit over a full window takes ~11 ms, so at one row
+        # (a round a step) refitting every 64 steps cost ~1% of the steps.
         self._since_fit += learned
-        if self._since_fit >= self.refit_every:
+        if self._since_fit >= self.refit_every and self._new_records >= len(self.records) // 8:
             self.sts = SequentialTemperatureScaling(self.gamma).fit(self.rounds())
-            self._since_fit = 0
+            self._since_fit = self._new_records = 0
 
     def _extended(self, req: Any, row: list[int] | None, d: int, a: int) -> tuple[int, int]:
         """A real round of ``a`` accepted of ``d`` drafts as (drafted, accepted), one position
@@ -218,6 +221,7 @@ class AcceptanceStats:
         proposal found with ``evidence`` (None: the drafter gave none)."""
         if raw is not None:
             self.records.append((raw, drafted, accepted))
+            self._new_records += 1
         reached = min(accepted + 1, drafted)  # positions 1..a were accepted; a+1 was tried and rejected
         for k in range(reached):
             mine.reached[state][k] += 1

@@ -194,3 +194,23 @@ def test_rounds_are_counted_apart_by_the_drafters_evidence():
     pooled = acceptance.confidence("new")[0]
     assert after_long > 0.8 > pooled > 0.2 > after_short
     assert acceptance.confidences(["new"], evidence=[3])[0, 0] == pooled  # no round had a 3-gram
+
+
+def test_calibration_is_refitted_once_an_eighth_of_the_window_is_new(monkeypatch):
+    """STS is refitted every ``refit_every`` steps that learned, but only once an eighth of
+    the recorded rounds came after the last fit: a full window's fit costs ~11 ms, and at one
+    row (one round a step) refitting every 64 steps took ~1% of the time."""
+    from specdecode.engine import acceptance
+
+    fits, fit = [], acceptance.SequentialTemperatureScaling.fit
+    monkeypatch.setattr(acceptance.SequentialTemperatureScaling, "fit",
+                        lambda self, rounds, *a: fits.append(step) or fit(self, rounds, *a))  # fmt: skip
+    policy = AdaptiveBudget(roofline(knee=64), max_gamma=2, refit_every=4, window=64)
+    r = req("r")
+    for step in range(1, 201):  # one round a step
+        budgets = policy.budgets([r], torch.tensor([2]), engine=None)
+        policy.observe([r], budgets.clamp(max=1), budgets, 1.0, 0.0)
+    gaps = [b - a for a, b in zip(fits, fits[1:])]
+    # every 4 steps while 4 rounds are an eighth of the window or more (up to 39 recorded), then
+    # wider, and every 8 once it holds 64
+    assert fits[:9] == list(range(4, 37, 4)) and gaps[9:13] == [5, 6, 7, 8] and set(gaps[13:]) == {8}
