@@ -45,7 +45,8 @@ import torch
 
 from specdecode.config import SamplingParams, SpecConfig
 from specdecode.engine.acceptance import AFTER_FULL, AFTER_MISS, AFTER_NOTHING
-from specdecode.engine.budget import AdaptiveBudget, BudgetPolicy
+from specdecode.engine.adaptive import AdaptiveBudget
+from specdecode.engine.budget import BudgetPolicy
 from specdecode.engine.cost import VerifyCost, least_squares_line
 from specdecode.engine.serving import ServingEngine
 from specdecode.model.loader import LoadedModel, load_model

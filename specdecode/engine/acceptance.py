@@ -3,7 +3,7 @@
 Owns: the counts of rounds that reached and accepted each draft position, per request and
 shared by all, by the request's state; shadow rounds; the rounds recorded for Sequential
 Temperature Scaling, and its refits. Does not own: turning the estimates into budgets
-(engine/budget.py plans with them).
+(engine/adaptive.py plans with them).
 
 c_k is conditioned on the request's last round: acceptance comes in runs (with ngram on
 the serving benchmark's input-reuse prompts, the first token after a fully accepted round

@@ -3,7 +3,7 @@
 Owns: turning raw per-position confidences c_k (the estimated chance that draft token k
 survives given tokens 1..k-1 did) into calibrated ones, and measuring calibration.
 Does not own: where raw confidences come from (engine/acceptance.py) or how they are spent
-(engine/budget.py).
+(engine/adaptive.py).
 
 STS (DSpark): one temperature per draft position, c'_k = σ(logit(c_k) / T_k). Scaling a
 logit by a positive constant keeps the order of confidences at each position, so the

@@ -3,7 +3,7 @@ passes, and what attention costs per query and context token.
 
 Owns: `VerifyCost` (measured at load, refitted from the engine's own passes by
 `fit_passes`), `measure_attention_cost`, and the least-squares line the benchmark uses.
-Does not own what the costs are spent on (engine/budget.py).
+Does not own what the costs are spent on (engine/adaptive.py).
 """
 
 from __future__ import annotations

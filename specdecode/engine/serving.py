@@ -3,7 +3,7 @@
 Owns: the request queue, admission, chunked prefill, preemption by recompute, each
 request's verification budget, and the step. Reuses the round itself (verify, commit,
 stop rules) from engine/step.py, so a request decodes exactly as it would alone.
-Does not own: who gets how many draft tokens under load (engine/budget.py), or HTTP.
+Does not own: who gets how many draft tokens under load (engine/budget.py, engine/adaptive.py), or HTTP.
 
 One step::
 
@@ -32,7 +32,8 @@ from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Draft, Drafter
 from specdecode.engine.acceptance import NOT_SHADOWED
 from specdecode.engine.batch import Batch, Sequence, SpecStats
-from specdecode.engine.budget import AdaptiveBudget, BudgetPolicy, FixedBudget, apply_budgets
+from specdecode.engine.adaptive import AdaptiveBudget
+from specdecode.engine.budget import BudgetPolicy, FixedBudget, apply_budgets
 from specdecode.engine.cost import VerifyCost, measure_attention_cost
 from specdecode.engine.step import Engine
 from specdecode.model.loader import LoadedModel

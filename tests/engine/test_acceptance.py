@@ -9,8 +9,8 @@ import torch
 
 from specdecode.drafters.base import Draft
 from specdecode.engine.acceptance import AFTER_FULL, AFTER_MISS, AFTER_NOTHING, NOT_SHADOWED
-from specdecode.engine.budget import AdaptiveBudget
-from tests.engine.test_budget import req, roofline
+from specdecode.engine.adaptive import AdaptiveBudget
+from tests.engine.test_adaptive import req, roofline
 
 
 def test_adaptive_policy_records_rounds_and_reports_calibration():

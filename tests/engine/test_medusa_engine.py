@@ -4,7 +4,6 @@ sampling follows the target's distribution, and typical acceptance is flagged lo
 
 from __future__ import annotations
 
-
 import pytest
 
 from specdecode import LLM, SamplingParams

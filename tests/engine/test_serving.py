@@ -222,18 +222,18 @@ def test_shadow_proposals_teach_the_budget_and_change_no_token(plain, ckpts, ref
     """Under a cost where no draft ever pays, the adaptive budget verifies nothing, yet steps
     still propose for its shadow rounds: the output stays plain greedy, chains settle shadow
     rounds, and a tree drafter (no shadows possible) stops being asked after its first tree."""
-    from specdecode.engine import budget
-    from specdecode.engine.budget import AdaptiveBudget
+    from specdecode.engine import adaptive
+    from specdecode.engine.adaptive import AdaptiveBudget
     from specdecode.engine.cost import VerifyCost
 
-    monkeypatch.setattr(budget, "PROBE_EVERY", 10**9)  # no probes: every recorded round is a shadow
+    monkeypatch.setattr(adaptive, "PROBE_EVERY", 10**9)  # no probes: every recorded round is a shadow
 
     spec = dict(SPECS[name], verify_budget="adaptive")
     engine = ServingEngine(plain.target, SpecConfig.parse(spec), max_model_len=64, max_num_seqs=4, block_size=4)
     assert isinstance(engine.budget, AdaptiveBudget)
     engine.budget.cost = VerifyCost([(1, 1.0), (2, 2.0)])  # a position costs as much as a whole step
     engine.budget._observe_cost = lambda *args: None  # and stays so (no refit from the tiny model's passes)
-    engine.budget.shadow = lambda: True  # propose on every step (the share is tested in test_budget.py)
+    engine.budget.shadow = lambda: True  # propose on every step (the share is tested in test_adaptive.py)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
     out = run_staggered(engine, params)
     assert [out[f"r{i}"] for i in range(len(PROMPTS))] == reference

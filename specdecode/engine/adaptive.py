@@ -1,0 +1,344 @@
+"""The adaptive verification budget: per-request draft lengths that shrink smoothly with load.
+
+Owns: the adaptive policy (engine/budget.py's protocol) and the measured verify-cost curve
+it plans with. It follows the seed's last section (DSpark's design). Each request keeps
+an estimate c_k of the chance that its k-th draft token survives given that the ones
+before it did; a block of k tokens survives with probability s_k = c_1 · … · c_k, and
+a step that verifies P positions costs t(P), measured on this machine. Starting from no
+drafts at all, the scheduler adds draft positions in order of s (the most likely to
+survive first) while the expected tokens per unit of step time, (B + Σ s) / (t(P) + f),
+still rises, f being the prefill a step carries on average (the step runs a chunk of a
+joining request's prompt beside its decode round), and the pass still yields at least
+``throughput_floor`` (default 1) of no drafts' predicted throughput. Below the compute/bandwidth
+threshold t(P) is flat and every useful position is kept; past it each extra position must
+pay for itself, so budgets shrink smoothly, per request, down to 0; speculation is never
+switched off wholesale.
+
+Where c_k comes from (acceptance counts by request state, shadow rounds, their calibration)
+is engine/acceptance.py's.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from specdecode.config import BudgetOptions
+from specdecode.drafters.base import Draft
+from specdecode.engine.acceptance import AcceptanceStats
+from specdecode.engine.cost import VerifyCost, fit_passes
+from specdecode.model.masks import attention_queries
+
+if TYPE_CHECKING:
+    from specdecode.engine.serving import ServingEngine
+
+# After this many steps in a row without drafts, one step drafts a token on a few rows: a
+# policy that stopped on a few early rejections, or on a cost curve that priced drafts too
+# high, would otherwise stay stopped (speculation switched off for good).
+PROBE_EVERY = 16
+PROBE_SHARE = 8  # a probe drafts on one row in this many (at least one)
+# Each probe after which the plans still find no drafts doubles the wait for the next, up to
+# this many steps: under load, where no draft pays, probes cost ~0.5% of the wall time every
+# 16 steps (16 clients); a plan that drafts again brings the wait back to PROBE_EVERY.
+PROBE_MAX = 128
+# A step carries drafts only if the model predicts at least this much more expected tokens
+# per second than without any: what the cost model leaves out (sampling and bookkeeping
+# per draft, the prefill that a closed loop brings in sooner) costs a few percent, so a
+# predicted gain below it was measured as a loss (0.97x of no drafts at 32 clients). Not
+# asked of the throughput floor too: at 32 clients that stopped all drafting (0.99x of no
+# drafts, where drafting 0.8 tokens a row had given 1.07-1.15x), and at 16 it changed
+# nothing (0.98x either way, GGUF, AVX512).
+MIN_GAIN = 0.05
+# Steps where no row drafts still propose, for shadow rounds, while proposing them and
+# planning on the proposal cost at most this share of the time spent in verify passes (ngram
+# at 32 rows: ~1.6 ms of ~55 proposing; the second planning costs as much again).
+SHADOW_SHARE = 0.01
+# Weight of each step in the running mean of the prefill seconds a step carries (about the
+# last 32 steps): chunks come in bursts as requests join.
+PREFILL_DECAY = 1 / 32
+
+
+class AdaptiveBudget:
+    """Per-request budgets that maximise expected accepted tokens per unit of step time.
+
+    Raw confidences come from ``self.acceptance`` (engine/acceptance.py: online estimates,
+    calibrated by Sequential Temperature Scaling), or from a drafter's trained head where
+    its proposal carries one.
+    """
+
+    def __init__(
+        self,
+        cost: VerifyCost,
+        max_gamma: int,
+        max_verify_tokens: int | None = None,
+        refit_every: int = 64,
+        window: int = 2048,
+        attention_cost: float = 0.0,
+        fused_positions: int = 0,
+        throughput_floor: float = BudgetOptions.throughput_floor,
+    ) -> None:
+        self.cost = cost
+        self.throughput_floor = throughput_floor  # share of no drafts' throughput the budgets keep
+        self.max_verify_tokens = max_verify_tokens
+        self.acceptance = AcceptanceStats(max_gamma, refit_every, window)
+        # seconds of shadow proposing earned (SHADOW_SHARE of each pass) less spent; never above 0,
+        # so time unused while rows drafted is not spent all at once later
+        self.shadow_allowance = 0.0
+        self.window = window
+        self.passes: list[tuple[int, int, bool, float]] = []  # the engine's passes: positions, attention, drafted?, s
+        self.passes_since_refit = 0
+        # seconds per attention query and context token (measured at load, see
+        # measure_attention_cost), each query priced at the longest context. The torch blocks
+        # run attention on the batch padded to its widest draft (or split, see
+        # model.masks.attention_queries); the fused CPU block, which takes passes of at most
+        # ``fused_positions`` positions (model/cpu_block.py; 0 where it does not run), runs
+        # it for the real queries only. A larger pass falls back to the torch blocks: at 32
+        # rows, 2 drafts each cost 199 ms against 97 ms for 1 each (the default model, 2
+        # threads), so a batch that fits is planned to stay within it.
+        self.attention_cost = attention_cost
+        self.fused_positions = fused_positions
+        # seconds any pass that carries drafts pays beyond its positions (packing the linears'
+        # rows, the masks, verifying): fitted from the engine's passes, drafting or not
+        self.draft_overhead = 0.0
+        self.context = 1  # the longest row's tokens at the last planning: attention's length
+        self.draft_cost = 0.0  # seconds proposing costs per draft depth (the drafter's c, in seconds)
+        self.steps_without_drafts = 0
+        self.probe_every = PROBE_EVERY  # steps without drafts before the next probe
+        self.probed = False  # whether the last planning was a probe
+        self.plan_seconds = 0.0  # the last planning on a proposal: a shadow step's cost with its proposing
+        # seconds of prefill a step carries, a running mean over steps. It is part of the step
+        # time the budgets maximise tokens per unit of: under load a step is mostly other
+        # requests' prompts (65% of the wall time at 32 clients, GGUF on AVX512), so a likely
+        # draft token costs a small share of the step and shortens its request's life. Prefill
+        # work per output token is fixed, though, so throughput is set by the pass alone: the
+        # budgets are held to a pass that keeps ``throughput_floor`` of no drafts' throughput
+        # (`_fill`). Pricing the pass alone, budgets stayed at 0 at 32 clients while fixed
+        # γ = 2 had 1.13× none's per-user speed; pricing the step without that floor, they
+        # drafted 1.8 tokens a row at 16 clients at 0.92-0.98× none's throughput.
+        self.prefill_seconds = 0.0
+        # tokens the steps emit, a running mean with the same weights: prefill per output token is
+        # their ratio. Per row instead, it grew as rows drafted (the same prompts spread over fewer
+        # steps), and so did the pass time the floor allowed a token: below a floor of 1 the
+        # budgets fed their own allowance.
+        self.tokens_per_step = 0.0
+
+    def shadow(self) -> bool:
+        return self.shadow_allowance >= 0
+
+    def observe_prefill(self, seconds: float) -> None:
+        self.prefill_seconds += PREFILL_DECAY * (seconds - self.prefill_seconds)
+
+    def lookahead(self) -> int:
+        """One token past the budgets while proposing a token costs at most SHADOW_SHARE of the
+        last pass (ngram, suffix; not a learned drafter's extra step): without it, a depth the
+        budgets never reach is never learned, and a request copying its input for hundreds of
+        tokens kept its first depth (engine/acceptance.py `_extended`)."""
+        return int(bool(self.passes) and self.draft_cost <= SHADOW_SHARE * self.passes[-1][3])
+
+    def budgets(
+        self, reqs: list[Any], limits: torch.Tensor, engine: ServingEngine, proposal: Draft | None = None
+    ) -> torch.Tensor:
+        start = time.perf_counter()
+        B = len(reqs)
+        cap = limits.tolist()
+        self.context = max((len(r.seq.token_ids) for r in reqs), default=1)
+        evidence = proposal.evidence if proposal is not None else None
+        raw = self.acceptance.confidence_rows([r.request_id for r in reqs], evidence=evidence)  # B rows of γ
+        confidence = proposal.confidence if proposal is not None else None
+        if confidence is not None:  # a trained head's estimates, where it gave them
+            w = min(self.acceptance.gamma, confidence.shape[1])
+            head = confidence[:, :w].float().cpu().clamp(1e-4, 1 - 1e-4).tolist()
+            raw = [h + row[w:] for h, row in zip(head, raw)]
+        self.acceptance.planned(reqs, raw, evidence)
+        survival = self.acceptance.sts.survival_rows(raw)
+        fused = B <= self.fused_positions
+        limit = self.max_verify_tokens
+        if fused:
+            limit = self.fused_positions if limit is None else min(limit, self.fused_positions)
+        plain = self._seconds(B, B, 0.0, carries_drafts=False) / max(1, B)  # no drafts' pass seconds a token
+        allowed = self._allowed_seconds_per_token(plain)
+        out = [0] * B
+        if self._floor_reachable(B, survival, cap, allowed, plain):  # under load, most steps skip this
+            out = self._plan(survival, cap, B, fused, limit, allowed)
+        self.probed = not any(out) and self.steps_without_drafts >= self.probe_every
+        if self.probed:
+            # a probe: see whether drafts pay again, one token on the rows likeliest to keep it
+            # (a few per step: in a busy batch, a token on every row would double the pass)
+            likely = sorted((b for b in range(B) if cap[b] > 0), key=lambda b: -survival[b][0])
+            for b in likely[: max(1, B // PROBE_SHARE)]:
+                out[b] = 1
+        if proposal is not None:
+            self.plan_seconds = time.perf_counter() - start
+        return torch.tensor(out, dtype=torch.long, device=limits.device)
+
+    def _plan(
+        self, survival: list[list[float]], cap: list[int], B: int, fused: bool, limit: int | None, allowed: float
+    ) -> list[int]:
+        """The budgets whose step yields the most expected tokens per second, by MIN_GAIN over
+        none, within the floor. Proposing costs by depth, and the torch blocks pad every row's
+        attention to the widest draft (or, when few rows draft, compute only their extra
+        queries), so the widest draft is chosen first: for each width w and each way attention
+        may run, positions of depth <= w are taken most likely first while they pay."""
+        # Candidate positions (row b's k-th draft token), most likely to survive first; survival
+        # falls with k, so a row's positions come in order.
+        ranked = sorted(
+            ((survival[b][k - 1], k, b) for b in range(B) for k in range(1, cap[b] + 1)), key=lambda c: (-c[0], c[1])
+        )
+        out, plain = self._fill(ranked, B, 0, 0.0, "fused" if fused else "padded", limit, allowed)
+        best_rate = plain * (1 + MIN_GAIN)  # what drafts must beat
+        for w in range(1, max(cap, default=0) + 1):
+            if fused:
+                modes: tuple[str, ...] = ("fused",)
+            else:  # splitting applies only if one drafting row keeps attention within a third of padded
+                modes = ("padded", "split") if attention_queries(B, 1, 1 + w) < B * (1 + w) else ("padded",)
+            for mode in modes:
+                budgets, rate = self._fill(ranked, B, w, self.draft_cost * w, mode, limit, allowed)  # w deep
+                if rate > best_rate:
+                    best_rate, out = rate, budgets
+        return out
+
+    def _fill(
+        self, ranked: list[tuple[float, int, int]], B: int, width: int, drafting: float, mode: str, limit: int | None,
+        allowed: float,
+    ) -> tuple[list[int], float]:
+        """Budgets from ``ranked`` (survival, depth, row) positions of depth <= ``width``, taken
+        while each pays for its time (plus ``drafting`` seconds) and the pass stays within
+        ``limit`` positions, and the step's expected tokens per second. Attention is priced as
+        the pass will run it (``mode``): for the real queries only ("fused"), padded to
+        ``width`` for every row ("padded", paid up front), or ``width`` queries for each row
+        that drafts ("split"). The fixed cost of carrying drafts is paid up front too (width >
+        0): no single position need cover it alone, and the returned rate, of the budgets as
+        taken, says whether they did. Then the least likely positions go until the pass costs at
+        most ``allowed`` seconds per expected token (the throughput floor,
+        `_allowed_seconds_per_token`)."""
+        out, positions, expected = [0] * B, B, float(B)  # every row verifies its root and gains one token
+        rows = 0  # rows drafting
+        # `_seconds` unrolled, its terms that do not change with the positions taken summed once:
+        # this runs for every position tried, in 9-16 widths and modes, twice a step
+        attention, cost = self.attention_cost * self.context, self.cost
+        fixed = drafting + (self.draft_overhead if width > 0 else 0.0)
+
+        def pass_time(positions: int, rows: int) -> float:
+            if mode == "fused":
+                queries = positions
+            elif mode == "split":
+                queries = B + rows * width
+            else:  # padded
+                queries = B * (1 + width)
+            return cost(positions) + attention * queries + fixed
+
+        prefill = self.prefill_seconds
+        rate = expected / (pass_time(positions, rows) + prefill)
+        taken: list[tuple[int, int]] = []  # (depth, row) in the order taken
+        keep, kept = 0, (positions, expected, rows)  # the longest prefix of taken within the floor
+        for s, k, b in ranked:
+            if limit is not None and positions >= limit:
+                break
+            if k > width or k != out[b] + 1:
+                continue
+            seconds = pass_time(positions + 1, rows + (k == 1))
+            new_rate = (expected + s) / (seconds + prefill)  # the whole step's
+            if new_rate < rate:
+                break  # the most likely remaining position no longer pays for its time
+            out[b], positions, expected, rows, rate = k, positions + 1, expected + s, rows + (k == 1), new_rate
+            taken.append((k, b))
+            if seconds <= expected * allowed:
+                keep, kept = len(taken), (positions, expected, rows)
+        positions, expected, rows = kept  # the least likely positions past it go
+        for k, b in taken[keep:]:
+            out[b] = min(out[b], k - 1)
+        return out, expected / self.step_time(B, positions, rows, max(out, default=0), drafting)
+
+    def _floor_reachable(
+        self, B: int, survival: list[list[float]], cap: list[int], allowed: float, plain: float
+    ) -> bool:
+        """Whether any drafts could keep the pass within ``allowed`` seconds per expected token. A
+        pass with n drafts costs at least no drafts' pass (B · ``plain``) + δ + proposing one deep
+        + n · m, m being the curve's least slope past B plus one attention query (every mode runs
+        at least one a draft), and yields B + the n drafts' survivals: the margin is largest with
+        every draft whose survival s beats m / ``allowed``, each adding s · ``allowed`` − m.
+        Where even that fails no width can keep a draft, and `_plan` (9-16 `_fill` runs, ~0.6
+        ms at 16 rows) is skipped."""
+        m = self.cost.min_slope(B) + self.attention_cost * self.context  # [s] the least a draft adds
+        margin = B * (allowed - plain) - self.draft_overhead - self.draft_cost
+        for b in range(B):
+            for s in survival[b][: cap[b]]:
+                if s * allowed <= m:
+                    break  # a row's survival falls with depth
+                margin += s * allowed - m
+        return margin >= 0
+
+    def _allowed_seconds_per_token(self, plain: float) -> float:
+        """Pass seconds an expected token may cost so that the rows keep ``throughput_floor`` of
+        no drafts' throughput (``plain``: no drafts' pass seconds per token). Prefill work per
+        output token is fixed (every prompt is prefilled once), so a token's share of the wall
+        time is that plus its share of the pass; likely positions pay for less likely ones. At a
+        floor of 1: the pass yields at least the tokens per second it would without any draft.
+        Independent of the widths and attention modes `budgets` tries, so computed once per
+        planning."""
+        prefill = self.prefill_seconds / self.tokens_per_step if self.tokens_per_step > 0 else 0.0
+        return (prefill + plain) / self.throughput_floor - prefill
+
+    def step_time(self, B: int, positions: int, rows: int, widest: int, drafting: float) -> float:
+        """Predicted seconds of a step: the pass over ``positions`` (linears), attention for B
+        rows of which ``rows`` draft up to ``widest`` deep, ``drafting``, and the prefill a step
+        carries."""
+        queries = self._queries(B, rows, widest, positions)
+        return self._seconds(positions, queries, drafting, carries_drafts=rows > 0) + self.prefill_seconds
+
+    def _queries(self, B: int, rows: int, widest: int, positions: int) -> int:
+        """The attention queries of a pass as it will run: each real one in the fused CPU block,
+        else the batch padded to its widest draft, or split (model.masks.attention_queries)."""
+        return positions if positions <= self.fused_positions else attention_queries(B, rows, 1 + widest)
+
+    def _seconds(self, positions: int, queries: int, drafting: float, carries_drafts: bool) -> float:
+        """The cost model: linears by positions, attention by queries × the longest context,
+        proposing, and the fixed cost of a pass that carries drafts (the step's prefill aside)."""
+        overhead = self.draft_overhead if carries_drafts else 0.0
+        return self.cost(positions) + self.attention_cost * queries * self.context + drafting + overhead
+
+    def observe(
+        self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor, seconds: float, draft_seconds: float,
+        draft_depth: int = 1, proposal: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
+        self._observe_cost(len(reqs), num_draft.tolist(), seconds)
+        tokens = len(reqs) + int(num_accepted.sum())  # each row's accepted drafts and its one new token
+        self.tokens_per_step += PREFILL_DECAY * (tokens - self.tokens_per_step)
+        drafted = int(num_draft.sum()) > 0
+        # proposing, and planning on the proposal, on a step that verified nothing
+        spent = 0.0 if drafted or draft_seconds == 0 else draft_seconds + self.plan_seconds
+        self.shadow_allowance = min(0.0, self.shadow_allowance + SHADOW_SHARE * seconds - spent)
+        self.plan_seconds = 0.0
+        if drafted:  # a probe that found no drafts paying doubles the wait; a plan that drafts resets it
+            self.probe_every = min(2 * self.probe_every, PROBE_MAX) if self.probed else PROBE_EVERY
+        if draft_seconds > 0:  # a running mean of what proposing costs per draft depth
+            per_depth = draft_seconds / max(1, draft_depth)
+            self.draft_cost = per_depth if self.draft_cost == 0 else 0.9 * self.draft_cost + 0.1 * per_depth
+        rows = proposal.tolist() if proposal is not None else None
+        self.acceptance.observe(reqs, num_accepted.tolist(), num_draft.tolist(), rows)
+        # Probes count passes without drafts even while shadow rounds teach acceptance: only a
+        # pass that carries drafts shows what drafting costs, and a verify-cost curve measured at
+        # load in a noisy moment (t(2) priced at 2 t(1)) otherwise kept a request from ever drafting.
+        self.steps_without_drafts = 0 if drafted else self.steps_without_drafts + 1
+
+    def _observe_cost(self, rows: int, num_draft: list[int], seconds: float) -> None:
+        """Log the pass (positions, attention queries · context, whether it carried drafts, its
+        seconds) and refit the step time from the window of them (engine/cost.py `fit_passes`)."""
+        drafting, widest = sum(d > 0 for d in num_draft), max(num_draft, default=0)
+        positions = rows + sum(num_draft)
+        padded = self._queries(rows, drafting, widest, positions) * self.context
+        self.passes.append((positions, padded, drafting > 0, seconds))
+        del self.passes[: -self.window]
+        # after an eighth of the window is new (at least 16 passes), counted: by the window's
+        # length, a full window refitted on every pass (3.4 ms a step at 4 rows, of ~40 ms);
+        # every 64th pass, the refits were 0.05 ms a step at one row (of ~8.8)
+        self.passes_since_refit += 1
+        if len(self.passes) < 32 or self.passes_since_refit < max(16, len(self.passes) // 8):
+            return
+        self.passes_since_refit = 0
+        cost, overhead = fit_passes(self.passes, self.attention_cost)
+        self.cost = cost or self.cost
+        if overhead is not None:
+            self.draft_overhead = overhead

@@ -1,0 +1,381 @@
+"""The adaptive verification budget (engine/adaptive.py): full γ while verification is free,
+smooth per-request shrinking under load, the cost model it plans with, probes and shadow rounds."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specdecode.drafters.base import Draft
+from specdecode.engine.acceptance import STATES, _RequestRounds
+from specdecode.engine.adaptive import PREFILL_DECAY, AdaptiveBudget
+from specdecode.engine.cost import VerifyCost
+from specdecode.tree import TreeBatch
+
+
+def req(rid: str, length: int = 8) -> SimpleNamespace:
+    return SimpleNamespace(request_id=rid, seq=SimpleNamespace(finish_reason=None, token_ids=[0] * length))
+
+
+def roofline(knee: int, slope: float = 1.0) -> VerifyCost:
+    """Flat (memory-bound) up to ``knee`` positions, then linear (compute-bound)."""
+    return VerifyCost(sorted({(1, 1.0), (knee, 1.0), (knee + 100, 1.0 + slope * 100 / knee)}))
+
+
+def test_adaptive_gives_full_gamma_while_verification_is_free():
+    policy = AdaptiveBudget(roofline(knee=64), max_gamma=4)
+    reqs = [req(str(i)) for i in range(4)]
+    budgets = policy.budgets(reqs, torch.full((4,), 4), engine=None)
+    assert budgets.tolist() == [4, 4, 4, 4]  # 4 * 5 = 20 positions < 64: every position is free
+
+
+def test_adaptive_budget_shrinks_smoothly_with_load_and_never_switches_off():
+    # past the knee each position costs half of what the average one did at the knee
+    policy = AdaptiveBudget(roofline(knee=16, slope=0.5), max_gamma=6)
+    # every position survives with probability 0.8 given the earlier ones did (shared by all
+    # requests, in every state; fresh requests plan in the state "nothing yet")
+    policy.acceptance.reached = torch.full((STATES, 6), 1000.0)
+    policy.acceptance.accepted = torch.full((STATES, 6), 800.0)
+    totals, per_row = [], []
+    for B in (1, 2, 4, 8, 16, 32):
+        budgets = policy.budgets([req(f"r{i}") for i in range(B)], torch.full((B,), 6), engine=None)
+        totals.append(int(budgets.sum()) + B)
+        per_row.append(budgets.float().mean().item())
+    assert per_row[0] == 6
+    assert all(a >= b for a, b in zip(per_row, per_row[1:]))  # shrinks as load grows
+    assert per_row[-1] < per_row[0]
+    assert len(set(per_row)) > 2  # smoothly, not on/off
+    assert per_row[-1] > 0  # the likeliest first tokens still pay for themselves at B = 32
+
+
+def test_adaptive_budget_is_zero_where_a_position_costs_as_much_as_a_token():
+    # purely compute-bound past the knee (time ∝ positions): a draft token that may be
+    # rejected never pays for a position that a whole row's bonus token could use
+    policy = AdaptiveBudget(roofline(knee=16, slope=1.0), max_gamma=6)
+    budgets = policy.budgets([req(f"r{i}") for i in range(32)], torch.full((32,), 6), engine=None)
+    assert budgets.sum() == 0
+
+
+def linear(fixed: float, per_position: float) -> VerifyCost:
+    return VerifyCost([(1, fixed + per_position), (128, fixed + 128 * per_position)])
+
+
+def test_the_prefill_a_step_carries_is_part_of_its_time_within_no_drafts_throughput():
+    """A pass of P positions costs 1 + P/32 s, so at 32 rows a draft token pays for its pass time
+    only if it survives with probability above 1/2: of 16 rows at 95% and 16 at 30%, only the
+    likely rows draft. When each step also runs 6 s of other requests' prompt chunks, a 30% token pays
+    for its share of the step too; but prefill work per output token is fixed, so throughput
+    follows the pass alone, and the budgets keep the pass at no fewer tokens per second than no
+    drafts: the likely rows' surplus pays for some unlikely tokens, and with no likely rows
+    nothing is drafted (a floor of 1, the default; the next test lowers it)."""
+    policy = AdaptiveBudget(linear(1.0, 1 / 32), max_gamma=4, throughput_floor=1.0)
+    policy.acceptance.reached = torch.full((STATES, 4), 100.0)
+    policy.acceptance.accepted = torch.full((STATES, 4), 30.0)
+    reqs, limits = [req(f"r{i}") for i in range(32)], torch.full((32,), 4)
+    likely, unlikely = range(16), range(16, 32)
+    for b in likely:
+        policy.acceptance.per_request[f"r{b}"] = _RequestRounds([[1e4] * 4] * STATES, [[0.95e4] * 4] * STATES)
+
+    def plan(prefill: float, rows: list[SimpleNamespace]) -> list[int]:
+        for _ in range(300):
+            policy.observe_prefill(prefill)
+        return policy.budgets(rows, limits[: len(rows)], engine=None).tolist()
+
+    def pass_rate(budgets: list[int], rows: list[SimpleNamespace]) -> float:
+        raw = policy.acceptance.confidences([r.request_id for r in rows])
+        s = torch.cumprod(policy.acceptance.sts(raw), dim=1)
+        return (len(rows) + sum(float(s[b, :n].sum()) for b, n in enumerate(budgets))) / policy.cost(len(rows) + sum(budgets))
+
+    alone = plan(0.0, reqs)
+    assert all(alone[b] > 0 for b in likely) and not any(alone[b] for b in unlikely)
+    loaded = plan(6.0, reqs)
+    assert [loaded[b] for b in likely] == [alone[b] for b in likely] and any(loaded[b] for b in unlikely)
+    assert pass_rate(loaded, reqs) >= pass_rate([0] * 32, reqs)
+    assert not any(plan(6.0, [reqs[b] for b in unlikely]))  # no surplus to spend
+    assert plan(0.0, reqs) == alone  # the running mean decays when prompts stop coming
+
+
+def test_a_throughput_floor_below_one_trades_throughput_for_per_user_speed():
+    """The unlikely rows alone (30% tokens, which never pay for their pass here) draft once the
+    budgets may keep 90% of no drafts' throughput, within that share: with 6 s of prefill a
+    step, a token costs 6/16 s of prefill plus its share of the pass."""
+    reqs = [req(f"r{i}") for i in range(16)]
+    drafted = {}
+    for floor in (1.0, 0.9):
+        policy = AdaptiveBudget(linear(1.0, 1 / 32), max_gamma=4, throughput_floor=floor)
+        policy.acceptance.reached = torch.full((STATES, 4), 100.0)
+        policy.acceptance.accepted = torch.full((STATES, 4), 30.0)
+        for _ in range(300):
+            policy.observe_prefill(6.0)
+        policy.tokens_per_step = 16.0  # steps emitted a token a row: 6/16 s of prefill per token
+        budgets = policy.budgets(reqs, torch.full((16,), 4), engine=None).tolist()
+        s = torch.cumprod(policy.acceptance.sts(policy.acceptance.confidences(["r0"])), dim=1)[0].tolist()
+        expected = 16 + sum(sum(s[:n]) for n in budgets)
+        per_token = 6.0 / 16 + policy.cost(16 + sum(budgets)) / expected  # seconds of wall time a token
+        assert 16 / (6.0 + policy.cost(16)) / (1 / per_token) <= 1 / floor + 1e-9  # within the floor
+        drafted[floor] = sum(budgets)
+    assert drafted[1.0] == 0 and drafted[0.9] >= 16
+
+
+def test_prefill_per_token_counts_every_token_the_steps_emit():
+    """Prefill per output token is the prefill a step carries over the tokens a step emits, not
+    over its rows: where rows drafted and steps emitted two tokens a row, the same prompts were
+    spread over half the steps, and a floor below 1 allows less than where they emitted one."""
+    reqs = [req(f"r{i}") for i in range(16)]
+    drafted = {}
+    for tokens in (16, 32):
+        policy = AdaptiveBudget(linear(1.0, 1 / 32), max_gamma=4, throughput_floor=0.95)
+        policy.acceptance.reached = torch.full((STATES, 4), 100.0)
+        policy.acceptance.accepted = torch.full((STATES, 4), 30.0)
+        for _ in range(300):
+            policy.observe_prefill(6.0)
+        policy.tokens_per_step = float(tokens)
+        drafted[tokens] = int(policy.budgets(reqs, torch.full((16,), 4), engine=None).sum())
+    assert 0 < drafted[32] < drafted[16]
+    fresh = AdaptiveBudget(linear(1.0, 1 / 32), max_gamma=4)  # the engine's rounds feed it: rows + accepted
+    fresh.observe(reqs, torch.full((16,), 2), torch.full((16,), 3), 1.0, 0.0)
+    assert fresh.tokens_per_step == pytest.approx(PREFILL_DECAY * 48)
+
+
+def test_confident_requests_get_more_of_a_tight_budget():
+    policy = AdaptiveBudget(roofline(knee=8, slope=3.0), max_gamma=6)
+    good, bad = req("good"), req("bad")
+    for _ in range(30):
+        policy.observe([good, bad], torch.tensor([6, 0]), torch.tensor([6, 6]), 1.0, 0.0)
+    budgets = policy.budgets([good, bad], torch.tensor([6, 6]), engine=None).tolist()
+    assert budgets[0] > budgets[1]
+
+
+def test_budget_can_be_zero_per_request():
+    policy = AdaptiveBudget(roofline(knee=1, slope=0.5), max_gamma=4)
+    hopeless = req("hopeless")
+    for _ in range(50):
+        policy.observe([hopeless], torch.tensor([0]), torch.tensor([4]), 1.0, 0.0)
+    assert policy.budgets([hopeless], torch.tensor([4]), engine=None).tolist() == [0]
+
+
+def test_adaptive_budget_keeps_a_busy_batch_narrow_when_padding_costs():
+    """Attention pads every row to the widest draft: one deep row makes the whole batch pay."""
+    policy = AdaptiveBudget(VerifyCost([(1, 0.05), (200, 0.05 + 0.001 * 199)]), max_gamma=8)
+    policy.acceptance.reached, policy.acceptance.accepted = torch.full((2, 8), 100.0), torch.full((2, 8), 90.0)  # every token survives 90%
+    reqs = [req(f"r{i}") for i in range(32)]
+    wide = policy.budgets(reqs, torch.full((32,), 8), engine=None)
+    policy.attention_cost = 0.0005 / 8  # per attention query and context token: the rows hold 8
+    narrow = policy.budgets(reqs, torch.full((32,), 8), engine=None)
+    assert narrow.max() < wide.max() and narrow.sum() > 0
+
+
+def test_where_the_fused_block_runs_a_deep_row_pays_no_padding_and_the_pass_stays_within_it():
+    """The fused CPU block computes attention for the real queries only, so a few sure rows may
+    draft deep without making the batch pay padding; and a batch that fits in the block is
+    planned not to leave it (the torch blocks it would fall back to cost ~2x per position)."""
+    policy = AdaptiveBudget(VerifyCost([(1, 0.05), (200, 0.05 + 0.001 * 199)]), max_gamma=8)
+    policy.acceptance.reached = torch.full((STATES, 8), 100.0)
+    policy.acceptance.accepted = torch.full((STATES, 8), 30.0)
+    reqs = [req(f"r{i}") for i in range(32)]
+    for r in reqs[:4]:  # four rows whose drafts nearly always survive
+        policy.acceptance.per_request[r.request_id] = _RequestRounds([[1000.0] * 8] * STATES, [[990.0] * 8] * STATES)
+    policy.attention_cost = 0.0005 / 8  # per query and context token: padding the batch costs (the rows hold 8)
+    padded = policy.budgets(reqs, torch.full((32,), 8), engine=None)
+    policy.fused_positions = 64
+    fused = policy.budgets(reqs, torch.full((32,), 8), engine=None)
+    assert fused[:4].tolist() == [8] * 4 and fused[4:].sum() == 0 and padded.max() < 8
+    policy.fused_positions = 40  # the pass stays within the block
+    assert 32 + int(policy.budgets(reqs, torch.full((32,), 8), engine=None).sum()) == 40
+    policy.fused_positions = 16  # a batch bigger than the block takes: the torch blocks' pricing, no cap
+    assert policy.budgets(reqs, torch.full((32,), 8), engine=None).tolist() == padded.tolist()
+
+
+def test_drafting_overhead_is_paid_only_when_it_pays():
+    policy = AdaptiveBudget(VerifyCost([(1, 0.05), (200, 0.05 + 0.001 * 199)]), max_gamma=4)
+    policy.acceptance.reached, policy.acceptance.accepted = torch.full((STATES, 4), 100.0), torch.full((STATES, 4), 60.0)  # 60% survive
+    reqs = [req(f"r{i}") for i in range(32)]
+    assert policy.budgets(reqs, torch.full((32,), 4), engine=None).sum() > 0
+    policy.observe(reqs, torch.zeros(32, dtype=torch.long), torch.zeros(32, dtype=torch.long), 0.08, 0.02)
+    assert policy.draft_cost == 0.02
+    assert policy.budgets(reqs, torch.full((32,), 4), engine=None).sum() == 0  # 20 ms of drafting is not worth it
+
+
+def test_a_budget_that_stopped_drafting_probes_again():
+    """Estimates move only when drafts are tried: after PROBE_EVERY steps without any, one step
+    verifies a token per row, and acceptances there bring the budget back (here after the
+    second probe, which came twice as late as the first). Passes cost what the curve says."""
+    from specdecode.engine.adaptive import PROBE_EVERY
+
+    policy = AdaptiveBudget(roofline(knee=1, slope=0.5), max_gamma=4)
+    unlucky = req("unlucky")
+    for _ in range(10):  # early rejections
+        policy.observe([unlucky], torch.tensor([0]), torch.tensor([2]), 2.0, 0.0)
+    seen = []
+    for _ in range(4 * PROBE_EVERY):
+        b = policy.budgets([unlucky], torch.tensor([4]), engine=None)
+        seen.append(int(b[0]))
+        policy.observe([unlucky], b, b, 1.0 + 0.5 * int(b[0]), 0.0)  # every probed token is accepted
+    second = 2 * PROBE_EVERY + PROBE_EVERY + 1
+    assert seen[:PROBE_EVERY] == [0] * PROBE_EVERY and seen[PROBE_EVERY] == 1  # the probe
+    assert seen[PROBE_EVERY + 1 : second] == [0] * (second - PROBE_EVERY - 1) and seen[second] == 1  # the next
+    assert min(seen[second + 2 :]) >= 2  # accepted probes revived drafting
+
+
+def test_probes_that_find_nothing_come_ever_more_rarely_and_never_stop():
+    """Each probe after which no plan drafts doubles the wait for the next (up to PROBE_MAX
+    steps): under load, where no draft pays, they cost less and less, but keep coming. A plan
+    that drafts brings the wait back to PROBE_EVERY."""
+    from specdecode.engine.adaptive import PROBE_EVERY, PROBE_MAX
+
+    policy = AdaptiveBudget(roofline(knee=1, slope=0.5), max_gamma=4)
+    r = req("r")
+    probes = []
+    for step in range(1200):
+        b = policy.budgets([r], torch.tensor([4]), engine=None)
+        if int(b[0]):
+            probes.append(step)
+        policy.observe([r], torch.zeros(1, dtype=torch.long), b, 1.0 + 0.5 * int(b[0]), 0.0)  # each rejected
+    gaps = [b - a for a, b in zip([-1] + probes, probes)]
+    want = [PROBE_EVERY + 1] + [min(PROBE_EVERY * 2**k, PROBE_MAX) + 1 for k in range(1, len(gaps))]
+    assert gaps == want and gaps[-1] == PROBE_MAX + 1 and len(gaps) > 8
+    policy.probed = False  # a plan that drafted, not a probe
+    policy.observe([r], torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long), 1.0, 0.0)
+    assert policy.probe_every == PROBE_EVERY
+
+
+def test_shadow_rounds_do_not_hold_off_probes_when_a_cost_curve_prices_drafts_out():
+    """A verify-cost curve measured in a noisy moment (here t(2) = 2 t(1): no draft can pay)
+    is corrected only by passes that carry drafts; shadow rounds that keep teaching acceptance
+    must not hold off the probe, whose pass refits the curve (32+ passes of two sizes)."""
+    from specdecode.engine.adaptive import PROBE_EVERY
+
+    policy = AdaptiveBudget(VerifyCost([(1, 1.0), (2, 2.0), (9, 9.0)]), max_gamma=4)
+    r = req("r", length=4)
+    seen = []
+    for step in range(4 * PROBE_EVERY):
+        b = policy.budgets([r], torch.tensor([4]), engine=None)
+        seen.append(int(b[0]))
+        n = int(b[0])
+        r.seq.token_ids += [7] * (n + 1)  # every draft is a 7 and is accepted
+        policy.observe([r], b, b, 1.0 + 0.1 * n, 0.0, 4, torch.tensor([[7, 7, 7, 7]]))  # a pass of P costs 1 + 0.1 (P - 1)
+    assert seen[:PROBE_EVERY] == [0] * PROBE_EVERY and seen[PROBE_EVERY] == 1  # shadows taught, yet the probe came
+    assert policy.cost(2) < 1.5  # the curve was refitted from the passes
+    assert sum(seen[-PROBE_EVERY:]) > PROBE_EVERY  # and drafting pays now
+
+
+def test_a_probe_in_a_busy_batch_drafts_on_a_few_likely_rows():
+    """A probe token on every one of 32 rows would double a compute-bound pass; it goes to one
+    row in PROBE_SHARE, those whose first token is likeliest to survive."""
+    from specdecode.engine.adaptive import PROBE_EVERY, PROBE_SHARE
+
+    policy = AdaptiveBudget(roofline(knee=1, slope=0.5), max_gamma=4)
+    reqs = [req(f"r{i}") for i in range(32)]
+    for i, r in enumerate(reqs):  # row i accepted i of 31 first tokens: all too unlikely to draft
+        policy.acceptance.per_request[r.request_id] = _RequestRounds([[31.0, 0, 0, 0], [0.0] * 4], [[0.3 * i / 31, 0, 0, 0], [0.0] * 4])
+    policy.steps_without_drafts = PROBE_EVERY
+    probe = policy.budgets(reqs, torch.full((32,), 4), engine=None)
+    assert probe.tolist() == [0] * (32 - 32 // PROBE_SHARE) + [1] * (32 // PROBE_SHARE)
+
+
+def test_a_drafters_confidence_replaces_the_online_estimate():
+    """Under a cost where each position must pay for itself, a head that is sure of its first
+    two tokens gets them verified, and one that is not gets nothing; the online estimate (no
+    rounds seen yet) sits in between."""
+    policy = AdaptiveBudget(roofline(knee=1, slope=0.5), max_gamma=4)
+    r = [req("r")]
+    proposal = torch.tensor([[5, 6, 7, 8]])
+    likely = torch.tensor([[0.99, 0.99, 0.05, 0.05]])
+    sure = policy.budgets(r, torch.tensor([4]), None, Draft(proposal, confidence=likely))
+    unsure = policy.budgets(r, torch.tensor([4]), None, Draft(proposal, confidence=torch.tensor([[0.05] * 4])))
+    assert sure.tolist() == [2] and unsure.tolist() == [0]
+
+
+def test_the_fixed_cost_of_drafting_is_paid_by_all_the_positions_together():
+    """Carrying any draft costs a pass δ more. One position's 0.9 tokens cannot pay a δ of 10%
+    of a 32-row step, but 32 such positions (below the threshold, where they are free) can."""
+    policy = AdaptiveBudget(roofline(knee=64), max_gamma=4)
+    policy.acceptance.reached, policy.acceptance.accepted = torch.full((STATES, 4), 100.0), torch.full((STATES, 4), 90.0)  # every token survives 90%
+    policy.draft_overhead = 0.1  # seconds; a step without drafts takes 1 s
+    reqs = [req(f"r{i}") for i in range(32)]
+    assert policy.budgets(reqs, torch.full((32,), 4), engine=None).sum() >= 32
+    policy.draft_overhead = 100.0  # far more than any gain: no drafts
+    assert policy.budgets(reqs, torch.full((32,), 4), engine=None).sum() == 0
+
+
+def test_drafts_must_beat_no_drafts_by_a_margin():
+    """A plan with drafts is taken only if its predicted tokens per second beat the plan
+    without any by MIN_GAIN: here one row, free verification, and a fixed drafting cost δ
+    tuned so that the gain is just below, then just above, the margin."""
+    from specdecode.engine.adaptive import MIN_GAIN
+
+    policy = AdaptiveBudget(VerifyCost([(1, 1.0), (50, 1.0)]), max_gamma=1)  # verification free
+    policy.acceptance.reached, policy.acceptance.accepted = torch.full((2, 1), 100.0), torch.full((2, 1), 50.0)
+    s = float(policy.acceptance.sts(torch.tensor([[0.5]]))[0, 0])  # the calibrated survival the planner sees
+    for gain, drafts in ((MIN_GAIN * 0.8, 0), (MIN_GAIN * 1.2, 1)):
+        policy.draft_overhead = (1 + s) / (1 + gain) - 1.0  # rate with the draft = (1 + gain) x without
+        assert policy.budgets([req("r")], torch.tensor([1]), engine=None).tolist() == [drafts]
+
+
+def test_shadow_chains_skip_rows_where_matching_is_not_acceptance():
+    """A sampled row's draft with a non-one-hot q is accepted with min(1, p/q), not with the
+    chance that the target generates it: its shadow row is dropped. Greedy rows and one-hot
+    proposals keep theirs; trees give none."""
+    from specdecode.engine.acceptance import NOT_SHADOWED
+    from specdecode.engine.serving import ServingEngine
+
+    engine = SimpleNamespace(batch=SimpleNamespace(temperature=torch.tensor([0.0, 0.7])))
+    tokens = torch.tensor([[1, 2], [3, 4]])
+    one_hot = ServingEngine._shadow_chains(engine, Draft(tokens=tokens))
+    sampled = ServingEngine._shadow_chains(engine, Draft(tokens=tokens, q=torch.full((2, 2, 5), 0.2)))
+    assert one_hot.tolist() == [[1, 2], [3, 4]] and sampled.tolist() == [[1, 2], [NOT_SHADOWED] * 2]
+    tree = TreeBatch.from_parents(torch.tensor([[9, 1, 2]]), torch.tensor([[-1, 0, 0]]))
+    assert ServingEngine._shadow_chains(engine, Draft.from_tree(tree)) is None
+
+
+def test_shadow_proposals_cost_at_most_their_share_of_recent_time():
+    """Proposing for shadows costs at most SHADOW_SHARE of the verify time, and of the recent
+    time: a long phase of drafting steps (no shadow proposals) banks no allowance for later."""
+    from specdecode.engine.adaptive import SHADOW_SHARE
+
+    policy = AdaptiveBudget(roofline(knee=1, slope=1.0), max_gamma=3)
+    r = req("r")
+    zero, one = torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long)
+    for _ in range(1000):  # drafting steps: their proposing is not for shadows
+        policy.observe([r], one, one, 0.1, 0.002)
+    shadows = []
+    for _ in range(400):
+        propose = policy.shadow()
+        shadows.append(propose)
+        policy.observe([r], zero, zero, 0.1, 0.002 if propose else 0.0)
+    assert sum(shadows[:20]) <= 11  # nothing banked from the drafting phase (banked: all 20)
+    assert sum(shadows) == pytest.approx(400 * SHADOW_SHARE * 0.1 / 0.002, rel=0.05)  # every 2nd step: 2 ms per 200
+
+
+def test_skipping_the_widths_where_no_draft_can_meet_the_floor_changes_no_budget(monkeypatch):
+    """`_floor_reachable` is a bound, not a heuristic: over random loads, curves (bent, flat,
+    steep), confidences, prefill and floors, the budgets equal those planned by trying every
+    width, and the skip is taken in a good share of them (and not in all)."""
+    g = torch.Generator().manual_seed(0)
+    reachable = AdaptiveBudget._floor_reachable
+    verdicts = []
+    monkeypatch.setattr(AdaptiveBudget, "_floor_reachable", lambda *a: verdicts.append(reachable(*a)) or verdicts[-1])
+
+    def rand() -> float:
+        return float(torch.rand(1, generator=g))
+
+    for trial in range(150):
+        B = int(torch.randint(1, 40, (1,), generator=g))
+        a, b, e = rand(), rand(), rand()
+        cost = VerifyCost([(p, 0.005 + a * 0.01 + b * 0.002 * p + e * 3e-5 * p * p) for p in (1, 4, 16, 64, 200)])
+        policy = AdaptiveBudget(cost, max_gamma=6, throughput_floor=(1.0, 0.9)[trial % 2],
+                                fused_positions=(0, 64)[trial % 3 > 0], attention_cost=1e-7 * rand())  # fmt: skip
+        policy.draft_overhead, policy.draft_cost = 0.002 * rand(), 1e-4 * rand()
+        policy.prefill_seconds, policy.tokens_per_step = 0.05 * rand(), float(B)
+        reqs = [req(f"r{i}", length=int(torch.randint(8, 300, (1,), generator=g))) for i in range(B)]
+        for r in reqs:
+            acc = 50.0 * rand() ** 0.3
+            policy.acceptance.per_request[r.request_id] = _RequestRounds([[50.0] * 6] * STATES, [[acc] * 6] * STATES)
+        limits = torch.randint(0, 7, (B,), generator=g)
+        got = policy.budgets(reqs, limits, engine=None).tolist()
+        with monkeypatch.context() as m:
+            m.setattr(AdaptiveBudget, "_floor_reachable", lambda *a: True)
+            assert policy.budgets(reqs, limits, engine=None).tolist() == got, trial
+    assert len(verdicts) == 150 and 20 <= verdicts.count(False) <= 130  # skipped in some, not in others
