@@ -7,8 +7,8 @@ before it did; a block of k tokens survives with probability s_k = c_1 · … ·
 a step that verifies P positions costs t(P), measured on this machine. Starting from no
 drafts at all, the scheduler adds draft positions in order of s (the most likely to
 survive first) while the expected tokens per unit of step time, (B + Σ s) / (t(P) + f),
-still rises, f being the prefill a step carries on average (the step runs a chunk of a
-joining request's prompt beside its decode round), and the pass still yields at least
+still rises, f being the prefill the step carries (it runs a chunk of a joining request's
+prompt just before its decode round), and the pass still yields at least
 ``throughput_floor`` (default 1) of no drafts' predicted throughput. Below the compute/bandwidth
 threshold t(P) is flat and every useful position is kept; past it each extra position must
 pay for itself, so budgets shrink smoothly, per request, down to 0; speculation is never
@@ -108,15 +108,24 @@ class AdaptiveBudget:
         self.probe_every = PROBE_EVERY  # steps without drafts before the next probe
         self.probed = False  # whether the last planning was a probe
         self.plan_seconds = 0.0  # the last planning on a proposal: a shadow step's cost with its proposing
-        # seconds of prefill a step carries, a running mean over steps. It is part of the step
-        # time the budgets maximise tokens per unit of: under load a step is mostly other
+        # seconds of prefill the step being planned carries: its chunk ran just before its
+        # decode round. It is part of the step time the budgets maximise tokens per unit of
+        # (`_fill`): under load a step is mostly other
         # requests' prompts (65% of the wall time at 32 clients, GGUF on AVX512), so a likely
         # draft token costs a small share of the step and shortens its request's life. Prefill
         # work per output token is fixed, though, so throughput is set by the pass alone: the
         # budgets are held to a pass that keeps ``throughput_floor`` of no drafts' throughput
         # (`_fill`). Pricing the pass alone, budgets stayed at 0 at 32 clients while fixed
         # γ = 2 had 1.13× none's per-user speed; pricing the step without that floor, they
-        # drafted 1.8 tokens a row at 16 clients at 0.92-0.98× none's throughput.
+        # drafted 1.8 tokens a row at 16 clients at 0.92-0.98× none's throughput. The step's own
+        # chunk, not a running mean: prompts come in bursts as requests join, and at one client
+        # a decode step carries none, while the mean (~6 ms, each prompt's prefill spread over its
+        # request's steps) made every draft look worth ~1.6× its tokens and the budgets drafted
+        # deeper than paid (step-paired, 4 repetitions: 1 client 0.95x -> 0.97x of γ = 4's
+        # throughput; 4 clients 1.02x -> 1.05x of none's).
+        self.step_prefill = 0.0
+        # the prefill a step carries, a running mean over steps (about the last 32): with
+        # `tokens_per_step`, the prefill work per output token the throughput floor charges
         self.prefill_seconds = 0.0
         # tokens the steps emit, a running mean with the same weights: prefill per output token is
         # their ratio. Per row instead, it grew as rows drafted (the same prompts spread over fewer
@@ -128,6 +137,7 @@ class AdaptiveBudget:
         return self.shadow_allowance >= 0
 
     def observe_prefill(self, seconds: float) -> None:
+        self.step_prefill = seconds
         self.prefill_seconds += PREFILL_DECAY * (seconds - self.prefill_seconds)
 
     def lookahead(self) -> int:
@@ -229,7 +239,7 @@ class AdaptiveBudget:
                 queries = B * (1 + width)
             return cost(positions) + attention * queries + fixed
 
-        prefill = self.prefill_seconds
+        prefill = self.step_prefill
         rate = expected / (pass_time(positions, rows) + prefill)
         taken: list[tuple[int, int]] = []  # (depth, row) in the order taken
         keep, kept = 0, (positions, expected, rows)  # the longest prefix of taken within the floor
@@ -283,10 +293,10 @@ class AdaptiveBudget:
 
     def step_time(self, B: int, positions: int, rows: int, widest: int, drafting: float) -> float:
         """Predicted seconds of a step: the pass over ``positions`` (linears), attention for B
-        rows of which ``rows`` draft up to ``widest`` deep, ``drafting``, and the prefill a step
-        carries."""
+        rows of which ``rows`` draft up to ``widest`` deep, ``drafting``, and the prefill the
+        step carries."""
         queries = self._queries(B, rows, widest, positions)
-        return self._seconds(positions, queries, drafting, carries_drafts=rows > 0) + self.prefill_seconds
+        return self._seconds(positions, queries, drafting, carries_drafts=rows > 0) + self.step_prefill
 
     def _queries(self, B: int, rows: int, widest: int, positions: int) -> int:
         """The attention queries of a pass as it will run: each real one in the fused CPU block,
