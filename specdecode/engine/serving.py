@@ -3,7 +3,8 @@
 Owns: the request queue, admission, chunked prefill, preemption by recompute, each
 request's verification budget, and the step. Reuses the round itself (verify, commit,
 stop rules) from engine/step.py, so a request decodes exactly as it would alone.
-Does not own: who gets how many draft tokens under load (engine/budget.py, engine/adaptive.py), or HTTP.
+Does not own: who gets how many draft tokens under load (engine/budget.py and
+engine/adaptive.py), or HTTP.
 
 One step::
 
