@@ -110,9 +110,9 @@ class AdaptiveBudget:
         self.plan_seconds = 0.0  # the last planning on a proposal: a shadow step's cost with its proposing
         # seconds of prefill the step being planned carries: its chunk ran just before its
         # decode round. It is part of the step time the budgets maximise tokens per unit of
-        # (`_fill`): under load a step is mostly other
-        # requests' prompts (65% of the wall time at 32 clients, GGUF on AVX512), so a likely
-        # draft token costs a small share of the step and shortens its request's life. Prefill
+        # (`_fill`): under load a step is mostly other requests' prompts (65% of the wall time
+        # at 32 clients, GGUF on AVX512), so a likely draft token costs a small share of the
+        # step and shortens its request's life. Prefill
         # work per output token is fixed, though, so throughput is set by the pass alone: the
         # budgets are held to a pass that keeps ``throughput_floor`` of no drafts' throughput
         # (`_fill`). Pricing the pass alone, budgets stayed at 0 at 32 clients while fixed
