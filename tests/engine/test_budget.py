@@ -75,4 +75,9 @@ def test_sts_calibrates_overconfident_survival_and_keeps_order():
     assert (sts.temps > 1.5).all()  # it learned to soften
     order = raw[:, 0].argsort()
     assert (sts(raw)[:, 0][order].diff() >= 0).all()  # order-preserving
+    # the planner's path in Python floats gives the same survival as the tensor path (including
+    # a certain raw confidence, which both clamp)
+    rows = raw[:50].tolist() + [[1.0, 0.0, 0.5, 1.0]]
+    expected = torch.cumprod(sts(torch.tensor(rows)), dim=1)
+    assert torch.tensor(sts.survival_rows(rows)) == pytest.approx(expected, abs=1e-5)
     assert expected_calibration_error(torch.tensor([0.9, 0.9]), torch.tensor([1.0, 0.0])) == pytest.approx(0.4)
