@@ -69,8 +69,9 @@ class SamplingParams:
 class BudgetOptions:
     """``speculative_config`` keys: ``verify_budget`` "fixed" (γ per request, the default) or
     "adaptive"; ``max_verify_tokens`` bounds the positions one step verifies (B rows + drafts);
-    ``throughput_floor`` (adaptive only, in (0, 1], default 1): the share of no speculation's
-    predicted throughput the budgets keep; below 1 they trade throughput for per-user speed."""
+    ``throughput_floor`` (adaptive only, in (0, 1], default 1): the share of the throughput
+    optimum's predicted throughput the budgets keep (1: plan for throughput alone); below 1
+    they trade throughput for per-user speed."""
 
     verify_budget: str = "fixed"
     max_verify_tokens: int | None = None

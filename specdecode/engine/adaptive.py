@@ -6,13 +6,15 @@ an estimate c_k of the chance that its k-th draft token survives given that the 
 before it did; a block of k tokens survives with probability s_k = c_1 · … · c_k, and
 a step that verifies P positions costs t(P), measured on this machine. Starting from no
 drafts at all, the scheduler adds draft positions in order of s (the most likely to
-survive first) while the expected tokens per unit of step time, (B + Σ s) / (t(P) + f),
-still rises, f being the prefill the step carries (it runs a chunk of a joining request's
-prompt just before its decode round), and the pass still yields at least
-``throughput_floor`` (default 1) of no drafts' predicted throughput. Below the compute/bandwidth
+survive first) while the expected tokens per second of pass, (B + Σ s) / t(P), still rise:
+the throughput optimum, taken if it beats no drafts by MIN_GAIN. Below the compute/bandwidth
 threshold t(P) is flat and every useful position is kept; past it each extra position must
 pay for itself, so budgets shrink smoothly, per request, down to 0; speculation is never
-switched off wholesale.
+switched off wholesale. A ``throughput_floor`` φ below 1 then trades throughput for
+per-user speed: positions go on being added while the step's own rate, (B + Σ s) / (t(P) + f),
+still rises, f being the prefill the step carries (it runs a chunk of a joining request's
+prompt just before its decode round), as long as the rows keep φ of the optimum's
+predicted throughput.
 
 Where c_k comes from (acceptance counts by request state, shadow rounds, their calibration)
 is engine/acceptance.py's.
@@ -20,6 +22,7 @@ is engine/acceptance.py's.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -44,13 +47,11 @@ PROBE_SHARE = 8  # a probe drafts on one row in this many (at least one)
 # 16 steps (16 clients); a plan that drafts again brings the wait back to PROBE_EVERY.
 PROBE_MAX = 128
 # A step carries drafts only if the model predicts at least this much more expected tokens
-# per second than without any: what the cost model leaves out (sampling and bookkeeping
-# per draft, the prefill that a closed loop brings in sooner) costs a few percent, so a
-# predicted gain below it was measured as a loss (0.97x of no drafts at 32 clients). Not
-# asked of the throughput floor too: at 32 clients that stopped all drafting (0.99x of no
-# drafts, where drafting 0.8 tokens a row had given 1.07-1.15x), and at 16 it changed
-# nothing (0.98x either way, GGUF, AVX512).
-MIN_GAIN = 0.05
+# per second of pass than without any: what the cost model leaves out (sampling and
+# bookkeeping per draft, the prefill that a closed loop brings in sooner) costs a few
+# percent, so a predicted gain below it was measured as a loss (0.97x of no drafts at 32
+# clients, when it was asked of the pass alone the first time).
+MIN_GAIN = 0.02
 # Steps where no row drafts still propose, for shadow rounds, while proposing them and
 # planning on the proposal cost at most this share of the time spent in verify passes (ngram
 # at 32 rows: ~1.6 ms of ~55 proposing; the second planning costs as much again).
@@ -109,20 +110,20 @@ class AdaptiveBudget:
         self.probed = False  # whether the last planning was a probe
         self.plan_seconds = 0.0  # the last planning on a proposal: a shadow step's cost with its proposing
         # seconds of prefill the step being planned carries: its chunk ran just before its
-        # decode round. It is part of the step time the budgets maximise tokens per unit of
-        # (`_fill`): under load a step is mostly other requests' prompts (65% of the wall time
-        # at 32 clients, GGUF on AVX512), so a likely draft token costs a small share of the
-        # step and shortens its request's life. Prefill
-        # work per output token is fixed, though, so throughput is set by the pass alone: the
-        # budgets are held to a pass that keeps ``throughput_floor`` of no drafts' throughput
-        # (`_fill`). Pricing the pass alone, budgets stayed at 0 at 32 clients while fixed
-        # γ = 2 had 1.13× none's per-user speed; pricing the step without that floor, they
-        # drafted 1.8 tokens a row at 16 clients at 0.92-0.98× none's throughput. The step's own
-        # chunk, not a running mean: prompts come in bursts as requests join, and at one client
-        # a decode step carries none, while the mean (~6 ms, each prompt's prefill spread over its
-        # request's steps) made every draft look worth ~1.6× its tokens and the budgets drafted
-        # deeper than paid (step-paired, 4 repetitions: 1 client 0.95x -> 0.97x of γ = 4's
-        # throughput; 4 clients 1.02x -> 1.05x of none's).
+        # decode round. Below a floor of 1 it is part of the step time the budgets maximise
+        # tokens per unit of (`_plan`): under load a step is mostly other requests' prompts (65%
+        # of the wall time at 32 clients, GGUF on AVX512), so a likely draft token costs a small
+        # share of the step and shortens its request's life. Prefill work per output token is
+        # fixed, though, so throughput is set by the pass alone, and the floor is a share of the
+        # throughput optimum's. The step's own chunk, not a running mean: prompts come in bursts
+        # as requests join, and at one client a decode step carries none.
+        # History (GGUF, AVX512): pricing the pass alone (the optimum) at first, budgets stayed
+        # at 0 at 32 clients while fixed γ = 2 had 1.13× none's per-user speed; pricing the step
+        # without a floor, they drafted 1.8 tokens a row at 16 clients at 0.92-0.98× none's
+        # throughput; pricing the step within no drafts' throughput, they spent the likely
+        # tokens' surplus on unlikely ones until the predicted gain was 0 (0.99× of none at 16
+        # and 32 clients). So at a floor of 1 the budgets are the optimum, and below 1 the step
+        # objective trades from it.
         self.step_prefill = 0.0
         # the prefill a step carries, a running mean over steps (about the last 32): with
         # `tokens_per_step`, the prefill work per output token the throughput floor charges
@@ -168,10 +169,17 @@ class AdaptiveBudget:
         if fused:
             limit = self.fused_positions if limit is None else min(limit, self.fused_positions)
         plain = self._seconds(B, B, 0.0, carries_drafts=False) / max(1, B)  # no drafts' pass seconds a token
-        allowed = self._allowed_seconds_per_token(plain)
-        out = [0] * B
-        if self._floor_reachable(B, survival, cap, allowed, plain):  # under load, most steps skip this
-            out = self._plan(survival, cap, B, fused, limit, allowed)
+        # First the throughput optimum: the most expected tokens per second of pass, by MIN_GAIN
+        # over no drafts (every prompt is prefilled once whatever the budgets, so the pass alone
+        # sets throughput). Under load most steps skip the search: no draft can meet the margin.
+        best: tuple[list[int], float, float] = ([0] * B, float(B), B * plain)  # budgets, expected tokens, pass s
+        if self._floor_reachable(B, survival, cap, plain / (1 + MIN_GAIN), plain):
+            best = self._plan(survival, cap, B, fused, limit, 0.0, math.inf, best)
+        out = best[0]
+        if self.throughput_floor < 1:  # then trade from it for the step's own rate (per-user speed)
+            allowed = self._allowed_seconds_per_token(best[2] / best[1])
+            if self._floor_reachable(B, survival, cap, allowed, plain):
+                out = self._plan(survival, cap, B, fused, limit, self.step_prefill, allowed, best)[0]
         self.probed = not any(out) and self.steps_without_drafts >= self.probe_every
         if self.probed:
             # a probe: see whether drafts pay again, one token on the rows likeliest to keep it
@@ -184,11 +192,14 @@ class AdaptiveBudget:
         return torch.tensor(out, dtype=torch.long, device=limits.device)
 
     def _plan(
-        self, survival: list[list[float]], cap: list[int], B: int, fused: bool, limit: int | None, allowed: float
-    ) -> list[int]:
-        """The budgets whose step yields the most expected tokens per second, by MIN_GAIN over
-        none, within the floor. Proposing costs by depth, and the torch blocks pad every row's
-        attention to the widest draft (or, when few rows draft, compute only their extra
+        self, survival: list[list[float]], cap: list[int], B: int, fused: bool, limit: int | None, prefill: float,
+        allowed: float, baseline: tuple[list[int], float, float],
+    ) -> tuple[list[int], float, float]:
+        """The budgets whose step (its pass and ``prefill`` seconds) yields the most expected
+        tokens per second within the floor (``allowed``, see `_fill`), beating ``baseline``
+        (budgets, expected tokens, pass seconds), or MIN_GAIN over it where it has no drafts;
+        returned as the baseline is. Proposing costs by depth, and the torch blocks pad every
+        row's attention to the widest draft (or, when few rows draft, compute only their extra
         queries), so the widest draft is chosen first: for each width w and each way attention
         may run, positions of depth <= w are taken most likely first while they pay."""
         # Candidate positions (row b's k-th draft token), most likely to survive first; survival
@@ -196,33 +207,35 @@ class AdaptiveBudget:
         ranked = sorted(
             ((survival[b][k - 1], k, b) for b in range(B) for k in range(1, cap[b] + 1)), key=lambda c: (-c[0], c[1])
         )
-        out, plain = self._fill(ranked, B, 0, 0.0, "fused" if fused else "padded", limit, allowed)
-        best_rate = plain * (1 + MIN_GAIN)  # what drafts must beat
+        best = baseline
+        best_rate = best[1] / (best[2] + prefill) * (1 if any(best[0]) else 1 + MIN_GAIN)  # what drafts must beat
         for w in range(1, max(cap, default=0) + 1):
             if fused:
                 modes: tuple[str, ...] = ("fused",)
             else:  # splitting applies only if one drafting row keeps attention within a third of padded
                 modes = ("padded", "split") if attention_queries(B, 1, 1 + w) < B * (1 + w) else ("padded",)
             for mode in modes:
-                budgets, rate = self._fill(ranked, B, w, self.draft_cost * w, mode, limit, allowed)  # w deep
-                if rate > best_rate:
-                    best_rate, out = rate, budgets
-        return out
+                plan = self._fill(ranked, B, w, self.draft_cost * w, mode, limit, prefill, allowed)  # w deep
+                if plan[1] / (plan[2] + prefill) > best_rate:
+                    best, best_rate = plan, plan[1] / (plan[2] + prefill)
+        return best
 
     def _fill(
         self, ranked: list[tuple[float, int, int]], B: int, width: int, drafting: float, mode: str, limit: int | None,
-        allowed: float,
-    ) -> tuple[list[int], float]:
+        prefill: float, allowed: float,
+    ) -> tuple[list[int], float, float]:
         """Budgets from ``ranked`` (survival, depth, row) positions of depth <= ``width``, taken
         while each pays for its time (plus ``drafting`` seconds) and the pass stays within
-        ``limit`` positions, and the step's expected tokens per second. Attention is priced as
+        ``limit`` positions, with their expected tokens and predicted pass seconds. A position
+        pays if it raises the expected tokens per second of the step: the pass and ``prefill``
+        seconds (the step's prefill chunk, or 0 for the pass alone). Attention is priced as
         the pass will run it (``mode``): for the real queries only ("fused"), padded to
         ``width`` for every row ("padded", paid up front), or ``width`` queries for each row
         that drafts ("split"). The fixed cost of carrying drafts is paid up front too (width >
-        0): no single position need cover it alone, and the returned rate, of the budgets as
-        taken, says whether they did. Then the least likely positions go until the pass costs at
+        0): no single position need cover it alone, and the returned figures, of the budgets as
+        taken, say whether they did. Then the least likely positions go until the pass costs at
         most ``allowed`` seconds per expected token (the throughput floor,
-        `_allowed_seconds_per_token`)."""
+        `_allowed_seconds_per_token`; inf for none)."""
         out, positions, expected = [0] * B, B, float(B)  # every row verifies its root and gains one token
         rows = 0  # rows drafting
         # `_seconds` unrolled, its terms that do not change with the positions taken summed once:
@@ -239,7 +252,6 @@ class AdaptiveBudget:
                 queries = B * (1 + width)
             return cost(positions) + attention * queries + fixed
 
-        prefill = self.step_prefill
         rate = expected / (pass_time(positions, rows) + prefill)
         taken: list[tuple[int, int]] = []  # (depth, row) in the order taken
         keep, kept = 0, (positions, expected, rows)  # the longest prefix of taken within the floor
@@ -259,7 +271,7 @@ class AdaptiveBudget:
         positions, expected, rows = kept  # the least likely positions past it go
         for k, b in taken[keep:]:
             out[b] = min(out[b], k - 1)
-        return out, expected / self.step_time(B, positions, rows, max(out, default=0), drafting)
+        return out, expected, self.pass_time(B, positions, rows, max(out, default=0), drafting)
 
     def _floor_reachable(
         self, B: int, survival: list[list[float]], cap: list[int], allowed: float, plain: float
@@ -280,23 +292,20 @@ class AdaptiveBudget:
                 margin += s * allowed - m
         return margin >= 0
 
-    def _allowed_seconds_per_token(self, plain: float) -> float:
+    def _allowed_seconds_per_token(self, best: float) -> float:
         """Pass seconds an expected token may cost so that the rows keep ``throughput_floor`` of
-        no drafts' throughput (``plain``: no drafts' pass seconds per token). Prefill work per
-        output token is fixed (every prompt is prefilled once), so a token's share of the wall
-        time is that plus its share of the pass; likely positions pay for less likely ones. At a
-        floor of 1: the pass yields at least the tokens per second it would without any draft.
-        Independent of the widths and attention modes `budgets` tries, so computed once per
-        planning."""
+        the throughput optimum's throughput (``best``: its pass seconds per expected token).
+        Prefill work per output token is fixed (every prompt is prefilled once), so a token's
+        share of the wall time is that plus its share of the pass; likely positions pay for
+        less likely ones."""
         prefill = self.prefill_seconds / self.tokens_per_step if self.tokens_per_step > 0 else 0.0
-        return (prefill + plain) / self.throughput_floor - prefill
+        return (prefill + best) / self.throughput_floor - prefill
 
-    def step_time(self, B: int, positions: int, rows: int, widest: int, drafting: float) -> float:
-        """Predicted seconds of a step: the pass over ``positions`` (linears), attention for B
-        rows of which ``rows`` draft up to ``widest`` deep, ``drafting``, and the prefill the
-        step carries."""
+    def pass_time(self, B: int, positions: int, rows: int, widest: int, drafting: float) -> float:
+        """Predicted seconds of a step's pass: over ``positions`` (linears), attention for B rows
+        of which ``rows`` draft up to ``widest`` deep, and ``drafting``."""
         queries = self._queries(B, rows, widest, positions)
-        return self._seconds(positions, queries, drafting, carries_drafts=rows > 0) + self.step_prefill
+        return self._seconds(positions, queries, drafting, carries_drafts=rows > 0)
 
     def _queries(self, B: int, rows: int, widest: int, positions: int) -> int:
         """The attention queries of a pass as it will run: each real one in the fused CPU block,

@@ -62,46 +62,72 @@ def linear(fixed: float, per_position: float) -> VerifyCost:
     return VerifyCost([(1, fixed + per_position), (128, fixed + 128 * per_position)])
 
 
-def test_the_prefill_a_step_carries_is_part_of_its_time_within_no_drafts_throughput():
-    """A pass of P positions costs 1 + P/32 s, so at 32 rows a draft token pays for its pass time
-    only if it survives with probability above 1/2: of 16 rows at 95% and 16 at 30%, only the
-    likely rows draft. When each step also runs 6 s of other requests' prompt chunks, a 30% token pays
-    for its share of the step too; but prefill work per output token is fixed, so throughput
-    follows the pass alone, and the budgets keep the pass at no fewer tokens per second than no
-    drafts: the likely rows' surplus pays for some unlikely tokens, and with no likely rows
-    nothing is drafted (a floor of 1, the default; the next test lowers it)."""
-    policy = AdaptiveBudget(linear(1.0, 1 / 32), max_gamma=4, throughput_floor=1.0)
+def likely_and_unlikely_rows(floor: float) -> tuple[AdaptiveBudget, list[SimpleNamespace]]:
+    """32 rows on a pass of 1 + P/32 s: 16 whose tokens survive 95% of the time, 16 at 30%."""
+    policy = AdaptiveBudget(linear(1.0, 1 / 32), max_gamma=4, throughput_floor=floor)
     policy.acceptance.reached = torch.full((STATES, 4), 100.0)
     policy.acceptance.accepted = torch.full((STATES, 4), 30.0)
-    reqs, limits = [req(f"r{i}") for i in range(32)], torch.full((32,), 4)
-    likely, unlikely = range(16), range(16, 32)
-    for b in likely:
+    for b in range(16):
         policy.acceptance.per_request[f"r{b}"] = _RequestRounds([[1e4] * 4] * STATES, [[0.95e4] * 4] * STATES)
+    return policy, [req(f"r{i}") for i in range(32)]
 
-    def plan(prefill: float, rows: list[SimpleNamespace]) -> list[int]:
-        for _ in range(300):
-            policy.observe_prefill(prefill)
-        return policy.budgets(rows, limits[: len(rows)], engine=None).tolist()
 
-    def pass_rate(budgets: list[int], rows: list[SimpleNamespace]) -> float:
-        raw = policy.acceptance.confidences([r.request_id for r in rows])
-        s = torch.cumprod(policy.acceptance.sts(raw), dim=1)
-        return (len(rows) + sum(float(s[b, :n].sum()) for b, n in enumerate(budgets))) / policy.cost(len(rows) + sum(budgets))
+def plan_with_prefill(policy: AdaptiveBudget, rows: list[SimpleNamespace], prefill: float) -> list[int]:
+    for _ in range(300):
+        policy.observe_prefill(prefill)
+    return policy.budgets(rows, torch.full((len(rows),), 4), engine=None).tolist()
 
-    alone = plan(0.0, reqs)
-    assert all(alone[b] > 0 for b in likely) and not any(alone[b] for b in unlikely)
-    loaded = plan(6.0, reqs)
-    assert [loaded[b] for b in likely] == [alone[b] for b in likely] and any(loaded[b] for b in unlikely)
-    assert pass_rate(loaded, reqs) >= pass_rate([0] * 32, reqs)
-    assert not any(plan(6.0, [reqs[b] for b in unlikely]))  # no surplus to spend
-    policy.observe_prefill(0.0)  # a step with no prompt in flight (one client's decode steps)
-    assert policy.budgets(reqs, limits, engine=None).tolist() == alone and policy.prefill_seconds > 5.0
+
+def expected_tokens(policy: AdaptiveBudget, rows: list[SimpleNamespace], budgets: list[int]) -> float:
+    s = torch.cumprod(policy.acceptance.sts(policy.acceptance.confidences([r.request_id for r in rows])), dim=1)
+    return len(rows) + sum(float(s[b, :n].sum()) for b, n in enumerate(budgets))
+
+
+def test_at_a_floor_of_one_the_budgets_are_the_throughput_optimum_whatever_prefill_a_step_carries():
+    """At 32 rows a draft token pays for its pass time only if it survives with probability
+    above 1/2: only the likely rows draft, and the pass yields MIN_GAIN more tokens a second
+    than without drafts. A step that also runs 6 s of other requests' prompt chunks plans the
+    same: every prompt is prefilled once whatever the budgets, so throughput follows the pass
+    alone (a 30% token would raise that step's own rate, its requests' speed, at the cost of
+    throughput; a floor below 1 allows that, see the next tests). With no likely rows nothing
+    is drafted."""
+    from specdecode.engine.adaptive import MIN_GAIN
+
+    policy, reqs = likely_and_unlikely_rows(1.0)
+    alone = plan_with_prefill(policy, reqs, 0.0)
+    assert all(alone[b] > 0 for b in range(16)) and not any(alone[16:])
+    assert plan_with_prefill(policy, reqs, 6.0) == alone
+    rate = expected_tokens(policy, reqs, alone) / policy.cost(32 + sum(alone))
+    assert rate >= (1 + MIN_GAIN) * 32 / policy.cost(32)
+    assert not any(plan_with_prefill(policy, reqs[16:], 6.0))
+
+
+def test_a_floor_below_one_is_a_share_of_the_throughput_optimum():
+    """With 6 s of prefill a step and a token a row each step (6/32 s of prefill per token), a
+    floor of 0.9 adds unlikely tokens to the optimum's (they raise the step's own rate) while a
+    token costs at most 1/0.9 of the optimum's wall time: not of no drafts', which the
+    optimum's likely tokens beat, and which would have let the unlikely ones spend that surplus too."""
+    optimum_policy, reqs = likely_and_unlikely_rows(1.0)
+    optimum = plan_with_prefill(optimum_policy, reqs, 6.0)
+    policy, _ = likely_and_unlikely_rows(0.9)
+    policy.tokens_per_step = 32.0
+    budgets = plan_with_prefill(policy, reqs, 6.0)
+
+    def wall_per_token(b: list[int]) -> float:
+        return 6.0 / 32 + policy.cost(32 + sum(b)) / expected_tokens(policy, reqs, b)
+
+    assert sum(budgets[16:]) > 0 and sum(optimum[16:]) == 0
+    assert wall_per_token(budgets) <= wall_per_token(optimum) / 0.9 + 1e-9
+    assert wall_per_token(optimum) < wall_per_token([0] * 32)
+    step_rate = [expected_tokens(policy, reqs, b) / (6.0 + policy.cost(32 + sum(b))) for b in (optimum, budgets)]
+    assert step_rate[1] > step_rate[0]
 
 
 def test_a_throughput_floor_below_one_trades_throughput_for_per_user_speed():
-    """The unlikely rows alone (30% tokens, which never pay for their pass here) draft once the
-    budgets may keep 90% of no drafts' throughput, within that share: with 6 s of prefill a
-    step, a token costs 6/16 s of prefill plus its share of the pass."""
+    """The unlikely rows alone (30% tokens, which never pay for their pass here, so the
+    throughput optimum is no drafts) draft once the budgets may keep 90% of its throughput,
+    within that share: with 6 s of prefill a step, a token costs 6/16 s of prefill plus its
+    share of the pass."""
     reqs = [req(f"r{i}") for i in range(16)]
     drafted = {}
     for floor in (1.0, 0.9):
@@ -379,4 +405,4 @@ def test_skipping_the_widths_where_no_draft_can_meet_the_floor_changes_no_budget
         with monkeypatch.context() as m:
             m.setattr(AdaptiveBudget, "_floor_reachable", lambda *a: True)
             assert policy.budgets(reqs, limits, engine=None).tolist() == got, trial
-    assert len(verdicts) == 150 and 20 <= verdicts.count(False) <= 130  # skipped in some, not in others
+    assert len(verdicts) >= 150 and 20 <= verdicts.count(False) <= len(verdicts) - 20  # skipped in some, not all
