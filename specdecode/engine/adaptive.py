@@ -41,7 +41,14 @@ if TYPE_CHECKING:
 # policy that stopped on a few early rejections, or on a cost curve that priced drafts too
 # high, would otherwise stay stopped (speculation switched off for good).
 PROBE_EVERY = 16
-PROBE_SHARE = 8  # a probe drafts on one row in this many (at least one)
+# A probe drafts on one row in this many (at least one), the likeliest. It also shows what a
+# bigger pass costs: the curve is fitted from the engine's passes, and a policy that never
+# drafts at a load never sees a pass past its rows. At 16 clients after runs at 1 and 4, a
+# curve fitted over 1-18 positions priced a draft at ~2.4 ms, where passes of 16 rows and
+# their drafts measured ~1.4 ms a position: it drafted 0.005 tokens a row at 0.995x of no
+# drafts, a fresh engine 0.5-0.8 at 1.012x (one in 8 rows; GGUF, AVX512, 3 step-paired
+# repetitions). With half the rows, a probe of likely tokens about pays for itself.
+PROBE_SHARE = 2
 # Each probe after which the plans still find no drafts doubles the wait for the next, up to
 # this many steps: under load, where no draft pays, probes cost ~0.5% of the wall time every
 # 16 steps (16 clients); a plan that drafts again brings the wait back to PROBE_EVERY.
@@ -56,6 +63,12 @@ MIN_GAIN = 0.02
 # planning on the proposal cost at most this share of the time spent in verify passes (ngram
 # at 32 rows: ~1.6 ms of ~55 proposing; the second planning costs as much again).
 SHADOW_SHARE = 0.01
+# The passes the verify-cost curve is fitted from: the latest this many. One curve through
+# passes from several loads bent where the loads met (the machine's speed drifts between
+# them, and a pass costs more when prompt chunks run between passes): after 1 and 4 clients,
+# 2048 passes priced a draft at 16 rows at ~2.1-2.4 ms, where passes of 16 rows and their
+# drafts measured ~1.4 ms a position, and the budgets stayed at ~0.
+PASS_WINDOW = 512
 # Weight of each step in the running mean of the prefill seconds a step carries (about the
 # last 32 steps): chunks come in bursts as requests join.
 PREFILL_DECAY = 1 / 32
@@ -87,7 +100,6 @@ class AdaptiveBudget:
         # seconds of shadow proposing earned (SHADOW_SHARE of each pass) less spent; never above 0,
         # so time unused while rows drafted is not spent all at once later
         self.shadow_allowance = 0.0
-        self.window = window
         self.passes: list[tuple[int, int, bool, float]] = []  # the engine's passes: positions, attention, drafted?, s
         self.passes_since_refit = 0
         # seconds per attention query and context token (measured at load, see
@@ -349,7 +361,7 @@ class AdaptiveBudget:
         positions = rows + sum(num_draft)
         padded = self._queries(rows, drafting, widest, positions) * self.context
         self.passes.append((positions, padded, drafting > 0, seconds))
-        del self.passes[: -self.window]
+        del self.passes[: -PASS_WINDOW]
         # after an eighth of the window is new (at least 16 passes), counted: by the window's
         # length, a full window refitted on every pass (3.4 ms a step at 4 rows, of ~40 ms);
         # every 64th pass, the refits were 0.05 ms a step at one row (of ~8.8)

@@ -288,9 +288,10 @@ def test_shadow_rounds_do_not_hold_off_probes_when_a_cost_curve_prices_drafts_ou
     assert sum(seen[-PROBE_EVERY:]) > PROBE_EVERY  # and drafting pays now
 
 
-def test_a_probe_in_a_busy_batch_drafts_on_a_few_likely_rows():
+def test_a_probe_in_a_busy_batch_drafts_on_the_likeliest_rows():
     """A probe token on every one of 32 rows would double a compute-bound pass; it goes to one
-    row in PROBE_SHARE, those whose first token is likeliest to survive."""
+    row in PROBE_SHARE (a share that still shows what a pass past the rows costs), those whose
+    first token is likeliest to survive."""
     from specdecode.engine.adaptive import PROBE_EVERY, PROBE_SHARE
 
     policy = AdaptiveBudget(roofline(knee=1, slope=0.5), max_gamma=4)
@@ -299,7 +300,7 @@ def test_a_probe_in_a_busy_batch_drafts_on_a_few_likely_rows():
         policy.acceptance.per_request[r.request_id] = _RequestRounds([[31.0, 0, 0, 0], [0.0] * 4], [[0.3 * i / 31, 0, 0, 0], [0.0] * 4])
     policy.steps_without_drafts = PROBE_EVERY
     probe = policy.budgets(reqs, torch.full((32,), 4), engine=None)
-    assert probe.tolist() == [0] * (32 - 32 // PROBE_SHARE) + [1] * (32 // PROBE_SHARE)
+    assert 1 < PROBE_SHARE < 32 and probe.tolist() == [0] * (32 - 32 // PROBE_SHARE) + [1] * (32 // PROBE_SHARE)
 
 
 def test_a_drafters_confidence_replaces_the_online_estimate():
