@@ -88,13 +88,13 @@ class AdaptiveBudget:
         max_gamma: int,
         max_verify_tokens: int | None = None,
         refit_every: int = 64,
-        window: int = 2048,
+        window: int = 2048,  # rounds STS is fitted from (the cost curve's passes: PASS_WINDOW)
         attention_cost: float = 0.0,
         fused_positions: int = 0,
         throughput_floor: float = BudgetOptions.throughput_floor,
     ) -> None:
         self.cost = cost
-        self.throughput_floor = throughput_floor  # share of no drafts' throughput the budgets keep
+        self.throughput_floor = throughput_floor  # share of the throughput optimum's throughput the budgets keep
         self.max_verify_tokens = max_verify_tokens
         self.acceptance = AcceptanceStats(max_gamma, refit_every, window)
         # seconds of shadow proposing earned (SHADOW_SHARE of each pass) less spent; never above 0,
