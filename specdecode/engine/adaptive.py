@@ -165,6 +165,8 @@ class AdaptiveBudget:
     ) -> torch.Tensor:
         start = time.perf_counter()
         B = len(reqs)
+        if B == 0:
+            return limits.new_zeros(0)
         cap = limits.tolist()
         self.context = max((len(r.seq.token_ids) for r in reqs), default=1)
         evidence = proposal.evidence if proposal is not None else None

@@ -407,3 +407,9 @@ def test_skipping_the_widths_where_no_draft_can_meet_the_floor_changes_no_budget
             m.setattr(AdaptiveBudget, "_floor_reachable", lambda *a: True)
             assert policy.budgets(reqs, limits, engine=None).tolist() == got, trial
     assert len(verdicts) >= 150 and 20 <= verdicts.count(False) <= len(verdicts) - 20  # skipped in some, not all
+
+
+@pytest.mark.parametrize("floor", [1.0, 0.9])
+def test_an_empty_batch_gets_no_budgets(floor: float):
+    policy = AdaptiveBudget(linear(1.0, 1 / 32), max_gamma=4, throughput_floor=floor)
+    assert policy.budgets([], torch.zeros(0, dtype=torch.long), engine=None).tolist() == []
