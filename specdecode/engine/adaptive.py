@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -72,6 +72,18 @@ PASS_WINDOW = 512
 # Weight of each step in the running mean of the prefill seconds a step carries (about the
 # last 32 steps): chunks come in bursts as requests join.
 PREFILL_DECAY = 1 / 32
+
+
+class Plan(NamedTuple):
+    """Budgets for a step, their expected tokens (rows + Σ survival) and predicted pass seconds."""
+
+    budgets: list[int]
+    expected: float
+    seconds: float
+
+    def rate(self, prefill: float) -> float:
+        """Expected tokens per second of a step that also runs ``prefill`` seconds of prompt chunks."""
+        return self.expected / (self.seconds + prefill)
 
 
 class AdaptiveBudget:
@@ -186,18 +198,18 @@ class AdaptiveBudget:
         # First the throughput optimum: the most expected tokens per second of pass, by MIN_GAIN
         # over no drafts (every prompt is prefilled once whatever the budgets, so the pass alone
         # sets throughput). Under load most steps skip the search: no draft can meet the margin.
-        best: tuple[list[int], float, float] = ([0] * B, float(B), B * plain)  # budgets, expected tokens, pass s
+        best = Plan([0] * B, float(B), B * plain)
         if self._floor_reachable(B, survival, cap, plain / (1 + MIN_GAIN), plain):
             best = self._plan(survival, cap, B, fused, limit, 0.0, math.inf, best)
-        out = best[0]
+        out = best.budgets
         if self.throughput_floor < 1:  # then trade from it for the step's own rate (per-user speed)
-            allowed = self._allowed_seconds_per_token(best[2] / best[1])
+            allowed = self._allowed_seconds_per_token(best.seconds / best.expected)
             if self._floor_reachable(B, survival, cap, allowed, plain):
-                out = self._plan(survival, cap, B, fused, limit, self.step_prefill, allowed, best)[0]
+                out = self._plan(survival, cap, B, fused, limit, self.step_prefill, allowed, best).budgets
         self.probed = not any(out) and self.steps_without_drafts >= self.probe_every
         if self.probed:
             # a probe: see whether drafts pay again, one token on the rows likeliest to keep it
-            # (a few per step: in a busy batch, a token on every row would double the pass)
+            # (one in PROBE_SHARE: in a busy batch, a token on every row would double the pass)
             likely = sorted((b for b in range(B) if cap[b] > 0), key=lambda b: -survival[b][0])
             for b in likely[: max(1, B // PROBE_SHARE)]:
                 out[b] = 1
@@ -207,12 +219,11 @@ class AdaptiveBudget:
 
     def _plan(
         self, survival: list[list[float]], cap: list[int], B: int, fused: bool, limit: int | None, prefill: float,
-        allowed: float, baseline: tuple[list[int], float, float],
-    ) -> tuple[list[int], float, float]:
+        allowed: float, baseline: Plan,
+    ) -> Plan:
         """The budgets whose step (its pass and ``prefill`` seconds) yields the most expected
-        tokens per second within the floor (``allowed``, see `_fill`), beating ``baseline``
-        (budgets, expected tokens, pass seconds), or MIN_GAIN over it where it has no drafts;
-        returned as the baseline is. Proposing costs by depth, and the torch blocks pad every
+        tokens per second within the floor (``allowed``, see `_fill`), beating ``baseline``,
+        or MIN_GAIN over it where it has no drafts. Proposing costs by depth, and the torch blocks pad every
         row's attention to the widest draft (or, when few rows draft, compute only their extra
         queries), so the widest draft is chosen first: for each width w and each way attention
         may run, positions of depth <= w are taken most likely first while they pay."""
@@ -222,7 +233,7 @@ class AdaptiveBudget:
             ((survival[b][k - 1], k, b) for b in range(B) for k in range(1, cap[b] + 1)), key=lambda c: (-c[0], c[1])
         )
         best = baseline
-        best_rate = best[1] / (best[2] + prefill) * (1 if any(best[0]) else 1 + MIN_GAIN)  # what drafts must beat
+        best_rate = best.rate(prefill) * (1 if any(best.budgets) else 1 + MIN_GAIN)  # what drafts must beat
         for w in range(1, max(cap, default=0) + 1):
             if fused:
                 modes: tuple[str, ...] = ("fused",)
@@ -230,14 +241,15 @@ class AdaptiveBudget:
                 modes = ("padded", "split") if attention_queries(B, 1, 1 + w) < B * (1 + w) else ("padded",)
             for mode in modes:
                 plan = self._fill(ranked, B, w, self.draft_cost * w, mode, limit, prefill, allowed)  # w deep
-                if plan[1] / (plan[2] + prefill) > best_rate:
-                    best, best_rate = plan, plan[1] / (plan[2] + prefill)
+                rate = plan.rate(prefill)
+                if rate > best_rate:
+                    best, best_rate = plan, rate
         return best
 
     def _fill(
         self, ranked: list[tuple[float, int, int]], B: int, width: int, drafting: float, mode: str, limit: int | None,
         prefill: float, allowed: float,
-    ) -> tuple[list[int], float, float]:
+    ) -> Plan:
         """Budgets from ``ranked`` (survival, depth, row) positions of depth <= ``width``, taken
         while each pays for its time (plus ``drafting`` seconds) and the pass stays within
         ``limit`` positions, with their expected tokens and predicted pass seconds. A position
@@ -285,7 +297,7 @@ class AdaptiveBudget:
         positions, expected, rows = kept  # the least likely positions past it go
         for k, b in taken[keep:]:
             out[b] = min(out[b], k - 1)
-        return out, expected, self.pass_time(B, positions, rows, max(out, default=0), drafting)
+        return Plan(out, expected, self.pass_time(B, positions, rows, max(out, default=0), drafting))
 
     def _floor_reachable(
         self, B: int, survival: list[list[float]], cap: list[int], allowed: float, plain: float
