@@ -42,12 +42,9 @@ if TYPE_CHECKING:
 # high, would otherwise stay stopped (speculation switched off for good).
 PROBE_EVERY = 16
 # A probe drafts on one row in this many (at least one), the likeliest. It also shows what a
-# bigger pass costs: the curve is fitted from the engine's passes, and a policy that never
-# drafts at a load never sees a pass past its rows. At 16 clients after runs at 1 and 4, a
-# curve fitted over 1-18 positions priced a draft at ~2.4 ms, where passes of 16 rows and
-# their drafts measured ~1.4 ms a position: it drafted 0.005 tokens a row at 0.995x of no
-# drafts, a fresh engine 0.5-0.8 at 1.012x (one in 8 rows; GGUF, AVX512, 3 step-paired
-# repetitions). With half the rows, a probe of likely tokens about pays for itself.
+# bigger pass costs (the curve is fitted from the engine's passes): at 16 clients after runs
+# at 1 and 4, probes on one row in 8 left a curve that priced a draft at ~2.4 ms, where
+# such passes measured ~1.4 ms a position, and the budgets stayed at ~0 (docs/benchmarks.md).
 PROBE_SHARE = 2
 # Each probe after which the plans still find no drafts doubles the wait for the next, up to
 # this many steps: under load, where no draft pays, probes cost ~0.5% of the wall time every
@@ -60,8 +57,13 @@ PROBE_MAX = 128
 # clients, when it was asked of the pass alone the first time).
 MIN_GAIN = 0.02
 # Steps where no row drafts still propose, for shadow rounds, while proposing them and
-# planning on the proposal cost at most this share of the time spent in verify passes (ngram
-# at 32 rows: ~1.6 ms of ~55 proposing; the second planning costs as much again).
+# planning on the proposal cost at most this share of the time spent in verify passes that
+# carried drafts, and this share over the rows of those that did not (ngram at 32 rows:
+# ~1.6 ms of ~55 proposing; the second planning costs as much again). Under load no draft
+# pays, shadows change no budget, and they cost more than their share: at 32 clients an
+# adaptive budget that never drafted made 0.989x of no drafts' throughput with shadows at
+# 1% of every pass, 1.004x without (GGUF, AVX512, 3 step-paired repetitions). At one row the
+# shares are equal, and there a shadow step also saves the planning before the proposal.
 SHADOW_SHARE = 0.01
 # The passes the verify-cost curve is fitted from: the latest this many. One curve through
 # passes from several loads bent where the loads met (the machine's speed drifts between
@@ -70,7 +72,8 @@ SHADOW_SHARE = 0.01
 # drafts measured ~1.4 ms a position, and the budgets stayed at ~0.
 PASS_WINDOW = 512
 # Weight of each step in the running mean of the prefill seconds a step carries (about the
-# last 32 steps): chunks come in bursts as requests join.
+# last 32 steps): chunks come in bursts as requests join. Also the weight of each proposal
+# made before planning in the running means of what planning on it saved and what it cost.
 PREFILL_DECAY = 1 / 32
 
 
@@ -109,19 +112,28 @@ class AdaptiveBudget:
         self.throughput_floor = throughput_floor  # share of the throughput optimum's throughput the budgets keep
         self.max_verify_tokens = max_verify_tokens
         self.acceptance = AcceptanceStats(max_gamma, refit_every, window)
-        # seconds of shadow proposing earned (SHADOW_SHARE of each pass) less spent; never above 0,
+        # seconds of shadow proposing earned (SHADOW_SHARE of each pass, see there) less spent; never above 0,
         # so time unused while rows drafted is not spent all at once later
         self.shadow_allowance = 0.0
+        # A step plans without a proposal and proposes only if drafts would pay, unless it
+        # proposes first (`shadow`). But a proposal shows evidence (an ngram's match length)
+        # that planning without one averages over: at 4 clients 163 of 255 steps planned no
+        # drafts that way, and so never proposed. These running means, over the steps that
+        # proposed first (an unbiased sample), compare the pass seconds planning on the proposal
+        # saved (its expected tokens at no drafts' cost a token, less its predicted pass) with
+        # what proposing and that planning cost; while savings win, every step proposes first.
+        self.proposal_saved = 0.0
+        self.proposal_cost = 0.0
+        self.proposing_first = False  # this step proposes first because proposals pay (not charged to shadows)
+        self.planned_first = False  # this step planned before proposing (its proposal is no sample)
         self.passes: list[tuple[int, int, bool, float]] = []  # the engine's passes: positions, attention, drafted?, s
         self.passes_since_refit = 0
         # seconds per attention query and context token (measured at load, see
         # measure_attention_cost), each query priced at the longest context. The torch blocks
-        # run attention on the batch padded to its widest draft (or split, see
-        # model.masks.attention_queries); the fused CPU block, which takes passes of at most
-        # ``fused_positions`` positions (model/cpu_block.py; 0 where it does not run), runs
-        # it for the real queries only. A larger pass falls back to the torch blocks: at 32
-        # rows, 2 drafts each cost 199 ms against 97 ms for 1 each (the default model, 2
-        # threads), so a batch that fits is planned to stay within it.
+        # pad attention to the widest draft (or split it, model.masks.attention_queries); the
+        # fused CPU block (passes of at most ``fused_positions``, model/cpu_block.py; 0 where it
+        # does not run) computes the real queries only. A batch that fits is planned to stay
+        # within it: at 32 rows, 2 drafts each cost 199 ms in the torch blocks, 1 each 97 ms.
         self.attention_cost = attention_cost
         self.fused_positions = fused_positions
         # seconds any pass that carries drafts pays beyond its positions (packing the linears'
@@ -141,13 +153,9 @@ class AdaptiveBudget:
         # fixed, though, so throughput is set by the pass alone, and the floor is a share of the
         # throughput optimum's. The step's own chunk, not a running mean: prompts come in bursts
         # as requests join, and at one client a decode step carries none.
-        # History (GGUF, AVX512): pricing the pass alone (the optimum) at first, budgets stayed
-        # at 0 at 32 clients while fixed γ = 2 had 1.13× none's per-user speed; pricing the step
-        # without a floor, they drafted 1.8 tokens a row at 16 clients at 0.92-0.98× none's
-        # throughput; pricing the step within no drafts' throughput, they spent the likely
-        # tokens' surplus on unlikely ones until the predicted gain was 0 (0.99× of none at 16
-        # and 32 clients). So at a floor of 1 the budgets are the optimum, and below 1 the step
-        # objective trades from it.
+        # Tried before (GGUF, AVX512): the step without a floor drafted 1.8 tokens a row at 16
+        # clients at 0.92-0.98x of none's throughput; the step within no drafts' throughput spent
+        # the likely tokens' surplus on unlikely ones (0.99x at 16 and 32 clients).
         self.step_prefill = 0.0
         # the prefill a step carries, a running mean over steps (about the last 32): with
         # `tokens_per_step`, the prefill work per output token the throughput floor charges
@@ -159,7 +167,8 @@ class AdaptiveBudget:
         self.tokens_per_step = 0.0
 
     def shadow(self) -> bool:
-        return self.shadow_allowance >= 0
+        self.proposing_first = self.proposal_saved > self.proposal_cost
+        return self.proposing_first or self.shadow_allowance >= 0
 
     def observe_prefill(self, seconds: float) -> None:
         self.step_prefill = seconds
@@ -213,8 +222,13 @@ class AdaptiveBudget:
             likely = sorted((b for b in range(B) if cap[b] > 0), key=lambda b: -survival[b][0])
             for b in likely[: max(1, B // PROBE_SHARE)]:
                 out[b] = 1
-        if proposal is not None:
+        if proposal is None:
+            self.planned_first = True
+        else:
             self.plan_seconds = time.perf_counter() - start
+            if not self.planned_first:  # proposed first: what planning on the proposal saved
+                saved = best.expected * plain - best.seconds  # 0 for no drafts
+                self.proposal_saved += PREFILL_DECAY * (saved - self.proposal_saved)
         return torch.tensor(out, dtype=torch.long, device=limits.device)
 
     def _plan(
@@ -352,10 +366,15 @@ class AdaptiveBudget:
         tokens = len(reqs) + int(num_accepted.sum())  # each row's accepted drafts and its one new token
         self.tokens_per_step += PREFILL_DECAY * (tokens - self.tokens_per_step)
         drafted = int(num_draft.sum()) > 0
-        # proposing, and planning on the proposal, on a step that verified nothing
-        spent = 0.0 if drafted or draft_seconds == 0 else draft_seconds + self.plan_seconds
-        self.shadow_allowance = min(0.0, self.shadow_allowance + SHADOW_SHARE * seconds - spent)
-        self.plan_seconds = 0.0
+        if draft_seconds > 0 and not self.planned_first:  # proposed first: what that cost
+            cost = draft_seconds + self.plan_seconds
+            self.proposal_cost += PREFILL_DECAY * (cost - self.proposal_cost)
+        # proposing, and planning on the proposal, on a step that verified nothing, for shadows
+        shadows = not (drafted or draft_seconds == 0 or self.proposing_first)
+        spent = draft_seconds + self.plan_seconds if shadows else 0.0
+        earned = SHADOW_SHARE * seconds / (1 if drafted else max(1, len(reqs)))
+        self.shadow_allowance = min(0.0, self.shadow_allowance + earned - spent)
+        self.plan_seconds, self.planned_first, self.proposing_first = 0.0, False, False
         if drafted:  # a probe that found no drafts paying doubles the wait; a plan that drafts resets it
             self.probe_every = min(2 * self.probe_every, PROBE_MAX) if self.probed else PROBE_EVERY
         if draft_seconds > 0:  # a running mean of what proposing costs per draft depth

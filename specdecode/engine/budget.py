@@ -47,7 +47,8 @@ class BudgetPolicy(Protocol):
         ...
 
     def shadow(self) -> bool:
-        """Whether to propose on a step where no row will verify drafts (see shadow rounds)."""
+        """Whether to propose before planning this step: for shadow rounds (a step where no row
+        may verify drafts still proposes), or because planning on proposals has paid for them."""
         ...
 
     def lookahead(self) -> int:

@@ -377,6 +377,55 @@ def test_shadow_proposals_cost_at_most_their_share_of_recent_time():
     assert sum(shadows) == pytest.approx(400 * SHADOW_SHARE * 0.1 / 0.002, rel=0.05)  # every 2nd step: 2 ms per 200
 
 
+def test_passes_without_drafts_earn_shadows_a_share_over_their_rows():
+    """A pass that carried no drafts earns shadow proposing SHADOW_SHARE over its rows; one
+    that carried drafts, the whole share. Under load, where no draft pays, shadows change no
+    budget and cost more than their share (32 clients: 0.989x of no drafts' throughput)."""
+    from specdecode.engine.adaptive import SHADOW_SHARE
+
+    def shadows(rows: int, drafting: bool) -> int:
+        policy = AdaptiveBudget(roofline(knee=1, slope=1.0), max_gamma=3)
+        reqs = [req(str(i)) for i in range(rows)]
+        drafts = torch.full((rows,), int(drafting), dtype=torch.long)
+        count = 0
+        for _ in range(800):
+            propose = policy.shadow()
+            count += propose
+            policy.observe(reqs, torch.zeros(rows, dtype=torch.long), drafts, 0.1, 0.002 if propose and not drafting else 0.0)
+        return count
+
+    assert shadows(8, drafting=False) == pytest.approx(800 * SHADOW_SHARE * 0.1 / 8 / 0.002, abs=2)  # one in 16 steps
+    assert shadows(1, drafting=False) == pytest.approx(800 * SHADOW_SHARE * 0.1 / 0.002, rel=0.05)  # every 2nd step
+    assert shadows(8, drafting=True) == 800  # proposing for real drafts spends nothing on shadows
+
+
+def test_steps_propose_first_while_planning_on_proposals_saves_more_pass_time_than_it_costs():
+    """A proposal made before planning (a shadow step's) is a sample of what planning on one
+    saves: where its drafts save more pass seconds than proposing and planning cost, every step
+    proposes first, uncharged to shadows; where they save nothing, only shadows do."""
+
+    def run(curve: VerifyCost, confidence: float) -> tuple[list[bool], AdaptiveBudget]:
+        policy = AdaptiveBudget(curve, max_gamma=4)
+        reqs = [req(str(i)) for i in range(4)]
+        proposal = Draft(torch.ones(4, 4, dtype=torch.long), confidence=torch.full((4, 4), confidence))
+        first = []
+        for _ in range(64):
+            first.append(policy.shadow())
+            if first[-1]:  # propose, then plan on the proposal
+                budgets = policy.budgets(reqs, torch.full((4,), 4), None, proposal)
+                policy.observe(reqs, budgets, budgets, 0.01, 1e-3)
+            else:  # plan first
+                budgets = policy.budgets(reqs, torch.full((4,), 4), None)
+                policy.observe(reqs, budgets, budgets, 0.01, 0.0)
+        return first, policy
+
+    first, policy = run(roofline(knee=64), confidence=0.9)  # drafts free: a plan of 4 rows x 4 saves ~2.4 passes
+    assert all(first) and policy.proposal_saved > policy.proposal_cost > 0 and policy.shadow_allowance == 0
+    first, policy = run(roofline(knee=1, slope=4.0), confidence=0.1)  # no draft pays
+    assert first[0] and not all(first) and policy.proposal_saved == 0 < policy.proposal_cost
+    assert sum(first) <= 1 + 64 * 0.01 * 0.01 / 1e-3  # shadows of 1 ms, at most their share of 64 passes of 10 ms
+
+
 def test_skipping_the_widths_where_no_draft_can_meet_the_floor_changes_no_budget(monkeypatch):
     """`_floor_reachable` is a bound, not a heuristic: over random loads, curves (bent, flat,
     steep), confidences, prefill and floors, the budgets equal those planned by trying every
