@@ -23,9 +23,10 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from specdecode.block_pool import BlockPool, OutOfBlocks
 from specdecode.model.loader import load_model
 from specdecode.model.transformer import Transformer
-from specdecode.paged_cache import BlockPool, OutOfBlocks, PagedKVCache, new_paged_cache
+from specdecode.paged_cache import PagedKVCache, new_paged_cache
 from specdecode.tree import DraftTree, batch_trees, commit_paths
 from tests.tiny import make_tiny_checkpoint
 

@@ -22,14 +22,15 @@ Two things differ from the target's cache, because the drafter, not the schedule
 from __future__ import annotations
 
 import itertools
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
 
+from specdecode.block_pool import OutOfBlocks
 from specdecode.model.transformer import Transformer
-from specdecode.paged_cache import OutOfBlocks, PagedKVCache, _Plan
+from specdecode.paged_cache import PagedKVCache, _Plan
 
 BLOCK_SIZE = 16
 INITIAL_BLOCKS = 32

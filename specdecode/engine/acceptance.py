@@ -192,25 +192,29 @@ class AcceptanceStats:
 
     def _settle_shadow(self, req: Any, mine: _RequestRounds, verified: bool) -> bool:
         """Record ``mine``'s shadow round once the tokens its row generated show a miss or the
-        whole chain, or the row finished (a round cut short), and set the request's state from
-        it. A row that verified drafts this step drops its shadow unrecorded: the real round
-        covers the same tokens. True if a round was recorded."""
+        whole chain, or the row finished or verified drafts this step (a round cut short, at
+        the tokens generated before this step's pass: the real round covers the rest), and set
+        the request's state from it. While every token so far matched, the request is as after
+        a fully accepted round: a row copying text its shadow followed stayed 'after nothing'
+        for up to γ steps (c_1 0.44 against 0.96; at 4 clients, 0.62 drafts a row where
+        γ = 2 drafted 0.76, kept at the same rate). True if a round was recorded."""
         if mine.shadow is None:
             return False
         start, chain, state, evidence, raw = mine.shadow
-        made = req.seq.token_ids[start : start + len(chain)]
+        end = self._lengths.get(req.request_id, start) if verified else len(req.seq.token_ids)
+        made = req.seq.token_ids[start : min(start + len(chain), end)]
         n = next((k for k, (t, m) in enumerate(zip(chain, made)) if t != m), len(made))
         settled = n < len(made) or len(made) == len(chain)  # a miss, or the whole chain generated
-        if verified:
-            mine.shadow = None
-            return False
-        if not (settled or req.seq.finish_reason is not None):
+        if not (settled or verified or req.seq.finish_reason is not None):
+            if n > 0:
+                mine.state = AFTER_FULL
             return False
         mine.shadow = None
         if not made:
             return False
         self._record(mine, state, evidence, raw, len(chain) if settled else len(made), n)
-        mine.state = AFTER_FULL if n == len(chain) else AFTER_MISS
+        if not verified:  # a real round sets it from its own tokens
+            mine.state = AFTER_FULL if n == len(made) else AFTER_MISS
         return True
 
     def _record(

@@ -29,16 +29,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdecode.block_pool import OutOfBlocks
 from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Draft, Drafter
 from specdecode.engine.acceptance import NOT_SHADOWED
-from specdecode.engine.batch import Batch, Sequence, SpecStats
 from specdecode.engine.adaptive import AdaptiveBudget
+from specdecode.engine.batch import Batch, Sequence, SpecStats
 from specdecode.engine.budget import BudgetPolicy, FixedBudget, apply_budgets
 from specdecode.engine.cost import VerifyCost, measure_attention_cost
 from specdecode.engine.step import Engine
 from specdecode.model.loader import LoadedModel
-from specdecode.paged_cache import OutOfBlocks, PagedKVCache, new_paged_cache
+from specdecode.paged_cache import PagedKVCache, new_paged_cache
 from specdecode.sampling import logits_to_probs, sample
 
 DEFAULT_KV_BYTES = 256 << 20  # KV pool size when num_blocks is not given (at least one full sequence)

@@ -41,8 +41,10 @@ def test_shadow_rounds_learn_from_the_tokens_a_row_generates():
         policy.observe([r], zero, zero, 1.0, 0.001, 3, None if proposal is None else torch.tensor([proposal]))
 
     step(5, [5, 6, 7])  # the shadow starts; its first token was generated
+    assert policy.acceptance.per_request["r"].state == AFTER_NOTHING  # not yet compared
     step(6, [6, 8, 9])  # matches again; one shadow at a time: this proposal is not kept
     assert policy.acceptance.per_request["r"].shadow is not None and policy.acceptance.records == []
+    assert policy.acceptance.per_request["r"].state == AFTER_FULL  # every token so far matched
     step(9, None)  # 9 != 7: accepted 2 of 3, counted in the state it was proposed in (no round yet)
     mine = policy.acceptance.per_request["r"]
     assert (mine.reached[AFTER_NOTHING], mine.accepted[AFTER_NOTHING]) == ([1, 1, 1], [1, 1, 0])
@@ -100,10 +102,10 @@ def test_a_fresh_match_is_counted_apart_from_a_rejected_copy():
     assert policy.acceptance.confidence("r")[0] < 0.25 < 0.75 < after_miss
 
 
-def test_shadows_settle_when_a_row_finishes_and_drop_when_it_drafts():
-    """A shadow still matching when its row finishes is recorded cut short; a row that verifies
-    drafts for real drops its shadow (the real round covers the same tokens); a row whose
-    proposal was masked (NOT_SHADOWED) keeps its state."""
+def test_shadows_settle_when_a_row_finishes_or_drafts():
+    """A shadow still matching when its row finishes is recorded cut short; so is one whose row
+    verifies drafts for real, at the tokens generated before that pass (the real round covers
+    the rest); a row whose proposal was masked (NOT_SHADOWED) keeps its state."""
     policy = AdaptiveBudget(roofline(knee=1, slope=1.0), max_gamma=3)
     zero = torch.zeros(1, dtype=torch.long)
     r = req("r", length=4)
@@ -122,7 +124,9 @@ def test_shadows_settle_when_a_row_finishes_and_drop_when_it_drafts():
     policy.budgets([s], torch.tensor([3]), engine=None)
     s.seq.token_ids += [6, 7]
     policy.observe([s], torch.tensor([1]), torch.tensor([1]), 1.0, 0.0)  # a real round: 1 of 1 accepted
-    assert policy.acceptance.records[-1][1:] == (1, 1) and len(policy.acceptance.records) == 2  # the shadow was dropped
+    records = policy.acceptance.records
+    assert len(records) == 3 and records[-2][1:] == (1, 1)  # the shadow, cut short at the 5 made before the pass
+    assert records[-1][1:] == (1, 1)  # the real round: 6 accepted, 7 the bonus
     assert policy.acceptance.per_request["s"].shadow is None and policy.acceptance.per_request["s"].state == AFTER_FULL
     policy.budgets([s], torch.tensor([3]), engine=None)
     s.seq.token_ids.append(8)
