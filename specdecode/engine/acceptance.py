@@ -32,7 +32,7 @@ SHARED_PRIOR = 1.0  # pseudo-rounds behind a shared estimate: position 1's at 1/
 EVIDENCE_PRIOR = 4.0  # pseudo-rounds of a state's shared estimate behind its counts with one evidence
 # A request's state: its drafter found nothing last step, or it has had no round yet
 # (AFTER_NOTHING); its last round rejected a token (AFTER_MISS); or its last round accepted
-# every draft token (AFTER_FULL).
+# every draft token, or its shadow round has matched every token so far (AFTER_FULL).
 AFTER_NOTHING, AFTER_MISS, AFTER_FULL = 0, 1, 2
 STATES = 3
 NOT_SHADOWED = -2  # a proposal row whose matching is not acceptance (see ServingEngine._shadow_chains)
