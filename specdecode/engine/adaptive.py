@@ -31,7 +31,7 @@ import torch
 from specdecode.config import BudgetOptions
 from specdecode.drafters.base import Draft
 from specdecode.engine.acceptance import AcceptanceStats
-from specdecode.engine.cost import VerifyCost, fit_passes
+from specdecode.engine.cost import PassLog, VerifyCost
 from specdecode.model.masks import attention_queries
 
 if TYPE_CHECKING:
@@ -65,12 +65,6 @@ MIN_GAIN = 0.02
 # 1% of every pass, 1.004x without (GGUF, AVX512, 3 step-paired repetitions). At one row the
 # shares are equal, and there a shadow step also saves the planning before the proposal.
 SHADOW_SHARE = 0.01
-# The passes the verify-cost curve is fitted from: the latest this many. One curve through
-# passes from several loads bent where the loads met (the machine's speed drifts between
-# them, and a pass costs more when prompt chunks run between passes): after 1 and 4 clients,
-# 2048 passes priced a draft at 16 rows at ~2.1-2.4 ms, where passes of 16 rows and their
-# drafts measured ~1.4 ms a position, and the budgets stayed at ~0.
-PASS_WINDOW = 512
 # Weight of each step in the running mean of the prefill seconds a step carries (about the
 # last 32 steps): chunks come in bursts as requests join. Also the weight of each proposal
 # made before planning in the running means of what planning on it saved and what it cost.
@@ -103,7 +97,7 @@ class AdaptiveBudget:
         max_gamma: int,
         max_verify_tokens: int | None = None,
         refit_every: int = 64,
-        window: int = 2048,  # rounds STS is fitted from (the cost curve's passes: PASS_WINDOW)
+        window: int = 2048,  # rounds STS is fitted from (the cost curve's passes: cost.PASS_WINDOW)
         attention_cost: float = 0.0,
         fused_positions: int = 0,
         throughput_floor: float = BudgetOptions.throughput_floor,
@@ -126,8 +120,7 @@ class AdaptiveBudget:
         self.proposal_cost = 0.0
         self.proposing_first = False  # this step proposes first because proposals pay (not charged to shadows)
         self.planned_first = False  # this step planned before proposing (its proposal is no sample)
-        self.passes: list[tuple[int, int, bool, float]] = []  # the engine's passes: positions, attention, drafted?, s
-        self.passes_since_refit = 0
+        self.passes = PassLog()  # the engine's latest passes, which the curve is refitted from
         # seconds per attention query and context token (measured at load, see
         # measure_attention_cost), each query priced at the longest context. The torch blocks
         # pad attention to the widest draft (or split it, model.masks.attention_queries); the
@@ -179,7 +172,8 @@ class AdaptiveBudget:
         last pass (ngram, suffix; not a learned drafter's extra step): without it, a depth the
         budgets never reach is never learned, and a request copying its input for hundreds of
         tokens kept its first depth (engine/acceptance.py `_extended`)."""
-        return int(bool(self.passes) and self.draft_cost <= SHADOW_SHARE * self.passes[-1][3])
+        last = self.passes.last_seconds
+        return int(last is not None and self.draft_cost <= SHADOW_SHARE * last)
 
     def budgets(
         self, reqs: list[Any], limits: torch.Tensor, engine: ServingEngine, proposal: Draft | None = None
@@ -393,16 +387,10 @@ class AdaptiveBudget:
         drafting, widest = sum(d > 0 for d in num_draft), max(num_draft, default=0)
         positions = rows + sum(num_draft)
         padded = self._queries(rows, drafting, widest, positions) * self.context
-        self.passes.append((positions, padded, drafting > 0, seconds))
-        del self.passes[: -PASS_WINDOW]
-        # after an eighth of the window is new (at least 16 passes), counted: by the window's
-        # length, a full window refitted on every pass (3.4 ms a step at 4 rows, of ~40 ms);
-        # every 64th pass, the refits were 0.05 ms a step at one row (of ~8.8)
-        self.passes_since_refit += 1
-        if len(self.passes) < 32 or self.passes_since_refit < max(16, len(self.passes) // 8):
+        fit = self.passes.add((positions, padded, drafting > 0, seconds), self.attention_cost)
+        if fit is None:  # no refit due
             return
-        self.passes_since_refit = 0
-        cost, overhead = fit_passes(self.passes, self.attention_cost)
+        cost, overhead = fit
         self.cost = cost or self.cost
         if overhead is not None:
             self.draft_overhead = overhead

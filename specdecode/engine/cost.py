@@ -2,7 +2,8 @@
 passes, and what attention costs per query and context token.
 
 Owns: `VerifyCost` (measured at load, refitted from the engine's own passes by
-`fit_passes`), `measure_attention_cost`, and the least-squares line the benchmark uses.
+`fit_passes`, which `PassLog` keeps and says when to refit from), `measure_attention_cost`,
+and the least-squares line the benchmark uses.
 Does not own what the costs are spent on (engine/adaptive.py).
 """
 
@@ -144,6 +145,42 @@ def measure_attention_cost(engine: ServingEngine, rows: int = 16, width: int = 9
 
     extra = max(0.0, seconds(width) - seconds(1))
     return extra * cfg.num_layers / (rows * (width - 1) * context)
+
+
+# The passes the verify-cost curve is fitted from: the latest this many. One curve through
+# passes from several loads bent where the loads met (the machine's speed drifts between
+# them, and a pass costs more when prompt chunks run between passes): after 1 and 4 clients,
+# 2048 passes priced a draft at 16 rows at ~2.1-2.4 ms, where passes of 16 rows and their
+# drafts measured ~1.4 ms a position, and the budgets stayed at ~0.
+PASS_WINDOW = 512
+
+
+class PassLog:
+    """The engine's latest PASS_WINDOW passes (positions, attention queries · context, whether
+    it carried drafts, seconds), and when they are due to be refitted into a curve."""
+
+    def __init__(self) -> None:
+        self.passes: list[tuple[int, int, bool, float]] = []
+        self.since_refit = 0
+
+    @property
+    def last_seconds(self) -> float | None:
+        return self.passes[-1][3] if self.passes else None
+
+    def add(
+        self, one: tuple[int, int, bool, float], attention_cost: float
+    ) -> tuple[VerifyCost | None, float | None] | None:
+        """Log a pass; `fit_passes` over the window when a refit is due, else None. Due once an
+        eighth of the window is new (at least 16 passes), counted: by the window's length, a
+        full window refitted on every pass (3.4 ms a step at 4 rows, of ~40 ms); every 64th
+        pass, the refits were 0.05 ms a step at one row (of ~8.8)."""
+        self.passes.append(one)
+        del self.passes[:-PASS_WINDOW]
+        self.since_refit += 1
+        if len(self.passes) < 32 or self.since_refit < max(16, len(self.passes) // 8):
+            return None
+        self.since_refit = 0
+        return fit_passes(self.passes, attention_cost)
 
 
 def fit_passes(
