@@ -543,6 +543,13 @@ def main() -> None:
     threshold = threshold_report(model, adaptive.cost)
     calib = {name: engines[name].budget.calib for name in configs if name.startswith("adaptive")}
     print_results(results, configs, args, threshold, calib)
+    # Sequential Temperature Scaling itself: fitted on the older half of each adaptive engine's
+    # recorded rounds (every load), its ECE of block survival on the newer half, before and after
+    sts = {name: engines[name].budget.inner.acceptance.calibration_error() for name in calib}
+    for name, (before, after) in sts.items():
+        rounds = len(engines[name].budget.inner.acceptance.records)
+        print(f"{name}: survival ECE over the newer half of its last {rounds} rounds (real and shadow), STS fitted "
+              f"on the older half: before {before:.3f}, after {after:.3f}")  # fmt: skip
     if args.repeats > 1:
         print("\nthroughput / none's in the same repetition (median, min-max):")
         for clients, ratios in paired.items():
@@ -558,6 +565,7 @@ def main() -> None:
             "results": results,
             "threshold": threshold,
             "ece": {name: {k: ece(getattr(c, k)) for k in kinds} for name, c in calib.items()},
+            "ece_sts_held_out": {name: {"before": b, "after": a} for name, (b, a) in sts.items()},
         }
         Path(args.json).write_text(json.dumps(out, indent=1))  # fmt: skip
 

@@ -106,3 +106,19 @@ def test_verify_cost_interpolates_and_extrapolates():
     assert cost(1) == cost(3) == 2.0
     assert cost(7) == pytest.approx(3.0)
     assert cost(13) == pytest.approx(6.0)
+
+
+@pytest.mark.parametrize(
+    "points",
+    [
+        [(3, 0.5)],
+        [(1, 2.0), (5, 2.0), (9, 4.0)],
+        [(0.5, 0.1), (1.75, 0.2), (40.25, 0.9)],
+        [(2, 0.1), (7, 0.3), (7, 0.4)],
+    ],
+)
+def test_verify_cost_table_is_the_curve_at_every_whole_size(points):
+    # the table is built in one go; it must hold what interpolating each size alone gives,
+    # before the first point, between points, at repeated sizes and past the last
+    cost = VerifyCost(points)
+    assert cost._table == pytest.approx([cost._interpolate(p) for p in range(len(cost._table))], abs=1e-12)
