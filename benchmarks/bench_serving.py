@@ -259,11 +259,19 @@ class ClosedLoop:
         }
 
 
-def run_loads(loops: list[ClosedLoop]) -> list[dict]:
-    """Step the loops in turn, one engine step each, until all are done: each runs on its own
-    clock, and the machine's noise (which drifts over seconds: a configuration run alone
-    measured 147-207 tok/s in one session's consecutive runs) falls on all of them alike."""
+def run_loads(loops: list[ClosedLoop], pair: str = "clock") -> list[dict]:
+    """Run the loops together until all are done, one engine step at a time, each on its own
+    clock, so that the machine's noise (which drifts over seconds: a configuration run alone
+    measured 147-207 tok/s in one session's consecutive runs) falls on all of them alike.
+    ``pair="clock"``: the next step is the loop whose clock is behind, so every stretch of the
+    run's wall time holds the same share of each loop's own time. ``"steps"``: the loops step
+    in turn; one that needs fewer steps (speculation) then spends its time in the run's early
+    part and finishes first, and the others run their last stretch without it (at 16 clients
+    *none* ran its last ~30% of steps after γ = 2 was done)."""
     while not all(loop.done() for loop in loops):
+        if pair == "clock":
+            min((loop for loop in loops if not loop.done()), key=lambda loop: loop.clock).advance()
+            continue
         for loop in loops:
             if not loop.done():
                 loop.advance()
@@ -468,9 +476,11 @@ def main() -> None:
                     help="untimed requests per client that every configuration serves at each load first "
                          "(on CUDA the first configuration at a new batch size was measured slower)")
     ap.add_argument("--repeats", type=int, default=1, help="runs of every configuration per load, interleaved")
-    ap.add_argument("--interleave", choices=("steps", "runs"), default="steps",
-                    help="steps: a repetition steps every configuration's load in turn, each on its own clock "
-                         "(paired at the step); runs: one configuration's load after another")
+    ap.add_argument("--interleave", choices=("clock", "steps", "runs"), default="clock",
+                    help="clock: a repetition runs every configuration's load together, one engine step at a "
+                         "time, the next from the configuration whose own clock is behind (paired in time); "
+                         "steps: every configuration steps in turn (paired at the step); runs: one "
+                         "configuration's load after another")
     ap.add_argument("--json", default=None, help="also write the raw results here")
     ap.add_argument("--plot", default=None, help="write the throughput / per-user plot (PNG) here")
     args = ap.parse_args()
@@ -515,8 +525,9 @@ def main() -> None:
             # both followed γ = 8's, after which prefill ran ~10% slower for whichever came next)
             order = configs[rep % len(configs) :] + configs[: rep % len(configs)]
             order = order[::-1] if rep % 2 else order
-            if args.interleave == "steps":  # all at once, one step each in turn
-                done = run_loads([ClosedLoop(engines[name], mix, clients, n, args.max_tokens) for name in order])
+            if args.interleave != "runs":  # all at once, one engine step at a time
+                loops = [ClosedLoop(engines[name], mix, clients, n, args.max_tokens) for name in order]
+                done = run_loads(loops, args.interleave)
             else:
                 done = [run_load(engines[name], mix, clients, n, args.max_tokens) for name in order]
             for name, r in zip(order, done):
