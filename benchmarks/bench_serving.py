@@ -6,13 +6,15 @@ previous one finishes, so requests arrive while the engine steps. The request mi
 fixed: request i is prompt i of a deterministic interleaving of prompts.json's kinds
 (chat template applied), greedy, ``--max-tokens`` new tokens (EOS may end it earlier),
 max(``--min-requests``, ``--requests-per-client`` · C) requests per load. Configurations
-are interleaved within each load so they share the machine's noise: by default every
-configuration's loop is stepped in turn, one engine step each, and each keeps its own clock
-(the seconds of its own submissions and steps; ``--interleave runs`` runs one loop after
-another instead). With ``--repeats R`` each load runs every configuration R times (the order
-rotated each time), reports the pooled figures, and the median and range of each
+are interleaved within each load so they share the machine's noise: each configuration's loop
+keeps its own clock (the seconds of its own submissions and steps), and by default the next
+engine step is always the loop whose clock is behind (``--interleave steps``: the loops step
+in turn; ``runs``: one loop after another). With ``--repeats R`` each load runs every
+configuration R times (the order rotated each time), reports the pooled figures, and each
 configuration's throughput over *none*'s in the same repetition (a paired ratio: both met
-the same stretch of machine noise).
+the same stretch of machine noise): median and range, and the geometric mean with its 95%
+t interval. ``--control`` adds a second *none* (``none′``), whose paired ratio shows how far
+two identical configurations drift apart in the run: the noise any other ratio sits in.
 
 Per configuration and load it reports output throughput (output tokens / wall time of the
 load), per-user speed (mean over requests of output tokens / (finish − submit), and of
@@ -29,13 +31,14 @@ also receives each verify pass's positions and time from the engine.
 
     python benchmarks/bench_serving.py [--clients 1 4 16 32] [--max-tokens 64] [--gammas 2 4 8]
         [--threads 2] [--quantization none|gguf|gguf-a8|int8|int4] [--repeats 3] [--interleave steps|runs]
-        [--json out.json] [--plot docs/serving_throughput.png]
+        [--control] [--json out.json] [--plot docs/serving_throughput.png]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -283,6 +286,19 @@ def run_load(engine: ServingEngine, mix, clients: int, num_requests: int, max_to
     return run_loads([ClosedLoop(engine, mix, clients, num_requests, max_tokens)])[0]
 
 
+def paired_interval(ratios: list[float], level: float = 0.95) -> tuple[float, float, float]:
+    """The geometric mean of paired ratios and its two-sided ``level`` t interval (over their
+    logs: a ratio of 0.5 is as far from 1 as one of 2). One ratio gives no interval."""
+    from scipy.stats import t
+
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.fmean(logs)
+    half = 0.0
+    if len(logs) > 1:
+        half = t.ppf((1 + level) / 2, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
 def merge_runs(runs: list[dict]) -> dict:
     """Repetitions of one configuration at one load as one: throughput over all their tokens
     and wall time, per-request and per-step figures averaged over the runs."""
@@ -334,7 +350,8 @@ def threshold_report(model: LoadedModel, curve: VerifyCost) -> dict:
 
 
 def print_results(
-    results: list[dict], configs: list[str], args, threshold: dict, calib: dict[str, Calibration]
+    results: list[dict], configs: list[str], args, threshold: dict, calib: dict[str, Calibration],
+    paired: dict[int, dict[str, list[float]]],
 ) -> None:
     print(f"\n### Serving under load: default model, {weights_name(args)}, {device_name(args)}, greedy, "
           f"{args.max_tokens} new tokens max, requests per load = max({args.min_requests}, "
@@ -372,7 +389,11 @@ def print_results(
                   f"{ad['throughput'] / best['throughput']:.2f}x | {ad['per_user_e2e'] / best['per_user_e2e']:.2f}x | "
                   f"{ad['per_user_e2e'] / none['per_user_e2e']:.2f}x |")  # fmt: skip
             if v == "adaptive":  # the default floor; below 1 a floor may trade throughput away
-                checks.append((f"{v}, {c} clients: throughput ≥ none", ad["throughput"] >= none["throughput"]))
+                ratios = paired[c][v]
+                text = f"{v}, {c} clients: throughput ≥ none (pooled {ad['throughput'] / none['throughput']:.3f}x"
+                if len(ratios) > 1:
+                    text += ", paired {:.3f}x [95%: {:.3f}-{:.3f}]".format(*paired_interval(ratios))
+                checks.append((text + ")", ad["throughput"] >= none["throughput"]))
             if c == loads[0]:
                 checks.append((f"{v}, {c} client(s): throughput within 5% of the best fixed γ ({best['config']})",
                                ad["throughput"] >= 0.95 * best["throughput"]))  # fmt: skip
@@ -481,6 +502,8 @@ def main() -> None:
                          "time, the next from the configuration whose own clock is behind (paired in time); "
                          "steps: every configuration steps in turn (paired at the step); runs: one "
                          "configuration's load after another")
+    ap.add_argument("--control", action="store_true",
+                    help="also run a second no-speculation engine (none′): an A/A control for the paired ratios")
     ap.add_argument("--json", default=None, help="also write the raw results here")
     ap.add_argument("--plot", default=None, help="write the throughput / per-user plot (PNG) here")
     args = ap.parse_args()
@@ -488,7 +511,7 @@ def main() -> None:
 
     model = load_model(args.model, dtype="bfloat16", device=args.device, quantization=args.quantization)
     mix = request_mix(model)
-    specs: dict[str, dict | None] = {"none": None}
+    specs: dict[str, dict | None] = {"none": None} | ({"none′": None} if args.control else {})
     specs.update({f"γ={g}": {"method": "ngram", "num_speculative_tokens": g} for g in args.gammas})
     specs["adaptive"] = {"method": "ngram", "num_speculative_tokens": args.adaptive_gamma, "verify_budget": "adaptive"}
     for floor in args.adaptive_floors:  # the same policy, allowed to trade throughput for per-user speed
@@ -553,7 +576,7 @@ def main() -> None:
               f"{int(adaptive.acceptance.reached[state, 0])} rounds (real and shadow)", flush=True)  # fmt: skip
     threshold = threshold_report(model, adaptive.cost)
     calib = {name: engines[name].budget.calib for name in configs if name.startswith("adaptive")}
-    print_results(results, configs, args, threshold, calib)
+    print_results(results, configs, args, threshold, calib, paired)
     # Sequential Temperature Scaling itself: fitted on the older half of each adaptive engine's
     # recorded rounds (every load), its ECE of block survival on the newer half, before and after
     sts = {name: engines[name].budget.inner.acceptance.calibration_error() for name in calib}
@@ -567,6 +590,11 @@ def main() -> None:
             print(f"- {clients} clients: " + "; ".join(
                 f"{name} {statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})" for name, r in ratios.items()
                 if name != "none"))  # fmt: skip
+        print("\nthroughput / none's in the same repetition (geometric mean [95% t interval]):")
+        for clients, ratios in paired.items():
+            print(f"- {clients} clients: " + "; ".join(
+                "{} {:.3f}x [{:.3f}-{:.3f}]".format(name, *paired_interval(r)) for name, r in ratios.items()
+                if name != "none"))  # fmt: skip
     if args.plot:
         plot(results, configs, args.plot, weights_name(args), device_name(args))
     if args.json:
@@ -577,6 +605,7 @@ def main() -> None:
             "threshold": threshold,
             "ece": {name: {k: ece(getattr(c, k)) for k in kinds} for name, c in calib.items()},
             "ece_sts_held_out": {name: {"before": b, "after": a} for name, (b, a) in sts.items()},
+            "paired": paired,  # per load and configuration: throughput / none's, one per repetition
         }
         Path(args.json).write_text(json.dumps(out, indent=1))  # fmt: skip
 
