@@ -109,12 +109,10 @@ class ServingEngine(Engine):
             raise SpecDecodeError("max_num_seqs, block_size and max_num_batched_tokens must be >= 1")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        # A prefill chunk runs as passes of at most this many tokens: those the fused CPU block
-        # takes (model/cpu_block.py), where it runs. On the default model (GGUF, AVX512, 2
-        # threads) a 142-token prompt took 146 ms in passes of 64 against 182 ms in one pass
-        # of the torch blocks (96-228 tokens: 8-20% less), and prefill is most of a busy step.
-        # The kernel computes every token alone, so a prompt's logits no longer depend on
-        # where other requests' chunks split it.
+        # A prefill chunk runs as passes of at most what the fused CPU block takes (model/cpu_block.py),
+        # where it runs: a 142-token prompt took 146 ms in passes of 64 against 182 ms in one torch
+        # pass (GGUF, AVX512, 2 threads), and prefill is most of a busy step. The kernel computes
+        # every token alone, so a prompt's logits do not depend on where chunks split it.
         self.prefill_pass = self.model.fused_positions(batch_invariant) or max_num_batched_tokens
         per_seq = -(-(max_model_len + self.round_room) // block_size)  # blocks one full sequence needs
         if num_blocks is None:
@@ -316,11 +314,10 @@ class ServingEngine(Engine):
         draft: Draft | None = None
         draft_seconds, depth = 0.0, 0
         gammas = torch.tensor([r.gamma for r in reqs], device=self.device)
-        # Propose only if the budget would use drafts at all, were every row to find its γ, and
-        # no deeper than the longest budget: drafting tokens no row may verify is wasted time.
-        # Where proposing is cheap (the budget looks past its budgets) and the step would propose
-        # for shadow rounds anyway, it proposes γ deep and plans once, on what it found (at one
-        # client the first planning was ~1.3% of a step).
+        # Propose only if the budget would use drafts at all, were every row to find its γ, and no
+        # deeper than the longest budget. Where proposing is cheap (the budget looks past its
+        # budgets) and the step proposes for shadow rounds anyway, it proposes γ deep and plans
+        # once, on what it found (at one client the first planning was ~1.3% of a step).
         shadowing = self.drafter is not None and self._shadows and self.budget.shadow()
         cheap = shadowing and self.budget.lookahead() > 0
         if cheap:
