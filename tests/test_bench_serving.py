@@ -1,0 +1,28 @@
+"""The serving benchmark's paired statistic (benchmarks/bench_serving.py decides "met" with it)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def _bench():
+    path = Path(__file__).parents[1] / "benchmarks" / "bench_serving.py"
+    spec = importlib.util.spec_from_file_location("bench_serving", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_paired_interval_is_the_t_interval_of_the_log_ratios():
+    paired_interval = _bench().paired_interval
+    # by hand: logs 0.0953102, -0.1053605, 0; mean -0.0033501, sd 0.1003773, se 0.0579529;
+    # t(0.975, 2 df) = 4.3026527, half width 0.2493510
+    mean, lo, hi = paired_interval([1.1, 0.9, 1.0])
+    assert mean == pytest.approx(0.996655, abs=1e-6)
+    assert lo == pytest.approx(0.776700, abs=1e-5)
+    assert hi == pytest.approx(1.278901, abs=1e-5)
+    assert paired_interval([1.05]) == pytest.approx((1.05, 1.05, 1.05))  # one ratio: no interval
+    assert paired_interval([2.0, 0.5])[0] == pytest.approx(1.0)  # a halving is as far from 1 as a doubling
