@@ -30,7 +30,7 @@ budget (γ ≤ ``--adaptive-gamma``). The budget policies are wrapped (`Recordin
 also receives each verify pass's positions and time from the engine.
 
     python benchmarks/bench_serving.py [--clients 1 4 16 32] [--max-tokens 64] [--gammas 2 4 8]
-        [--threads 2] [--quantization none|gguf|gguf-a8|int8|int4] [--repeats 3] [--interleave steps|runs]
+        [--threads 2] [--quantization none|gguf|gguf-a8|int8|int4] [--repeats 3] [--interleave clock|steps|runs]
         [--control] [--json out.json] [--plot docs/serving_throughput.png]
 """
 
