@@ -101,7 +101,8 @@ def main() -> None:
                     rows.append({
                         "temperature": temperature, "kind": kind, "prompt": text[:36].replace("\n", " "),
                         "method": name, "gamma": gamma, "alpha": alpha, "tau": m.mean_accepted_length,
-                        "accepted_per_position": [n / max(m.num_drafts, 1) for n in m.accepted_per_position],
+                        "accepted_per_position": [n / max(m.num_drafts, 1) for n in m.accepted_per_position]
+                        + [0.0] * (gamma - len(m.accepted_per_position)),  # a chain stopped early may never reach γ
                         "tokens_per_round": (len(out.token_ids) - 1) / rounds, "c": c,  # the first comes from prefill
                         "plain_tps": base.metrics.decode_tokens_per_s, "tps": m.decode_tokens_per_s,
                         "speedup": m.decode_tokens_per_s / base.metrics.decode_tokens_per_s,

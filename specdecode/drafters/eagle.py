@@ -39,6 +39,9 @@ class EagleOptions:
     model: str | None = None  # folder from `specdecode train`; None = the weights shipped for this target
     topk: int = 1  # children per expanded node; 1 = a chain
     num_draft_tokens: int | None = None  # tree node budget; None = γ · topk
+    # chains: draft no further after a token whose draft probability is below this (Hugging Face's
+    # assistant_confidence_threshold: that token is still proposed); 0 = always draft γ
+    confidence_threshold: float = 0.0
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -46,6 +49,11 @@ class EagleOptions:
         if not isinstance(self.topk, int) or isinstance(self.topk, bool) or not 1 <= self.topk <= 16:
             raise SpecDecodeError(f"topk must be an integer in [1, 16], got {self.topk!r}")
         check_node_budget(self.num_draft_tokens)
+        h = self.confidence_threshold
+        if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0 <= h < 1:
+            raise SpecDecodeError(f"confidence_threshold must be a number in [0, 1), got {h!r}")
+        if h > 0 and self.topk > 1:
+            raise SpecDecodeError("confidence_threshold applies to chains (topk = 1); a tree ranks by confidence itself")
 
 
 class EagleDrafter:
@@ -63,6 +71,7 @@ class EagleDrafter:
         self.gamma = spec.num_speculative_tokens
         self.topk: int = spec.options.topk
         self.budget: int = spec.options.num_draft_tokens or self.gamma * self.topk
+        self.threshold: float = float(spec.options.confidence_threshold)
         self.pending = PendingFeatures()
         self.cache = DraftKVCache(self.net.body)
 
@@ -99,24 +108,40 @@ class EagleDrafter:
             return grow_tree(self._score_block, logits, roots, num_tokens, self.topk, self.budget, root_states=out,
                              vocab_ids=self.net.head.vocab_ids)  # fmt: skip
         drafts, qs, confs = [], [], []
+        alive = torch.ones(len(roots), dtype=torch.bool, device=self.device)  # rows still drafting
         for k in range(num_tokens):
             if self.net.confidence is not None:  # from the feature that gives this token's logits
                 confs.append(torch.sigmoid(self.net.confidence(out).float())[:, 0])
+            q = None
             if batch.all_greedy:  # one-hot q: the verifier needs no distribution
                 token = self.net.head.vocab_ids[logits.argmax(dim=-1)]
             else:
                 token, q = self.net.head.sample(logits[:, None], batch, self.vocab_size)  # [B, 1], [B, 1, V]
-                token = token[:, 0]
-                qs.append(q[:, 0])
+                token, q = token[:, 0], q[:, 0]
+                qs.append(q)
+            token = torch.where(alive, token, -1)
             drafts.append(token)
-            if k + 1 < num_tokens:  # entry (own output, d_k): its output predicts d_{k+1}
-                positions = self.cache.lengths[:, None]
-                step_logits, step_out = self.net(out[:, None], token[:, None], positions, self.cache)
-                self.cache.commit(torch.ones_like(self.cache.lengths))
-                logits, out = step_logits[:, 0], step_out[:, 0]
-        q_all = torch.stack(qs, dim=1) if qs else None  # [B, γ, V]
-        confidence = torch.stack(confs, dim=1) if confs else None  # [B, γ]
+            if self.threshold > 0:  # d_k stays; a row unsure of it drafts nothing after it
+                alive &= self._own_probability(logits, token.clamp(min=0), q, batch) >= self.threshold
+            if k + 1 == num_tokens or not bool(alive.any()):
+                break
+            # entry (own output, d_k): its output predicts d_{k+1}; a stopped row's entry is scratch too
+            positions = self.cache.lengths[:, None]
+            step_logits, step_out = self.net(out[:, None], token.clamp(min=0)[:, None], positions, self.cache)
+            self.cache.commit(torch.ones_like(self.cache.lengths))
+            logits, out = step_logits[:, 0], step_out[:, 0]
+        q_all = torch.stack(qs, dim=1) if qs else None  # [B, k, V], k <= γ when every row stopped early
+        confidence = torch.stack(confs, dim=1) if confs else None  # [B, k]
         return Draft(tokens=torch.stack(drafts, dim=1), q=q_all, confidence=confidence)
+
+    def _own_probability(
+        self, logits: torch.Tensor, token: torch.Tensor, q: torch.Tensor | None, batch: Batch
+    ) -> torch.Tensor:  # fmt: skip
+        """[B] the draft's probability of its token (logits [B, Vd], q [B, V] or None): q(d) where
+        the row samples, the softmax at T = 1 where it is greedy (its q is one-hot)."""
+        index = torch.searchsorted(self.net.head.vocab_ids, token)[:, None]  # vocab_ids are sorted
+        own = logits.float().softmax(-1).gather(1, index)[:, 0]
+        return own if q is None else torch.where(batch.temperature == 0, own, q.gather(1, token[:, None])[:, 0])
 
     def _score_block(
         self, tokens: torch.Tensor, depths: torch.Tensor, mask: torch.Tensor, at: torch.Tensor,

@@ -84,6 +84,9 @@ def test_bad_folders_and_configs_get_one_line(target, tmp_path):
         ({"method": "eagle", "model": str(tmp_path / "nowhere")}, "is not a folder"),
         ({"method": "eagle"}, "no eagle weights ship"),
         ({"method": "eagle", "topk": 0}, "topk must be"),
+        ({"method": "eagle", "confidence_threshold": 1.0}, r"confidence_threshold must be a number in \[0, 1\)"),
+        ({"method": "eagle", "confidence_threshold": "high"}, "confidence_threshold must be"),
+        ({"method": "eagle", "confidence_threshold": 0.5, "topk": 2}, "applies to chains"),
     ]
     for spec, words in cases:
         with pytest.raises(SpecDecodeError, match=words):

@@ -48,6 +48,25 @@ def test_greedy_equals_plain(setup, method, shape):
     assert m.acceptance_rate > 0.3, "a trained net should be accepted often: the accept paths must run"
 
 
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_confidence_threshold_stops_chains_and_stays_exact(setup, method):
+    """With ``confidence_threshold`` a row drafts no further after a token its net is unsure of
+    (Hugging Face's assistant_confidence_threshold), row by row in a batch: greedy still equals
+    plain greedy, fewer tokens are drafted the higher it is, and every round still proposes its
+    first token."""
+    target, nets, plain = setup
+    drafted = {}
+    for h in (0.0, 0.6, 0.999):
+        spec = {"method": method, "model": nets[method], "num_speculative_tokens": 3, "confidence_threshold": h}
+        llm = LLM(model=target, speculative_config=spec, dtype="float32", device="cpu")
+        out = assert_greedy_matches_plain(llm, plain, PROMPTS, 30, (method, h))
+        drafted[h] = [(o.metrics.num_draft_tokens, o.metrics.num_drafts) for o in out]
+    assert all(t == 3 * n for t, n in drafted[0.0])
+    assert all(n <= t <= 3 * n for h in (0.6, 0.999) for t, n in drafted[h]), drafted  # >= 1 token a round
+    per_round = {h: sum(t for t, _ in d) / sum(n for _, n in d) for h, d in drafted.items()}
+    assert per_round[0.999] < per_round[0.6] < 3, drafted  # a higher threshold stops more chains
+
+
 def test_mtp_defaults_to_one_token(setup):
     target, nets, plain = setup
     llm = LLM(model=target, speculative_config={"method": "mtp", "model": nets["mtp"]}, dtype="float32", device="cpu")
@@ -58,7 +77,7 @@ def test_mtp_defaults_to_one_token(setup):
 @pytest.mark.parametrize(
     "method,shape,temperature,top_k",
     [("eagle", {}, 1.0, 0), ("eagle3", {}, 0.8, 3), ("mtp", {"num_speculative_tokens": 2}, 1.0, 0),
-     ("eagle", {"topk": 2}, 0.9, 0)],
+     ("eagle", {"topk": 2}, 0.9, 0), ("eagle", {"confidence_threshold": 0.5}, 1.0, 0)],
 )
 def test_sampled_joint_distribution_matches_target(tmp_path, method, shape, temperature, top_k):
     V, n, samples = 6, 3, 3000
@@ -67,7 +86,9 @@ def test_sampled_joint_distribution_matches_target(tmp_path, method, shape, temp
     net = trained_folder(NETS[method], model, tmp_path / "net", steps=20, draft_vocab=5)  # q = 0 on one token
     spec = {"method": method, "model": str(net), "num_speculative_tokens": 2, **shape}
     llm = LLM(model=str(target), speculative_config=spec, dtype="float32", device="cpu")
-    assert_samples_follow_target(llm, n, temperature, top_k, samples)
+    outs = assert_samples_follow_target(llm, n, temperature, top_k, samples)
+    if "confidence_threshold" in shape:  # the stopped chains' path ran: q(d) below it stopped some
+        assert sum(o.metrics.num_draft_tokens for o in outs) < 2 * sum(o.metrics.num_drafts for o in outs)
 
 
 @pytest.mark.parametrize("shape", [{}, {"topk": 2, "num_draft_tokens": 6}])
