@@ -5,7 +5,10 @@ decode speedup against our plain decoding of the same model, beside Leviathan's
 prediction (1 − α^(γ+1)) / ((1 − α)(γc + 1)). Default model, CPU, batch 1, 128 new
 tokens, greedy and temperature 0.7, on chat, code and summarisation prompts that are not
 in the training data (benchmarks/prompts_learned.json). Every method runs right after
-plain decoding of the same prompt, in one process.
+plain decoding of the same prompt, in one process. With ``--repeats R`` each prompt runs R
+times, the methods in an order rotated each time (so that none always runs furthest from its
+plain run); the speedup is then the geometric mean over prompts x repetitions, with its 95% t
+interval (benchmarks/timing.py), since one run of a prompt moves by up to ~10% on this CPU.
 
     python benchmarks/bench_learned.py --threads 2 --json learned.json --plot docs/learned_acceptance.png
 
@@ -20,7 +23,7 @@ import math
 from pathlib import Path
 
 import torch
-from timing import Timer
+from timing import Timer, paired_interval
 
 from specdecode import LLM, SamplingParams
 from specdecode.theory import expected_speedup
@@ -64,6 +67,8 @@ def main() -> None:
     ap.add_argument("--prompts", default=str(HERE / "prompts_learned.json"))
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, help="PNG of acceptance by position (greedy), one line per method")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of each prompt: plain, then the methods in an order rotated each time")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -86,33 +91,16 @@ def main() -> None:
             for i, text in enumerate(texts):
                 ids = plain.encode_chat(text)
                 params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, seed=i)
-                base = plain.generate([ids], params)[0]
-                step_s = 1.0 / base.metrics.decode_tokens_per_s
-                for name, spec in methods:
-                    propose, verified = timers[name]
-                    for t in (propose, verified):
-                        t.seconds, t.calls = 0.0, 0
-                    out = llms[name].generate([ids], params)[0]
-                    m = out.metrics
-                    gamma = llms[name].engine.gamma
-                    rounds = max(verified.calls, 1)
-                    c = (propose.seconds + verified.seconds) / max(propose.calls, 1) / gamma / step_s
-                    alpha = m.acceptance_rate
-                    rows.append({
-                        "temperature": temperature, "kind": kind, "prompt": text[:36].replace("\n", " "),
-                        "method": name, "gamma": gamma, "alpha": alpha, "tau": m.mean_accepted_length,
-                        "accepted_per_position": [n / max(m.num_drafts, 1) for n in m.accepted_per_position]
-                        + [0.0] * (gamma - len(m.accepted_per_position)),  # a chain stopped early may never reach γ
-                        "tokens_per_round": (len(out.token_ids) - 1) / rounds, "c": c,  # the first comes from prefill
-                        "plain_tps": base.metrics.decode_tokens_per_s, "tps": m.decode_tokens_per_s,
-                        "speedup": m.decode_tokens_per_s / base.metrics.decode_tokens_per_s,
-                        "predicted": expected_speedup(alpha, gamma, c),
-                        "latency_s": m.wall_time_s, "plain_latency_s": base.metrics.wall_time_s,
-                        "lossy": m.lossy,
-                    })  # fmt: skip
-                    r = rows[-1]
-                    print(f"T={temperature} [{kind}] {r['prompt']!r} {name}: α={alpha:.2f} τ={r['tau']:.2f} "
-                          f"c={c:.3f} speedup {r['speedup']:.2f}x (formula {r['predicted']:.2f}x)", flush=True)
+                for rep in range(args.repeats):
+                    base = plain.generate([ids], params)[0]
+                    step_s = 1.0 / base.metrics.decode_tokens_per_s
+                    for name, _ in methods[rep % len(methods):] + methods[: rep % len(methods)]:
+                        rows.append(run_method(llms[name], timers[name], ids, params, base, step_s))
+                        r = rows[-1]
+                        r.update(temperature=temperature, kind=kind, prompt=text[:36].replace("\n", " "), method=name,
+                                 rep=rep)  # fmt: skip
+                        print(f"T={temperature} [{kind}] {r['prompt']!r} {name}: α={r['alpha']:.2f} τ={r['tau']:.2f} "
+                              f"c={r['c']:.3f} speedup {r['speedup']:.2f}x (formula {r['predicted']:.2f}x)", flush=True)
     print_summary(rows, [n for n, _ in methods], args)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
@@ -120,9 +108,33 @@ def main() -> None:
         plot(rows, [n for n, _ in methods], args.plot)
 
 
+def run_method(llm: LLM, timers: tuple[Timer, Timer], ids: list[int], params: SamplingParams, base, step_s: float) -> dict:
+    """One speculative run of a prompt: its figures against the plain run ``base`` just before."""
+    propose, verified = timers
+    for t in (propose, verified):
+        t.seconds, t.calls = 0.0, 0
+    out = llm.generate([ids], params)[0]
+    m = out.metrics
+    gamma = llm.engine.gamma
+    rounds = max(verified.calls, 1)
+    c = (propose.seconds + verified.seconds) / max(propose.calls, 1) / gamma / step_s
+    alpha = m.acceptance_rate
+    return {
+        "gamma": gamma, "alpha": alpha, "tau": m.mean_accepted_length,
+        "accepted_per_position": [n / max(m.num_drafts, 1) for n in m.accepted_per_position]
+        + [0.0] * (gamma - len(m.accepted_per_position)),  # a chain stopped early may never reach γ
+        "tokens_per_round": (len(out.token_ids) - 1) / rounds, "c": c,  # the first comes from prefill
+        "plain_tps": base.metrics.decode_tokens_per_s, "tps": m.decode_tokens_per_s,
+        "speedup": m.decode_tokens_per_s / base.metrics.decode_tokens_per_s,
+        "predicted": expected_speedup(alpha, gamma, c),
+        "latency_s": m.wall_time_s, "plain_latency_s": base.metrics.wall_time_s, "lossy": m.lossy,
+    }  # fmt: skip
+
+
 def print_summary(rows: list[dict], names: list[str], args: argparse.Namespace) -> None:
     weights = f", {args.quantization} weights" if args.quantization else ""
-    print(f"\n### {args.dtype}{weights}, {args.max_tokens} new tokens, batch 1, threads={args.threads}\n")
+    reps = f", {args.repeats} runs of each prompt" if args.repeats > 1 else ""
+    print(f"\n### {args.dtype}{weights}, {args.max_tokens} new tokens, batch 1, threads={args.threads}{reps}\n")
     print("| T | kind | method | γ | α | τ | tokens/round | c | latency s (plain) | speedup | formula | acceptance by position |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for temperature in args.temperatures:
@@ -136,8 +148,15 @@ def print_summary(rows: list[dict], names: list[str], args: argparse.Namespace) 
                 print(f"| {temperature} | {kind} | {name}{' (lossy)' if sel[0]['lossy'] else ''} | {sel[0]['gamma']} | "
                       f"{mean('alpha'):.2f} | {mean('tau'):.2f} | {mean('tokens_per_round'):.2f} | {mean('c'):.3f} | "
                       f"{mean('latency_s'):.2f} ({mean('plain_latency_s'):.2f}) | "
-                      f"{geomean([r['speedup'] for r in sel]):.2f}x | {geomean([r['predicted'] for r in sel]):.2f}x | "
+                      f"{speedup(sel)} | {geomean([r['predicted'] for r in sel]):.2f}x | "
                       f"{' '.join(f'{p:.2f}' for p in pos[:8])} |")
+
+
+def speedup(sel: list[dict]) -> str:
+    """The geometric mean of the runs' speedups, with its 95% t interval over them (prompts x
+    repetitions) when there are several."""
+    mean, lo, hi = paired_interval([r["speedup"] for r in sel])
+    return f"{mean:.2f}x" + (f" [{lo:.2f}–{hi:.2f}]" if len(sel) > 1 else "")
 
 
 def plot(rows: list[dict], names: list[str], path: str) -> None:

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -54,6 +53,7 @@ from specdecode.engine.cost import VerifyCost, least_squares_line
 from specdecode.engine.serving import ServingEngine
 from specdecode.model.loader import LoadedModel, load_model
 from specdecode.roofline import Roofline, profile_local, shape_from_config
+from timing import paired_interval
 
 HERE = Path(__file__).parent
 
@@ -284,19 +284,6 @@ def run_loads(loops: list[ClosedLoop], pair: str = "clock") -> list[dict]:
 def run_load(engine: ServingEngine, mix, clients: int, num_requests: int, max_tokens: int) -> dict:
     """One configuration's closed loop, alone."""
     return run_loads([ClosedLoop(engine, mix, clients, num_requests, max_tokens)])[0]
-
-
-def paired_interval(ratios: list[float], level: float = 0.95) -> tuple[float, float, float]:
-    """The geometric mean of paired ratios and its two-sided ``level`` t interval (over their
-    logs: a ratio of 0.5 is as far from 1 as one of 2). One ratio gives no interval."""
-    from scipy.stats import t
-
-    logs = [math.log(r) for r in ratios]
-    mean = statistics.fmean(logs)
-    half = 0.0
-    if len(logs) > 1:
-        half = t.ppf((1 + level) / 2, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
-    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
 def merge_runs(runs: list[dict]) -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import statistics
 import time
 
 
@@ -18,3 +20,16 @@ class Timer:
         self.seconds += time.perf_counter() - t0
         self.calls += 1
         return out
+
+
+def paired_interval(ratios: list[float], level: float = 0.95) -> tuple[float, float, float]:
+    """The geometric mean of paired ratios and its two-sided ``level`` t interval (over their
+    logs: a ratio of 0.5 is as far from 1 as one of 2). One ratio gives no interval."""
+    from scipy.stats import t
+
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.fmean(logs)
+    half = 0.0
+    if len(logs) > 1:
+        half = t.ppf((1 + level) / 2, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)

@@ -1,23 +1,22 @@
-"""The serving benchmark's paired statistic (benchmarks/bench_serving.py decides "met" with it)."""
+"""The benchmarks' paired statistic (benchmarks/timing.py: bench_serving.py decides "met" with it,
+bench_learned.py gives its speedups' intervals)."""
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
 
-def _bench():
-    path = Path(__file__).parents[1] / "benchmarks" / "bench_serving.py"
-    spec = importlib.util.spec_from_file_location("bench_serving", path)
+def _timing():
+    path = Path(__file__).parents[1] / "benchmarks" / "timing.py"
+    spec = importlib.util.spec_from_file_location("timing", path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
 
 def test_paired_interval_is_the_t_interval_of_the_log_ratios():
-    paired_interval = _bench().paired_interval
+    paired_interval = _timing().paired_interval
     # by hand: logs 0.0953102, -0.1053605, 0; mean -0.0033501, sd 0.1003773, se 0.0579529;
     # t(0.975, 2 df) = 4.3026527, half width 0.2493510
     mean, lo, hi = paired_interval([1.1, 0.9, 1.0])
