@@ -30,6 +30,7 @@ from torch import Tensor
 from specdecode.config import SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Draft, DrafterContext
 from specdecode.drafters.dflash_net import DFlashNet
+from specdecode.drafters.draft_vocab import check_confidence_threshold, stop_after_unsure
 from specdecode.drafters.learned import load_net, resolve_weights
 from specdecode.engine.batch import Batch
 from specdecode.drafters.draft_cache import DraftKVCache
@@ -39,12 +40,16 @@ from specdecode.drafters.draft_cache import DraftKVCache
 class DFlashOptions:
     # a folder written by `specdecode train --method dflash`; None = the weights shipped for the target
     model: str | None = None
+    # cut each block after its first token whose draft probability is below this (as eagle's
+    # chains stop): fewer positions to verify; 0 = verify the whole block
+    confidence_threshold: float = 0.0
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
             raise SpecDecodeError(
                 f'dflash "model" must be a folder path (or omitted for the shipped weights), got {self.model!r}'
             )
+        check_confidence_threshold(self.confidence_threshold)
 
 
 class DFlashDrafter:
@@ -56,6 +61,7 @@ class DFlashDrafter:
         path = resolve_weights("dflash", spec.options.model, ctx.target)
         self.net: DFlashNet = load_net(DFlashNet, path, ctx.target.model, ctx.dtype, ctx.device, ctx.quantization)
         self.gamma = spec.num_speculative_tokens
+        self.threshold: float = float(spec.options.confidence_threshold)
         if self.gamma > self.net.block_size:
             raise SpecDecodeError(
                 f"dflash drafts at most its block size of {self.net.block_size} tokens per pass; "
@@ -91,9 +97,13 @@ class DFlashDrafter:
         at = torch.arange(gamma, device=roots.device).expand(len(batch), -1)  # [B, γ]
         logits = self.net.block_logits(roots, self.cache, logits_at=at)  # [B, γ, Vd] over the draft vocabulary
         head = self.net.head
+        q = None
         if batch.all_greedy:  # one-hot q: the verifier needs no distribution
-            return Draft(tokens=head.vocab_ids[logits.argmax(dim=-1)])
-        tokens, q = head.sample(logits, batch, self.ctx.target.config.vocab_size)  # [B, γ], [B, γ, V]
+            tokens = head.vocab_ids[logits.argmax(dim=-1)]
+        else:
+            tokens, q = head.sample(logits, batch, self.ctx.target.config.vocab_size)  # [B, γ], [B, γ, V]
+        if self.threshold > 0:
+            tokens = stop_after_unsure(tokens, head.own_probability(logits, tokens, q, batch), self.threshold)
         return Draft(tokens=tokens, q=q)
 
     def on_verified(

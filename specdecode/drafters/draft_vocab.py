@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from specdecode.config import SpecDecodeError
 from specdecode.model.transformer import Transformer
 from specdecode.sampling import logits_to_probs, sample
 
@@ -87,3 +88,27 @@ class DraftVocabHead(nn.Module):
             return tokens, q
         full = q.new_zeros((*q.shape[:-1], vocab_size))
         return tokens, full.scatter_(-1, self.vocab_ids.expand(*q.shape[:-1], -1), q)  # [B, T], [B, T, V]
+
+    def own_probability(self, logits: Tensor, tokens: Tensor, q: Tensor | None, batch: Batch) -> Tensor:
+        """[B, T] the draft's probability of its tokens [B, T] (logits [B, T, Vd]; q [B, T, V] or
+        None): q(d) where a row samples, the softmax at T = 1 where it is greedy (its q is one-hot)."""
+        index = torch.searchsorted(self.vocab_ids, tokens.clamp(min=0))  # vocab_ids are sorted; -1: any
+        own = logits.float().softmax(-1).gather(-1, index[..., None])[..., 0]
+        if q is None:
+            return own
+        return torch.where((batch.temperature == 0)[:, None], own, q.gather(-1, tokens.clamp(min=0)[..., None])[..., 0])
+
+
+def check_confidence_threshold(h: object) -> None:
+    """``confidence_threshold`` (chain drafters): a number in [0, 1)."""
+    if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0 <= h < 1:
+        raise SpecDecodeError(f"confidence_threshold must be a number in [0, 1), got {h!r}")
+
+
+def stop_after_unsure(tokens: Tensor, own: Tensor, threshold: float) -> Tensor:
+    """Chains [B, T] cut after their first token whose own probability [B, T] is below
+    ``threshold`` (that token stays, as Hugging Face's assistant_confidence_threshold keeps it);
+    -1 past the cut."""
+    sure = (own >= threshold).long()
+    keep = torch.cat([torch.ones_like(sure[:, :1]), sure[:, :-1].cumprod(dim=1)], dim=1)  # all before k sure
+    return torch.where(keep.bool(), tokens, -1)

@@ -27,6 +27,7 @@ import torch
 from specdecode.config import SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Draft, DrafterContext
 from specdecode.drafters.draft_tree import grow_tree
+from specdecode.drafters.draft_vocab import check_confidence_threshold
 from specdecode.drafters.eagle_net import FeatureNet
 from specdecode.drafters.learned import PendingFeatures, load_net, resolve_weights
 from specdecode.engine.batch import Batch, pad_right
@@ -49,18 +50,18 @@ class EagleOptions:
         if not isinstance(self.topk, int) or isinstance(self.topk, bool) or not 1 <= self.topk <= 16:
             raise SpecDecodeError(f"topk must be an integer in [1, 16], got {self.topk!r}")
         check_node_budget(self.num_draft_tokens)
-        h = self.confidence_threshold
-        if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0 <= h < 1:
-            raise SpecDecodeError(f"confidence_threshold must be a number in [0, 1), got {h!r}")
-        if h > 0 and self.topk > 1:
-            raise SpecDecodeError("confidence_threshold applies to chains (topk = 1); a tree ranks by confidence itself")
+        check_confidence_threshold(self.confidence_threshold)
+        if self.confidence_threshold > 0 and self.topk > 1:
+            raise SpecDecodeError("confidence_threshold applies to chains (topk = 1); trees rank by confidence already")
 
 
 class EagleDrafter:
     Options: ClassVar[type] = EagleOptions
     Net: ClassVar[type[FeatureNet]] = FeatureNet
-    # the shipped nets rarely get a third token accepted (docs/benchmarks.md, issue 4): γ = 2 measured best
-    default_num_speculative_tokens: ClassVar[int] = 2
+    # with the shipped nets a second draft token pays less than its draft step and verified position
+    # cost: γ = 1 measured 2-18% faster than γ = 2 on chat and summaries, within a few % on code
+    # (docs/benchmarks.md, issue 4); a stronger drafter may go deeper, with confidence_threshold
+    default_num_speculative_tokens: ClassVar[int] = 1
 
     def __init__(self, spec: SpecConfig, ctx: DrafterContext) -> None:
         path = resolve_weights(self.Net.method, spec.options.model, ctx.target)
@@ -122,7 +123,9 @@ class EagleDrafter:
             token = torch.where(alive, token, -1)
             drafts.append(token)
             if self.threshold > 0:  # d_k stays; a row unsure of it drafts nothing after it
-                alive &= self._own_probability(logits, token.clamp(min=0), q, batch) >= self.threshold
+                q_k = None if q is None else q[:, None]  # [B, 1, V]
+                own = self.net.head.own_probability(logits[:, None], token[:, None], q_k, batch)  # [B, 1]
+                alive &= own[:, 0] >= self.threshold
             if k + 1 == num_tokens or not bool(alive.any()):
                 break
             # entry (own output, d_k): its output predicts d_{k+1}; a stopped row's entry is scratch too
@@ -133,15 +136,6 @@ class EagleDrafter:
         q_all = torch.stack(qs, dim=1) if qs else None  # [B, k, V], k <= γ when every row stopped early
         confidence = torch.stack(confs, dim=1) if confs else None  # [B, k]
         return Draft(tokens=torch.stack(drafts, dim=1), q=q_all, confidence=confidence)
-
-    def _own_probability(
-        self, logits: torch.Tensor, token: torch.Tensor, q: torch.Tensor | None, batch: Batch
-    ) -> torch.Tensor:  # fmt: skip
-        """[B] the draft's probability of its token (logits [B, Vd], q [B, V] or None): q(d) where
-        the row samples, the softmax at T = 1 where it is greedy (its q is one-hot)."""
-        index = torch.searchsorted(self.net.head.vocab_ids, token)[:, None]  # vocab_ids are sorted
-        own = logits.float().softmax(-1).gather(1, index)[:, 0]
-        return own if q is None else torch.where(batch.temperature == 0, own, q.gather(1, token[:, None])[:, 0])
 
     def _score_block(
         self, tokens: torch.Tensor, depths: torch.Tensor, mask: torch.Tensor, at: torch.Tensor,

@@ -178,6 +178,7 @@ def test_training_loss_decreases(ckpts):
         ({"model": "/nonexistent/dflash"}, "is not a folder"),
         ({"model": None}, "no dflash weights ship for"),
         ({"block_size": 4}, "unknown key(s) block_size"),
+        ({"confidence_threshold": -0.1}, "confidence_threshold must be a number in [0, 1)"),
     ],
 )
 def test_bad_options_one_line(ckpts, loaded, spec, message):

@@ -1,6 +1,6 @@
 """dflash end to end on tiny random targets with randomly initialised nets, in fp32:
-greedy equals plain greedy (batch 1 and 4, γ 4 and 8, several architectures), sampled
-output follows the target's exact joint distribution, and under continuous batching
+greedy equals plain greedy (batch 1 and 4, γ 4 and 8, several architectures, blocks cut by
+a confidence threshold), sampled output follows the target's exact joint distribution, and under continuous batching
 (requests joining, leaving, preempted) each request decodes as it would alone."""
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ def ckpts(tmp_path_factory):
     return out
 
 
-def dflash(net: str, gamma: int) -> dict:
-    return {"method": "dflash", "model": net, "num_speculative_tokens": gamma}
+def dflash(net: str, gamma: int, threshold: float = 0.0) -> dict:
+    return {"method": "dflash", "model": net, "num_speculative_tokens": gamma, "confidence_threshold": threshold}
 
 
 @pytest.mark.parametrize("arch,gamma", [("llama", 4), ("llama", 8), ("qwen2", 8), ("gemma3", 4)])
@@ -47,13 +47,26 @@ def test_greedy_equals_plain(ckpts, arch, gamma):
     assert batch[0].metrics.num_draft_tokens == gamma * batch[0].metrics.num_drafts  # the whole block each round
 
 
-@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.8, 3)])
-def test_sampled_joint_distribution_matches_target(tmp_path, temperature, top_k):
+def test_confidence_threshold_cuts_blocks_and_stays_exact(ckpts):
+    """A block is cut after its first token the net is unsure of: greedy still equals plain
+    greedy at batch 1 and 4, and fewer positions are verified, never none."""
+    target, net = ckpts["llama"]
+    plain = LLM(model=target, dtype="float32", device="cpu")
+    llm = LLM(model=target, speculative_config=dflash(net, 8, threshold=0.5), dtype="float32", device="cpu")
+    out = assert_greedy_matches_plain(llm, plain, PROMPTS, 30, "dflash, confidence_threshold 0.5")
+    drafted, rounds = sum(o.metrics.num_draft_tokens for o in out), sum(o.metrics.num_drafts for o in out)
+    assert rounds <= drafted < 8 * rounds
+
+
+@pytest.mark.parametrize("temperature,top_k,threshold", [(1.0, 0, 0.0), (0.8, 3, 0.0), (1.0, 0, 0.4)])
+def test_sampled_joint_distribution_matches_target(tmp_path, temperature, top_k, threshold):
     V, n, samples = 6, 3, 3000
     target = make_tiny_checkpoint(tmp_path / "t", "llama", seed=0, vocab_size=V, num_hidden_layers=4)
     net = make_dflash(tmp_path / "net", target, seed=5, block_size=4)
-    llm = LLM(model=str(target), speculative_config=dflash(net, 3), dtype="float32", device="cpu")
-    assert_samples_follow_target(llm, n, temperature, top_k, samples)
+    llm = LLM(model=str(target), speculative_config=dflash(net, 3, threshold), dtype="float32", device="cpu")
+    outs = assert_samples_follow_target(llm, n, temperature, top_k, samples)
+    if threshold:  # q(d) below it cut some blocks
+        assert sum(o.metrics.num_draft_tokens for o in outs) < 3 * sum(o.metrics.num_drafts for o in outs)
 
 
 def run_staggered(engine: ServingEngine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
