@@ -31,13 +31,15 @@ from specdecode.theory import expected_speedup
 HERE = Path(__file__).resolve().parent
 METHODS = {
     "layer_skip": {"method": "layer_skip", "num_speculative_tokens": 3},
-    "eagle": {"method": "eagle", "num_speculative_tokens": 2},
+    "eagle": {"method": "eagle", "num_speculative_tokens": 1},  # the default since the twenty-sixth session
+    "eagle_g2": {"method": "eagle", "num_speculative_tokens": 2},  # the default before
     "eagle_tree": {"method": "eagle", "num_speculative_tokens": 3, "topk": 4, "num_draft_tokens": 8},
     "eagle_g8": {"method": "eagle", "num_speculative_tokens": 8},
-    "eagle3": {"method": "eagle3", "num_speculative_tokens": 2},
+    "eagle3": {"method": "eagle3", "num_speculative_tokens": 1},
     "mtp": {"method": "mtp", "num_speculative_tokens": 1},
     "medusa": {"method": "medusa", "num_speculative_tokens": 3},
     "dflash": {"method": "dflash", "num_speculative_tokens": 16},
+    "dflash_cut": {"method": "dflash", "num_speculative_tokens": 16, "confidence_threshold": 0.5},
 }
 
 def parse_method(arg: str) -> tuple[str, dict]:
