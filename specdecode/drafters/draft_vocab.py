@@ -7,6 +7,10 @@ for them, rebuilt from the target's LM head whenever the ids change (never saved
 For SmolLM2 (V = 49,152, hidden 576) an 8,192-token head costs a sixth of the full one.
 A drafter's q is 0 outside the draft vocabulary, so verification stays exact: those
 tokens are never drafted, only emitted by the target.
+
+Also owns the confidence stop the learned chain drafters share (``confidence_threshold``):
+each draft token's own probability under the head (`DraftVocabHead.own_probability`) and
+the cut after the first unsure one (`stop_after_unsure`).
 """
 
 from __future__ import annotations

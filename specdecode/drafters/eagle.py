@@ -14,7 +14,9 @@ Chains (``topk = 1``) sample d_k from q_k (the net's distribution over its draft
 vocabulary, after the target's temperature / top-k / top-p; 0 outside the vocabulary),
 which the verifier uses. Trees (``topk > 1``) grow EAGLE-2 style (draft_tree.grow_tree):
 each node's entry takes its parent's output feature; children are the top-k tokens, so
-q is one-hot and the tree verifier's multi-draft rule keeps it lossless.
+q is one-hot and the tree verifier's multi-draft rule keeps it lossless. With
+``confidence_threshold`` a chain row drafts no further after a token its net gave less than
+that probability: the stop reads only the drafts, so the output stays the target's.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ class EagleDrafter:
     Options: ClassVar[type] = EagleOptions
     Net: ClassVar[type[FeatureNet]] = FeatureNet
     # with the shipped nets a second draft token pays less than its draft step and verified position
-    # cost: γ = 1 measured 2-18% faster than γ = 2 on chat and summaries, within a few % on code
+    # cost: γ = 1 measured 2-19% faster than γ = 2 on chat and summaries, within a few % on code
     # (docs/benchmarks.md, issue 4); a stronger drafter may go deeper, with confidence_threshold
     default_num_speculative_tokens: ClassVar[int] = 1
 
@@ -126,7 +128,7 @@ class EagleDrafter:
                 q_k = None if q is None else q[:, None]  # [B, 1, V]
                 own = self.net.head.own_probability(logits[:, None], token[:, None], q_k, batch)  # [B, 1]
                 alive &= own[:, 0] >= self.threshold
-            if k + 1 == num_tokens or not bool(alive.any()):
+            if k + 1 == num_tokens or (self.threshold > 0 and not bool(alive.any())):
                 break
             # entry (own output, d_k): its output predicts d_{k+1}; a stopped row's entry is scratch too
             positions = self.cache.lengths[:, None]
