@@ -14,7 +14,9 @@
 # Knobs (environment): TRAIN_S (seconds per method, 200), REGEN_S (seconds of data generation,
 # 120; the passages pass gets as long again), NUM_GREEDY (3000), NUM_SAMPLED (1200), BATCH (128
 # answered at once), MAX_NEW (256), TRAIN_BATCH (16 windows of SEQ 512 tokens), RESUME_S (unset:
-# no second stage), PASSAGES (1; 0 skips the passages pass), METHODS.
+# no second stage), PASSAGES (1; 0 skips the passages pass), METHODS, DATA (1; 0 reuses OUT/data).
+# A device call is limited to 600 s: split a run in two, e.g. TRAIN_S=250 REGEN_S=90 (data and a
+# first stage), then DATA=0 TRAIN_S=0 RESUME_S=480 (every method resumed to 480 s in all).
 set -euo pipefail
 TARGET=${1:?usage: $0 TARGET OUT}
 OUT=${2:?usage: $0 TARGET OUT}
@@ -28,6 +30,7 @@ for f in cgitb compileall crypt dataclasses gettext glob heapq imp nntplib opcod
 done
 python -c "from specdecode.model.loader import load_model; load_model('$TARGET')"  # converts a .gguf once
 
+if [ "${DATA:-1}" != 0 ]; then
 for k in 0 1 2 3; do
   timeout "$REGEN_S" python -m specdecode.train.regenerate --target "$TARGET" --out "$OUT/data/greedy$k.jsonl" \
     --num "$NUM_GREEDY" --seed 21 --batch "$BATCH" --max-tokens "$MAX_NEW" --shard $k/4 --threads 2 \
@@ -45,6 +48,7 @@ if [ "${PASSAGES:-1}" != 0 ]; then
   done
   wait
 fi
+fi
 echo "self-distillation records: $(cat "$OUT"/data/*.jsonl 2>/dev/null | wc -l)"
 
 train_all() {  # $1: the time limit; further arguments go to every run
@@ -59,5 +63,5 @@ train_all() {  # $1: the time limit; further arguments go to every run
   wait
   for m in $METHODS; do echo "== $m"; tail -3 "$OUT/logs/train_$m.$limit.log"; done
 }
-train_all "$TRAIN_S"
+if [ "$TRAIN_S" != 0 ]; then train_all "$TRAIN_S"; fi
 if [ -n "${RESUME_S:-}" ]; then train_all "$RESUME_S" --resume; fi
