@@ -48,7 +48,7 @@ def test_greedy_equals_plain(setup, method, shape):
     assert m.acceptance_rate > 0.3, "a trained net should be accepted often: the accept paths must run"
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
 def test_confidence_threshold_stops_chains_and_stays_exact(setup, method):
     """With ``confidence_threshold`` a row drafts no further after a token its net is unsure of
     (Hugging Face's assistant_confidence_threshold), row by row in a batch: greedy still equals
