@@ -26,6 +26,7 @@ import torch
 from timing import Timer, paired_interval
 
 from specdecode import LLM, SamplingParams
+from specdecode.entrypoints.llm import RequestOutput
 from specdecode.theory import expected_speedup
 
 HERE = Path(__file__).resolve().parent
@@ -72,6 +73,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of each prompt: plain, then the methods in an order rotated each time")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = json.loads(Path(args.prompts).read_text())
@@ -110,7 +113,9 @@ def main() -> None:
         plot(rows, [n for n, _ in methods], args.plot)
 
 
-def run_method(llm: LLM, timers: tuple[Timer, Timer], ids: list[int], params: SamplingParams, base, step_s: float) -> dict:
+def run_method(
+    llm: LLM, timers: tuple[Timer, Timer], ids: list[int], params: SamplingParams, base: RequestOutput, step_s: float
+) -> dict:  # fmt: skip
     """One speculative run of a prompt: its figures against the plain run ``base`` just before."""
     propose, verified = timers
     for t in (propose, verified):
