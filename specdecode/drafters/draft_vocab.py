@@ -104,7 +104,7 @@ class DraftVocabHead(nn.Module):
 
 
 def check_confidence_threshold(h: object) -> None:
-    """``confidence_threshold`` (chain drafters): a number in [0, 1)."""
+    """``confidence_threshold`` (learned chain and block drafters): a number in [0, 1)."""
     if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0 <= h < 1:
         raise SpecDecodeError(f"confidence_threshold must be a number in [0, 1), got {h!r}")
 
