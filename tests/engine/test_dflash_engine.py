@@ -1,7 +1,8 @@
 """dflash end to end on tiny random targets with randomly initialised nets, in fp32:
 greedy equals plain greedy (batch 1 and 4, γ 4 and 8, several architectures, blocks cut by
-a confidence threshold), sampled output follows the target's exact joint distribution, and under continuous batching
-(requests joining, leaving, preempted) each request decodes as it would alone."""
+a confidence threshold), sampled output follows the target's exact joint distribution, and
+under continuous batching (requests joining, leaving, preempted) each request decodes as it
+would alone."""
 
 from __future__ import annotations
 
