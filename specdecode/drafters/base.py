@@ -33,9 +33,10 @@ class Draft:
     ``tree.tokens[:, 1:]`` and ``q``, if given, is [B, N, V] indexed by node (the
     distribution node n's token was drawn from). Siblings are tried in node order.
 
-    ``confidence`` [B, γ] (chains, optional): a trained head's estimate that draft token k
-    is accepted given tokens 1..k-1 were; an adaptive verification budget calibrates and
-    uses it in place of its online estimates.
+    ``confidence`` [B, γ] (chains, optional): the drafter's estimate that draft token k is
+    accepted given tokens 1..k-1 were (a trained head's, or the draft's own probability of
+    the token); an adaptive verification budget calibrates and uses it in place of its
+    online estimates.
 
     ``evidence`` (chains, optional): per row, a small integer saying how the drafter found its
     proposal, by which an adaptive verification budget counts acceptance apart (ngram: the
@@ -52,7 +53,7 @@ class Draft:
     tree: "TreeBatch | None" = None
     aux: "AuxBranch | None" = None  # extra nodes that ride along in the verify pass (needs a tree)
     typical: tuple[float, float] | None = None  # LOSSY opt-in: (posterior_threshold ε, posterior_alpha δ)
-    confidence: torch.Tensor | None = None  # [B, γ] in (0, 1): a head's acceptance estimates (chains)
+    confidence: torch.Tensor | None = None  # [B, γ] in (0, 1): the drafter's acceptance estimates (chains)
     evidence: list[int] | None = None  # [B]: how each row's proposal was found (chains)
 
     @staticmethod

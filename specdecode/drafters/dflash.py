@@ -62,6 +62,7 @@ class DFlashDrafter:
         self.net: DFlashNet = load_net(DFlashNet, path, ctx.target.model, ctx.dtype, ctx.device, ctx.quantization)
         self.gamma = spec.num_speculative_tokens
         self.threshold: float = float(spec.options.confidence_threshold)
+        self.report_confidence: bool = spec.budget.verify_budget == "adaptive"  # see eagle.py
         if self.gamma > self.net.block_size:
             raise SpecDecodeError(
                 f"dflash drafts at most its block size of {self.net.block_size} tokens per pass; "
@@ -102,9 +103,13 @@ class DFlashDrafter:
             tokens = head.vocab_ids[logits.argmax(dim=-1)]
         else:
             tokens, q = head.sample(logits, batch, self.ctx.target.config.vocab_size)  # [B, γ], [B, γ, V]
-        if self.threshold > 0:
-            tokens = stop_after_unsure(tokens, head.own_probability(logits, tokens, q, batch), self.threshold)
-        return Draft(tokens=tokens, q=q)
+        confidence = None
+        if self.threshold > 0 or self.report_confidence:
+            own = head.own_probability(logits, tokens, q, batch)  # [B, γ]
+            confidence = own if self.report_confidence else None
+            if self.threshold > 0:
+                tokens = stop_after_unsure(tokens, own, self.threshold)
+        return Draft(tokens=tokens, q=q, confidence=confidence)
 
     def on_verified(
         self, batch: Batch, num_accepted: Tensor, aux_logits: Tensor | None = None, hidden: Tensor | None = None

@@ -17,6 +17,8 @@ each node's entry takes its parent's output feature; children are the top-k toke
 q is one-hot and the tree verifier's multi-draft rule keeps it lossless. With
 ``confidence_threshold`` a chain row drafts no further after a token its net gave less than
 that probability: the stop reads only the drafts, so the output stays the target's.
+Under an adaptive budget a chain also reports each token's confidence: the net's confidence
+head where it has one, else that same draft probability.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from specdecode.drafters.draft_tree import grow_tree
 from specdecode.drafters.draft_vocab import check_confidence_threshold
 from specdecode.drafters.eagle_net import FeatureNet
 from specdecode.drafters.learned import PendingFeatures, load_net, resolve_weights
-from specdecode.engine.batch import Batch, pad_right
+from specdecode.engine.batch import Batch, Sequence, pad_right
 from specdecode.drafters.draft_cache import DraftKVCache
 from specdecode.tree import check_node_budget
 
@@ -75,6 +77,9 @@ class EagleDrafter:
         self.topk: int = spec.options.topk
         self.budget: int = spec.options.num_draft_tokens or self.gamma * self.topk
         self.threshold: float = float(spec.options.confidence_threshold)
+        # an adaptive budget plans on per-token confidences: a trained head's, else the draft's own
+        # probability of its token (calibrated on the default model: docs/benchmarks.md, issue 4)
+        self.report_confidence: bool = spec.budget.verify_budget == "adaptive"
         self.pending = PendingFeatures()
         self.cache = DraftKVCache(self.net.body)
 
@@ -83,20 +88,38 @@ class EagleDrafter:
 
     def prefill(self, batch: Batch, rows: list[int], hidden: list[torch.Tensor] | None = None) -> None:
         assert hidden is not None, "eagle reads the target's features"
-        self.cache.join_rows(len(rows))
+        ids = self.cache.join_rows(len(rows))
         self.pending.add_rows(hidden)
+        # Feed the prompt's entries now (the engine has sampled the first token, each entry's
+        # next token is known), all but each row's last, whose output gives the first proposal's
+        # logits: the first proposal then costs what later ones do. Fed there, a ~100-token
+        # prompt made it cost ~1 plain step, and an adaptive budget, which prices drafting from
+        # what proposals cost, found drafting too dear to pay for a whole request.
+        early = [i for i, r in enumerate(rows) if len(hidden[i]) > 1]
+        if early:
+            features, starts = self.pending.take([rows[i] for i in early], leave=1)
+            with self.cache.only([ids[i] for i in early]):
+                self._feed([batch.seqs[rows[i]] for i in early], features, starts)
 
     def _feed_pending(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed every row's owed (feature, next token) entries and commit them; returns the
         draft-vocabulary logits [B, Vd] and output feature [B, H] at each row's last entry."""
         features, starts = self.pending.take()
-        lengths = [len(f) for f in features]
-        if min(lengths) < 1:
+        if min(len(f) for f in features) < 1:
             raise RuntimeError("eagle: propose called twice without on_verified")
+        return self._feed(batch.seqs, features, starts)
+
+    def _feed(
+        self, seqs: list[Sequence], features: list[torch.Tensor], starts: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed the cache's rows their entries (features [n_b, F] from feature index starts[b],
+        each with the token after it), commit them; the logits and output feature at each
+        row's last entry."""
+        lengths = [len(f) for f in features]
         net = self.net
         states = torch.nn.utils.rnn.pad_sequence([net.fuse(f) for f in features], batch_first=True)
         tokens, _ = pad_right(
-            [s.token_ids[start + 1 : start + 1 + n] for s, start, n in zip(batch.seqs, starts, lengths)], self.device
+            [s.token_ids[start + 1 : start + 1 + n] for s, start, n in zip(seqs, starts, lengths)], self.device
         )
         positions = self.cache.lengths[:, None] + torch.arange(tokens.shape[1], device=self.device)
         at = torch.tensor(lengths, device=self.device)[:, None] - 1
@@ -112,8 +135,9 @@ class EagleDrafter:
                              vocab_ids=self.net.head.vocab_ids)  # fmt: skip
         drafts, qs, confs = [], [], []
         alive = torch.ones(len(roots), dtype=torch.bool, device=self.device)  # rows still drafting
+        own_needed = self.threshold > 0 or (self.report_confidence and self.net.confidence is None)
         for k in range(num_tokens):
-            if self.net.confidence is not None:  # from the feature that gives this token's logits
+            if self.report_confidence and self.net.confidence is not None:  # from the feature giving d_k's logits
                 confs.append(torch.sigmoid(self.net.confidence(out).float())[:, 0])
             q = None
             if batch.all_greedy:  # one-hot q: the verifier needs no distribution
@@ -124,10 +148,13 @@ class EagleDrafter:
                 qs.append(q)
             token = torch.where(alive, token, -1)
             drafts.append(token)
-            if self.threshold > 0:  # d_k stays; a row unsure of it drafts nothing after it
+            if own_needed:
                 q_k = None if q is None else q[:, None]  # [B, 1, V]
-                own = self.net.head.own_probability(logits[:, None], token[:, None], q_k, batch)  # [B, 1]
-                alive &= own[:, 0] >= self.threshold
+                own = self.net.head.own_probability(logits[:, None], token[:, None], q_k, batch)[:, 0]  # [B]
+                if self.report_confidence and self.net.confidence is None:
+                    confs.append(own)
+                if self.threshold > 0:  # d_k stays; a row unsure of it drafts nothing after it
+                    alive &= own >= self.threshold
             if k + 1 == num_tokens or (self.threshold > 0 and not bool(alive.any())):
                 break
             # entry (own output, d_k): its output predicts d_{k+1}; a stopped row's entry is scratch too

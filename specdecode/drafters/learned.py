@@ -206,11 +206,16 @@ class PendingFeatures:
         for b, n in enumerate((num_accepted + 1).tolist()):
             self.rows[b] = torch.cat([self.rows[b], hidden[b, :n]])
 
-    def take(self) -> tuple[list[Tensor], list[int]]:
-        """Each row's pending features and the index of its first one; the rows are emptied."""
-        taken, starts = self.rows, list(self.consumed)
-        self.consumed = [s + len(t) for s, t in zip(self.consumed, taken)]
-        self.rows = [t[:0] for t in taken]
+    def take(self, rows: list[int] | None = None, leave: int = 0) -> tuple[list[Tensor], list[int]]:
+        """The pending features of ``rows`` (default: all), each row's last ``leave`` kept
+        pending, and the index of each row's first one."""
+        taken, starts = [], []
+        for r in range(len(self.rows)) if rows is None else rows:
+            n = max(0, len(self.rows[r]) - leave)
+            taken.append(self.rows[r][:n])
+            starts.append(self.consumed[r])
+            self.consumed[r] += n
+            self.rows[r] = self.rows[r][n:]
         return taken, starts
 
     def select_rows(self, rows: list[int]) -> None:

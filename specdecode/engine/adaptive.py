@@ -187,7 +187,7 @@ class AdaptiveBudget:
         evidence = proposal.evidence if proposal is not None else None
         raw = self.acceptance.confidence_rows([r.request_id for r in reqs], evidence=evidence)  # B rows of γ
         confidence = proposal.confidence if proposal is not None else None
-        if confidence is not None:  # a trained head's estimates, where it gave them
+        if confidence is not None:  # the drafter's own estimates (a head's, or its draft probabilities)
             w = min(self.acceptance.gamma, confidence.shape[1])
             head = confidence[:, :w].float().cpu().clamp(1e-4, 1 - 1e-4).tolist()
             raw = [h + row[w:] for h, row in zip(head, raw)]

@@ -59,6 +59,27 @@ def test_confidence_threshold_cuts_blocks_and_stays_exact(ckpts):
     assert rounds <= drafted < 8 * rounds
 
 
+def test_adaptive_budget_plans_on_the_blocks_draft_probabilities(ckpts, monkeypatch):
+    """Under an adaptive budget each block reports its tokens' draft probabilities (at least
+    1/V: greedy takes the top one) as confidences, and greedy stays exact."""
+    target, net = ckpts["llama"]
+    plain = LLM(model=target, dtype="float32", device="cpu")
+    spec = {**dflash(net, 8), "verify_budget": "adaptive"}
+    llm = LLM(model=target, speculative_config=spec, dtype="float32", device="cpu")
+    seen, budgets = [], llm.engine.budget.budgets
+
+    def spy(reqs, limits, engine, proposal=None):
+        if proposal is not None:
+            seen.append((proposal.tokens, proposal.confidence))
+        return budgets(reqs, limits, engine, proposal)
+
+    monkeypatch.setattr(llm.engine.budget, "budgets", spy)
+    assert_greedy_matches_plain(llm, plain, PROMPTS, 24, "dflash, adaptive")
+    V = plain.target.config.vocab_size
+    assert seen and all(c is not None and c.shape == t.shape for t, c in seen)  # as deep as the step asked
+    assert all(bool(((c >= 1 / V - 1e-6) & (c <= 1 + 1e-6)).all()) for _, c in seen)
+
+
 @pytest.mark.parametrize("temperature,top_k,threshold", [(1.0, 0, 0.0), (0.8, 3, 0.0), (1.0, 0, 0.4)])
 def test_sampled_joint_distribution_matches_target(tmp_path, temperature, top_k, threshold):
     V, n, samples = 6, 3, 3000

@@ -145,3 +145,48 @@ def test_confidence_head_feeds_the_adaptive_budget_and_stays_lossless(setup, tmp
     monkeypatch.setattr(llm.engine.budget, "budgets", spy)
     assert_greedy_matches_plain(llm, plain, PROMPTS, 16, "eagle + confidence head")
     assert seen and all(c.shape[1] >= 1 and bool(((c > 0) & (c < 1)).all()) for c in seen)
+
+
+@pytest.mark.parametrize("method", ["eagle", "mtp"])
+def test_draft_probabilities_feed_the_adaptive_budget_and_stay_lossless(setup, monkeypatch, method):
+    """Without a confidence head, a chain drafted under an adaptive budget reports each token's
+    draft probability as its confidence (greedy: the net's top probability, at least 1/V);
+    under a fixed budget nothing reads it, and none is computed. Greedy stays exact."""
+    target, nets, plain = setup
+    seen = {}
+    for budget in ("fixed", "adaptive"):
+        spec = {"method": method, "model": nets[method], "num_speculative_tokens": 3, "verify_budget": budget}
+        llm = LLM(model=target, speculative_config=spec, dtype="float32", device="cpu")
+        drafter, proposals = llm.engine.drafter, []
+
+        def spy(batch, n, propose=drafter.propose, out=proposals):
+            out.append(propose(batch, n))
+            return out[-1]
+
+        monkeypatch.setattr(drafter, "propose", spy)
+        assert_greedy_matches_plain(llm, plain, PROMPTS, 16, (method, budget))
+        seen[budget] = proposals
+    V = plain.target.config.vocab_size
+    assert seen["fixed"] and all(d.confidence is None for d in seen["fixed"])
+    conf = [(d.tokens, d.confidence) for d in seen["adaptive"]]
+    assert conf and all(c is not None and c.shape == t.shape for t, c in conf)
+    assert all(bool(((c >= 1 / V - 1e-6) & (c <= 1 + 1e-6)).all()) for _, c in conf)
+
+
+def test_prompt_entries_are_fed_when_a_row_joins(setup, monkeypatch):
+    """A joining row's prompt entries are fed at prefill, all but its last (whose output gives
+    the first draft): its first proposal then feeds one entry, as later ones do, so what
+    proposing costs, which an adaptive budget prices drafting from, does not hold the prompt."""
+    target, nets, plain = setup
+    llm = LLM(model=target, speculative_config={"method": "eagle", "model": nets["eagle"]}, dtype="float32", device="cpu")
+    drafter, seen = llm.engine.drafter, []
+
+    def spy(batch, n, propose=drafter.propose):
+        seen.append(([len(f) for f in drafter.pending.rows], drafter.cache.lengths.tolist()))
+        return propose(batch, n)
+
+    monkeypatch.setattr(drafter, "propose", spy)
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[2]]  # 7, 3 and 1 tokens: 6, 2 and 0 entries fed at once
+    assert_greedy_matches_plain(llm, plain, prompts, 8, "eagle")
+    assert seen[0] == ([1], [6])  # the first prompt alone
+    assert next(s for s in seen if len(s[0]) == 3) == ([1, 1, 1], [6, 2, 0])  # the three joining together
