@@ -95,7 +95,7 @@ class EagleDrafter:
         # logits: the first proposal then costs what later ones do. Fed there, a ~100-token
         # prompt made it cost ~1 plain step, and an adaptive budget, which prices drafting from
         # what proposals cost, found drafting too dear to pay for a whole request.
-        early = [i for i, r in enumerate(rows) if len(hidden[i]) > 1]
+        early = [i for i in range(len(rows)) if len(hidden[i]) > 1]
         if early:
             features, starts = self.pending.take([rows[i] for i in early], leave=1)
             with self.cache.only([ids[i] for i in early]):
@@ -135,9 +135,10 @@ class EagleDrafter:
                              vocab_ids=self.net.head.vocab_ids)  # fmt: skip
         drafts, qs, confs = [], [], []
         alive = torch.ones(len(roots), dtype=torch.bool, device=self.device)  # rows still drafting
-        own_needed = self.threshold > 0 or (self.report_confidence and self.net.confidence is None)
+        head_confidence = self.report_confidence and self.net.confidence is not None
+        own_confidence = self.report_confidence and self.net.confidence is None  # the draft probability instead
         for k in range(num_tokens):
-            if self.report_confidence and self.net.confidence is not None:  # from the feature giving d_k's logits
+            if head_confidence:  # from the feature that gives d_k's logits
                 confs.append(torch.sigmoid(self.net.confidence(out).float())[:, 0])
             q = None
             if batch.all_greedy:  # one-hot q: the verifier needs no distribution
@@ -148,10 +149,10 @@ class EagleDrafter:
                 qs.append(q)
             token = torch.where(alive, token, -1)
             drafts.append(token)
-            if own_needed:
+            if own_confidence or self.threshold > 0:
                 q_k = None if q is None else q[:, None]  # [B, 1, V]
                 own = self.net.head.own_probability(logits[:, None], token[:, None], q_k, batch)[:, 0]  # [B]
-                if self.report_confidence and self.net.confidence is None:
+                if own_confidence:
                     confs.append(own)
                 if self.threshold > 0:  # d_k stays; a row unsure of it drafts nothing after it
                     alive &= own >= self.threshold
