@@ -117,7 +117,7 @@ class EagleDrafter:
         row's last entry."""
         lengths = [len(f) for f in features]
         net = self.net
-        states = torch.nn.utils.rnn.pad_sequence([net.fuse(f) for f in features], batch_first=True)
+        states = net.fuse(torch.nn.utils.rnn.pad_sequence(features, batch_first=True))  # [B, n, H]
         tokens, _ = pad_right(
             [s.token_ids[start + 1 : start + 1 + n] for s, start, n in zip(seqs, starts, lengths)], self.device
         )

@@ -200,8 +200,9 @@ class CpuBlocks:
         hiddens: dict[int, Tensor] = {}
         block_forward = self.lib.block_forward
         where, keys, values = ctypes.addressof(args), store.keys, store.values
+        last = len(self._addresses) - 1
         for i, weights in enumerate(self._addresses):
             block_forward(h.data_ptr(), weights, where, keys[i].data_ptr(), values[i].data_ptr())
-            if i in want:
-                hiddens[i] = h.clone().view(shape)
+            if i in want:  # the last block's output is final: no copy (EAGLE's feature, every pass)
+                hiddens[i] = (h if i == last else h.clone()).view(shape)
         return h.view(shape), hiddens
