@@ -129,8 +129,8 @@ class Recording:
     def observe_prefill(self, seconds):
         self.inner.observe_prefill(seconds)
 
-    def shadow(self):
-        return self.inner.shadow()
+    def propose_first(self):
+        return self.inner.propose_first()
 
     def lookahead(self):
         return self.inner.lookahead()

@@ -159,7 +159,8 @@ class AdaptiveBudget:
         # budgets fed their own allowance.
         self.tokens_per_step = 0.0
 
-    def shadow(self) -> bool:
+    def propose_first(self) -> bool:
+        # kept for `observe`: a step proposing first because proposals pay is not charged to shadows
         self.proposing_first = self.proposal_saved > self.proposal_cost
         return self.proposing_first or self.shadow_allowance >= 0
 

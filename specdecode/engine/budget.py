@@ -46,9 +46,10 @@ class BudgetPolicy(Protocol):
         """How long the step's prefill chunk took (0 when no prompt was being prefilled)."""
         ...
 
-    def shadow(self) -> bool:
-        """Whether to propose before planning this step: for shadow rounds (a step where no row
-        may verify drafts still proposes), or because planning on proposals has paid for them."""
+    def propose_first(self) -> bool:
+        """Whether this step proposes before planning: for shadow rounds (a step where no row
+        may verify drafts still proposes), or because planning on proposals has paid for them.
+        Asked once at the start of each step; the policy keeps the answer until `observe`."""
         ...
 
     def lookahead(self) -> int:
@@ -81,7 +82,7 @@ class FixedBudget:
     def observe_prefill(self, seconds: float) -> None:
         pass
 
-    def shadow(self) -> bool:
+    def propose_first(self) -> bool:
         return False
 
     def lookahead(self) -> int:

@@ -318,7 +318,7 @@ class ServingEngine(Engine):
         # deeper than the longest budget. Where proposing is cheap (the budget looks past its
         # budgets) and the step proposes for shadow rounds anyway, it proposes γ deep and plans
         # once, on what it found (at one client the first planning was ~1.3% of a step).
-        shadowing = self.drafter is not None and self._shadows and self.budget.shadow()
+        shadowing = self.drafter is not None and self._shadows and self.budget.propose_first()
         cheap = shadowing and self.budget.lookahead() > 0
         if cheap:
             want = self.gamma

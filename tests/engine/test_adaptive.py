@@ -370,7 +370,7 @@ def test_shadow_proposals_cost_at_most_their_share_of_recent_time():
         policy.observe([r], one, one, 0.1, 0.002)
     shadows = []
     for _ in range(400):
-        propose = policy.shadow()
+        propose = policy.propose_first()
         shadows.append(propose)
         policy.observe([r], zero, zero, 0.1, 0.002 if propose else 0.0)
     assert sum(shadows[:20]) <= 11  # nothing banked from the drafting phase (banked: all 20)
@@ -389,7 +389,7 @@ def test_passes_without_drafts_earn_shadows_a_share_over_their_rows():
         drafts = torch.full((rows,), int(drafting), dtype=torch.long)
         count = 0
         for _ in range(800):
-            propose = policy.shadow()
+            propose = policy.propose_first()
             count += propose
             policy.observe(reqs, torch.zeros(rows, dtype=torch.long), drafts, 0.1, 0.002 if propose and not drafting else 0.0)
         return count
@@ -410,7 +410,7 @@ def test_steps_propose_first_while_planning_on_proposals_saves_more_pass_time_th
         proposal = Draft(torch.ones(4, 4, dtype=torch.long), confidence=torch.full((4, 4), confidence))
         first = []
         for _ in range(64):
-            first.append(policy.shadow())
+            first.append(policy.propose_first())
             if first[-1]:  # propose, then plan on the proposal
                 budgets = policy.budgets(reqs, torch.full((4,), 4), None, proposal)
                 policy.observe(reqs, budgets, budgets, 0.01, 1e-3)

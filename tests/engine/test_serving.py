@@ -233,7 +233,7 @@ def test_shadow_proposals_teach_the_budget_and_change_no_token(plain, ckpts, ref
     assert isinstance(engine.budget, AdaptiveBudget)
     engine.budget.cost = VerifyCost([(1, 1.0), (2, 2.0)])  # a position costs as much as a whole step
     engine.budget._observe_cost = lambda *args: None  # and stays so (no refit from the tiny model's passes)
-    engine.budget.shadow = lambda: True  # propose on every step (the share is tested in test_adaptive.py)
+    engine.budget.propose_first = lambda: True  # propose on every step (the share is tested in test_adaptive.py)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
     out = run_staggered(engine, params)
     assert [out[f"r{i}"] for i in range(len(PROMPTS))] == reference
