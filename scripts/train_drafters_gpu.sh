@@ -14,7 +14,10 @@
 # Knobs (environment): TRAIN_S (seconds per method, 200), REGEN_S (seconds of data generation,
 # 120; the passages pass gets as long again), NUM_GREEDY (3000), NUM_SAMPLED (1200), BATCH (128
 # answered at once), MAX_NEW (256), TRAIN_BATCH (16 windows of SEQ 512 tokens), RESUME_S (unset:
-# no second stage), PASSAGES (1; 0 skips the passages pass), METHODS, DATA (1; 0 reuses OUT/data).
+# no second stage), PASSAGES (1; 0 skips the passages pass), METHODS, DATA (1; 0 reuses OUT/data),
+# INIT (unset: from scratch; a prefix such as specdecode/weights/smollm2-135m continues each method's
+# folder INIT-METHOD on the new data, --init --finetune, at LR_INIT, 5e-4).
+# On a lent GPU machine, scripts/device_bundle.sh (here) and scripts/device_train.sh (there) wrap it.
 # A device call is limited to 600 s: split a run in two, e.g. TRAIN_S=250 REGEN_S=90 (data and a
 # first stage), then DATA=0 TRAIN_S=0 RESUME_S=480 (every method resumed to 480 s in all).
 set -euo pipefail
@@ -55,8 +58,10 @@ train_all() {  # $1: the time limit; further arguments go to every run
   local limit=$1; shift
   for m in $METHODS; do
     case $m in eagle) net='{"train_steps":2}'; lr=2e-3 ;; eagle3) net='{}'; lr=2e-3 ;; *) net='{}'; lr=1e-3 ;; esac
+    local init=()
+    if [ -n "${INIT:-}" ]; then init=(--init "$INIT-$m" --finetune); lr=${LR_INIT:-5e-4}; fi
     python -m specdecode.entrypoints.cli train --method "$m" --target "$TARGET" --data "$OUT/data" "$OUT/code" \
-      --net-config "$net" --lr $lr --batch-size $TRAIN_BATCH --seq-len $SEQ --warmup 100 --steps 1000000 \
+      ${init[@]+"${init[@]}"} --net-config "$net" --lr $lr --batch-size $TRAIN_BATCH --seq-len $SEQ --warmup 100 --steps 1000000 \
       --time-limit "$limit" --eval-every 0 --eval-batches 16 --save-every 1000000 --max-tokens 4000000 \
       --cache-topk 64 --threads 2 "$@" --out "$OUT/$m" > "$OUT/logs/train_$m.$limit.log" 2>&1 &
   done
