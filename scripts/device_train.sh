@@ -5,7 +5,10 @@
 # tokenizer, fp32 weights from the GGUF), trains the drafters with scripts/train_drafters_gpu.sh
 # and leaves one tar per method (config.json, model.safetensors, train_log.json) and the logs
 # in $OUT (the tool brings back at most 8 files).
-# Defaults fit one 600 s call: REGEN_S=100 (and as long again for the passages pass), TRAIN_S=260.
+# Defaults fit one 600 s call: REGEN_S=100 (and as long again for the passages pass), TRAIN_S=260;
+# 2 REGEN_S + TRAIN_S + ~120 s (loading, the evaluations, packing) must fit the call's limit, which
+# is less than its timeout_s when the session's device time runs short (ask `status` first: the
+# start and the four transfer calls take some of the 15 minutes).
 # INIT (default specdecode/weights/smollm2-135m) continues each shipped drafter on the new data
 # (--init --finetune, at LR_INIT); INIT= (empty) trains from scratch. Other knobs: train_drafters_gpu.sh.
 # Locally (a dry run on CPU): OUT=/tmp/o bash scripts/device_train.sh, with tiny knobs.
