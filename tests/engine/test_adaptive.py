@@ -1,5 +1,6 @@
 """The adaptive verification budget (engine/adaptive.py): full γ while verification is free,
-smooth per-request shrinking under load, the cost model it plans with, probes and shadow rounds."""
+smooth per-request shrinking under load, the cost model it plans with. (Probes and shadow
+rounds: test_adaptive_probes.py.)"""
 
 from __future__ import annotations
 
@@ -8,11 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specdecode.drafters.base import Draft
 from specdecode.engine.acceptance import STATES, _RequestRounds
 from specdecode.engine.adaptive import PREFILL_DECAY, AdaptiveBudget
 from specdecode.engine.cost import VerifyCost
-from specdecode.tree import TreeBatch
 
 
 def req(rid: str, length: int = 8) -> SimpleNamespace:
@@ -223,207 +222,6 @@ def test_drafting_overhead_is_paid_only_when_it_pays():
     policy.observe(reqs, torch.zeros(32, dtype=torch.long), torch.zeros(32, dtype=torch.long), 0.08, 0.02)
     assert policy.draft_cost == 0.02
     assert policy.budgets(reqs, torch.full((32,), 4), engine=None).sum() == 0  # 20 ms of drafting is not worth it
-
-
-def test_a_budget_that_stopped_drafting_probes_again():
-    """Estimates move only when drafts are tried: after PROBE_EVERY steps without any, one step
-    verifies a token per row, and acceptances there bring the budget back (here after the
-    second probe, which came twice as late as the first). Passes cost what the curve says."""
-    from specdecode.engine.adaptive import PROBE_EVERY
-
-    policy = AdaptiveBudget(roofline(knee=1, slope=0.5), max_gamma=4)
-    unlucky = req("unlucky")
-    for _ in range(10):  # early rejections
-        policy.observe([unlucky], torch.tensor([0]), torch.tensor([2]), 2.0, 0.0)
-    seen = []
-    for _ in range(4 * PROBE_EVERY):
-        b = policy.budgets([unlucky], torch.tensor([4]), engine=None)
-        seen.append(int(b[0]))
-        policy.observe([unlucky], b, b, 1.0 + 0.5 * int(b[0]), 0.0)  # every probed token is accepted
-    second = 2 * PROBE_EVERY + PROBE_EVERY + 1
-    assert seen[:PROBE_EVERY] == [0] * PROBE_EVERY and seen[PROBE_EVERY] == 1  # the probe
-    assert seen[PROBE_EVERY + 1 : second] == [0] * (second - PROBE_EVERY - 1) and seen[second] == 1  # the next
-    assert min(seen[second + 2 :]) >= 2  # accepted probes revived drafting
-
-
-def test_probes_that_find_nothing_come_ever_more_rarely_and_never_stop():
-    """Each probe after which no plan drafts doubles the wait for the next (up to PROBE_MAX
-    steps): under load, where no draft pays, they cost less and less, but keep coming. A plan
-    that drafts brings the wait back to PROBE_EVERY."""
-    from specdecode.engine.adaptive import PROBE_EVERY, PROBE_MAX
-
-    policy = AdaptiveBudget(roofline(knee=1, slope=0.5), max_gamma=4)
-    r = req("r")
-    probes = []
-    for step in range(1200):
-        b = policy.budgets([r], torch.tensor([4]), engine=None)
-        if int(b[0]):
-            probes.append(step)
-        policy.observe([r], torch.zeros(1, dtype=torch.long), b, 1.0 + 0.5 * int(b[0]), 0.0)  # each rejected
-    gaps = [b - a for a, b in zip([-1] + probes, probes)]
-    want = [PROBE_EVERY + 1] + [min(PROBE_EVERY * 2**k, PROBE_MAX) + 1 for k in range(1, len(gaps))]
-    assert gaps == want and gaps[-1] == PROBE_MAX + 1 and len(gaps) > 8
-    policy.probed = False  # a plan that drafted, not a probe
-    policy.observe([r], torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long), 1.0, 0.0)
-    assert policy.probe_every == PROBE_EVERY
-
-
-def test_shadow_rounds_do_not_hold_off_probes_when_a_cost_curve_prices_drafts_out():
-    """A verify-cost curve measured in a noisy moment (here t(2) = 2 t(1): no draft can pay)
-    is corrected only by passes that carry drafts; shadow rounds that keep teaching acceptance
-    must not hold off the probe, whose pass refits the curve (32+ passes of two sizes)."""
-    from specdecode.engine.adaptive import PROBE_EVERY
-
-    policy = AdaptiveBudget(VerifyCost([(1, 1.0), (2, 2.0), (9, 9.0)]), max_gamma=4)
-    r = req("r", length=4)
-    seen = []
-    for step in range(4 * PROBE_EVERY):
-        b = policy.budgets([r], torch.tensor([4]), engine=None)
-        seen.append(int(b[0]))
-        n = int(b[0])
-        r.seq.token_ids += [7] * (n + 1)  # every draft is a 7 and is accepted
-        policy.observe([r], b, b, 1.0 + 0.1 * n, 0.0, 4, torch.tensor([[7, 7, 7, 7]]))  # a pass of P costs 1 + 0.1 (P - 1)
-    assert seen[:PROBE_EVERY] == [0] * PROBE_EVERY and seen[PROBE_EVERY] == 1  # shadows taught, yet the probe came
-    assert policy.cost(2) < 1.5  # the curve was refitted from the passes
-    assert sum(seen[-PROBE_EVERY:]) > PROBE_EVERY  # and drafting pays now
-
-
-def test_a_probe_in_a_busy_batch_drafts_on_the_likeliest_rows():
-    """A probe token on every one of 32 rows would double a compute-bound pass; it goes to one
-    row in PROBE_SHARE (a share that still shows what a pass past the rows costs), those whose
-    first token is likeliest to survive."""
-    from specdecode.engine.adaptive import PROBE_EVERY, PROBE_SHARE
-
-    policy = AdaptiveBudget(roofline(knee=1, slope=0.5), max_gamma=4)
-    reqs = [req(f"r{i}") for i in range(32)]
-    for i, r in enumerate(reqs):  # row i accepted i of 31 first tokens: all too unlikely to draft
-        policy.acceptance.per_request[r.request_id] = _RequestRounds([[31.0, 0, 0, 0], [0.0] * 4], [[0.3 * i / 31, 0, 0, 0], [0.0] * 4])
-    policy.steps_without_drafts = PROBE_EVERY
-    probe = policy.budgets(reqs, torch.full((32,), 4), engine=None)
-    assert 1 < PROBE_SHARE < 32 and probe.tolist() == [0] * (32 - 32 // PROBE_SHARE) + [1] * (32 // PROBE_SHARE)
-
-
-def test_a_drafters_confidence_replaces_the_online_estimate():
-    """Under a cost where each position must pay for itself, a head that is sure of its first
-    two tokens gets them verified, and one that is not gets nothing; the online estimate (no
-    rounds seen yet) sits in between."""
-    policy = AdaptiveBudget(roofline(knee=1, slope=0.5), max_gamma=4)
-    r = [req("r")]
-    proposal = torch.tensor([[5, 6, 7, 8]])
-    likely = torch.tensor([[0.99, 0.99, 0.05, 0.05]])
-    sure = policy.budgets(r, torch.tensor([4]), None, Draft(proposal, confidence=likely))
-    unsure = policy.budgets(r, torch.tensor([4]), None, Draft(proposal, confidence=torch.tensor([[0.05] * 4])))
-    assert sure.tolist() == [2] and unsure.tolist() == [0]
-
-
-def test_the_fixed_cost_of_drafting_is_paid_by_all_the_positions_together():
-    """Carrying any draft costs a pass δ more. One position's 0.9 tokens cannot pay a δ of 10%
-    of a 32-row step, but 32 such positions (below the threshold, where they are free) can."""
-    policy = AdaptiveBudget(roofline(knee=64), max_gamma=4)
-    policy.acceptance.reached, policy.acceptance.accepted = torch.full((STATES, 4), 100.0), torch.full((STATES, 4), 90.0)  # every token survives 90%
-    policy.draft_overhead = 0.1  # seconds; a step without drafts takes 1 s
-    reqs = [req(f"r{i}") for i in range(32)]
-    assert policy.budgets(reqs, torch.full((32,), 4), engine=None).sum() >= 32
-    policy.draft_overhead = 100.0  # far more than any gain: no drafts
-    assert policy.budgets(reqs, torch.full((32,), 4), engine=None).sum() == 0
-
-
-def test_drafts_must_beat_no_drafts_by_a_margin():
-    """A plan with drafts is taken only if its predicted tokens per second beat the plan
-    without any by MIN_GAIN: here one row, free verification, and a fixed drafting cost δ
-    tuned so that the gain is just below, then just above, the margin."""
-    from specdecode.engine.adaptive import MIN_GAIN
-
-    policy = AdaptiveBudget(VerifyCost([(1, 1.0), (50, 1.0)]), max_gamma=1)  # verification free
-    policy.acceptance.reached, policy.acceptance.accepted = torch.full((2, 1), 100.0), torch.full((2, 1), 50.0)
-    s = float(policy.acceptance.sts(torch.tensor([[0.5]]))[0, 0])  # the calibrated survival the planner sees
-    for gain, drafts in ((MIN_GAIN * 0.8, 0), (MIN_GAIN * 1.2, 1)):
-        policy.draft_overhead = (1 + s) / (1 + gain) - 1.0  # rate with the draft = (1 + gain) x without
-        assert policy.budgets([req("r")], torch.tensor([1]), engine=None).tolist() == [drafts]
-
-
-def test_shadow_chains_skip_rows_where_matching_is_not_acceptance():
-    """A sampled row's draft with a non-one-hot q is accepted with min(1, p/q), not with the
-    chance that the target generates it: its shadow row is dropped. Greedy rows and one-hot
-    proposals keep theirs; trees give none."""
-    from specdecode.engine.acceptance import NOT_SHADOWED
-    from specdecode.engine.serving import ServingEngine
-
-    engine = SimpleNamespace(batch=SimpleNamespace(temperature=torch.tensor([0.0, 0.7])))
-    tokens = torch.tensor([[1, 2], [3, 4]])
-    one_hot = ServingEngine._shadow_chains(engine, Draft(tokens=tokens))
-    sampled = ServingEngine._shadow_chains(engine, Draft(tokens=tokens, q=torch.full((2, 2, 5), 0.2)))
-    assert one_hot.tolist() == [[1, 2], [3, 4]] and sampled.tolist() == [[1, 2], [NOT_SHADOWED] * 2]
-    tree = TreeBatch.from_parents(torch.tensor([[9, 1, 2]]), torch.tensor([[-1, 0, 0]]))
-    assert ServingEngine._shadow_chains(engine, Draft.from_tree(tree)) is None
-
-
-def test_shadow_proposals_cost_at_most_their_share_of_recent_time():
-    """Proposing for shadows costs at most SHADOW_SHARE of the verify time, and of the recent
-    time: a long phase of drafting steps (no shadow proposals) banks no allowance for later."""
-    from specdecode.engine.adaptive import SHADOW_SHARE
-
-    policy = AdaptiveBudget(roofline(knee=1, slope=1.0), max_gamma=3)
-    r = req("r")
-    zero, one = torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long)
-    for _ in range(1000):  # drafting steps: their proposing is not for shadows
-        policy.observe([r], one, one, 0.1, 0.002)
-    shadows = []
-    for _ in range(400):
-        propose = policy.propose_first()
-        shadows.append(propose)
-        policy.observe([r], zero, zero, 0.1, 0.002 if propose else 0.0)
-    assert sum(shadows[:20]) <= 11  # nothing banked from the drafting phase (banked: all 20)
-    assert sum(shadows) == pytest.approx(400 * SHADOW_SHARE * 0.1 / 0.002, rel=0.05)  # every 2nd step: 2 ms per 200
-
-
-def test_passes_without_drafts_earn_shadows_a_share_over_their_rows():
-    """A pass that carried no drafts earns shadow proposing SHADOW_SHARE over its rows; one
-    that carried drafts, the whole share. Under load, where no draft pays, shadows change no
-    budget and cost more than their share (32 clients: 0.989x of no drafts' throughput)."""
-    from specdecode.engine.adaptive import SHADOW_SHARE
-
-    def shadows(rows: int, drafting: bool) -> int:
-        policy = AdaptiveBudget(roofline(knee=1, slope=1.0), max_gamma=3)
-        reqs = [req(str(i)) for i in range(rows)]
-        drafts = torch.full((rows,), int(drafting), dtype=torch.long)
-        count = 0
-        for _ in range(800):
-            propose = policy.propose_first()
-            count += propose
-            policy.observe(reqs, torch.zeros(rows, dtype=torch.long), drafts, 0.1, 0.002 if propose and not drafting else 0.0)
-        return count
-
-    assert shadows(8, drafting=False) == pytest.approx(800 * SHADOW_SHARE * 0.1 / 8 / 0.002, abs=2)  # one in 16 steps
-    assert shadows(1, drafting=False) == pytest.approx(800 * SHADOW_SHARE * 0.1 / 0.002, rel=0.05)  # every 2nd step
-    assert shadows(8, drafting=True) == 800  # proposing for real drafts spends nothing on shadows
-
-
-def test_steps_propose_first_while_planning_on_proposals_saves_more_pass_time_than_it_costs():
-    """A proposal made before planning (a shadow step's) is a sample of what planning on one
-    saves: where its drafts save more pass seconds than proposing and planning cost, every step
-    proposes first, uncharged to shadows; where they save nothing, only shadows do."""
-
-    def run(curve: VerifyCost, confidence: float) -> tuple[list[bool], AdaptiveBudget]:
-        policy = AdaptiveBudget(curve, max_gamma=4)
-        reqs = [req(str(i)) for i in range(4)]
-        proposal = Draft(torch.ones(4, 4, dtype=torch.long), confidence=torch.full((4, 4), confidence))
-        first = []
-        for _ in range(64):
-            first.append(policy.propose_first())
-            if first[-1]:  # propose, then plan on the proposal
-                budgets = policy.budgets(reqs, torch.full((4,), 4), None, proposal)
-                policy.observe(reqs, budgets, budgets, 0.01, 1e-3)
-            else:  # plan first
-                budgets = policy.budgets(reqs, torch.full((4,), 4), None)
-                policy.observe(reqs, budgets, budgets, 0.01, 0.0)
-        return first, policy
-
-    first, policy = run(roofline(knee=64), confidence=0.9)  # drafts free: a plan of 4 rows x 4 saves ~2.4 passes
-    assert all(first) and policy.proposal_saved > policy.proposal_cost > 0 and policy.shadow_allowance == 0
-    first, policy = run(roofline(knee=1, slope=4.0), confidence=0.1)  # no draft pays
-    assert first[0] and not all(first) and policy.proposal_saved == 0 < policy.proposal_cost
-    assert sum(first) <= 1 + 64 * 0.01 * 0.01 / 1e-3  # shadows of 1 ms, at most their share of 64 passes of 10 ms
 
 
 def test_skipping_the_widths_where_no_draft_can_meet_the_floor_changes_no_budget(monkeypatch):
