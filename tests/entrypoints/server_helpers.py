@@ -1,5 +1,6 @@
-"""Helpers for the server tests: a uvicorn server on a loopback thread, SSE parsing, and a
-slow-down wrapper that keeps requests in flight long enough to act on them.
+"""Helpers for the server tests: a uvicorn server on a loopback thread, SSE parsing, a
+slow-down wrapper that keeps requests in flight long enough to act on them, and the engine
+and app over the tiny target (conftest.py) that test_server.py and test_server_faults.py run.
 
 Owns: no assertions; tests import these as ``from tests.entrypoints.server_helpers import ...``.
 """
@@ -14,7 +15,9 @@ from typing import Any
 
 import uvicorn
 
-from specdecode.entrypoints.server import DrainingServer
+from specdecode.config import SpecConfig
+from specdecode.engine.serving import ServingEngine
+from specdecode.entrypoints.server import DrainingServer, create_app
 
 
 class ServerThread:
@@ -79,3 +82,29 @@ class SlowEngine:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
+
+
+MAX_MODEL_LEN = 256  # the tiny checkpoint's context
+GAMMA = 3
+SPEC = {"method": "ngram", "num_speculative_tokens": GAMMA, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def make_engine(target, max_num_seqs: int = 8, delay: float = 0.0) -> SlowEngine:
+    engine = ServingEngine(target, SpecConfig.parse(SPEC), max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs)
+    return SlowEngine(engine, delay)
+
+
+def make_app(target, engine=None, **kw):
+    engine = engine if engine is not None else make_engine(target)
+    return create_app(engine, target.tokenizer, "tiny", max_model_len=MAX_MODEL_LEN,
+                      vocab_size=target.config.vocab_size, **kw)  # fmt: skip
+
+
+def wait_idle(srv: ServerThread, timeout: float = 20.0):
+    """Poll the engine (on its thread) until nothing runs, waits or holds blocks."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = srv.engine_call(lambda e: e.stats())
+        if (s.num_running, s.num_waiting, s.num_prefilling, s.kv_blocks_used) == (0, 0, 0, 0) or time.monotonic() > deadline:
+            return s
+        time.sleep(0.05)

@@ -1,0 +1,16 @@
+"""The server tests' tiny target, loaded once per module."""
+
+import pytest
+
+from specdecode.model.loader import load_model
+from tests.tiny import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("serve") / "tiny", "llama", seed=0))
+
+
+@pytest.fixture(scope="module")
+def target(ckpt):
+    return load_model(ckpt, dtype="float32", device="cpu", progress=False)
