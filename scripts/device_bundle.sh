@@ -22,6 +22,7 @@ for f in config.json tokenizer.json tokenizer_config.json chat_template.jinja; d
   if [ -f "$HF/$f" ]; then cp "$HF/$f" .dev/hf/; fi
 done
 split -b "${PART_MB}m" -d -a 2 "$GGUF" .dev/gguf.part.
+sha256sum < "$GGUF" | sed 's/-$/model.gguf/' > .dev/hf/gguf.sha256  # checked after joining there
 python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 -d .dev/whl "gguf==$(python -c 'import importlib.metadata as m; print(m.version("gguf"))')"
 parts=(.dev/gguf.part.*)

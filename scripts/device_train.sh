@@ -18,6 +18,10 @@ M=${DEVICE_TMP:-/tmp/m}
 mkdir -p "$M" /tmp/bin
 cp .dev/gguf.part.* "$M"/
 cat "$M"/gguf.part.* > "$M/model.gguf"
+if ! (cd "$M" && sha256sum -c --quiet "$OLDPWD/.dev/hf/gguf.sha256"); then
+  echo "the GGUF parts in $M do not make the model: a part's call was missed, or the machine went cold between calls"
+  exit 2
+fi
 # the machine's Python is python3 (no `python`), which train_drafters_gpu.sh calls
 command -v python > /dev/null || ln -sf "$(command -v python3)" /tmp/bin/python
 export PATH=/tmp/bin:$PATH
