@@ -76,7 +76,7 @@ def test_int4_rows_do_not_depend_on_how_many_are_verified(kernel):
     lin = Int4Linear.from_weight(torch.randn(96, 160, generator=gen), 32, kernel=kernel)
     x = torch.randn(20, 160, generator=gen).bfloat16()
     alone = torch.cat([lin(x[i : i + 1]) for i in range(20)])
-    for m in (2, 5, 9, 16, 20):
+    for m in (2, 3, 4, 5, 9, 16, 20):  # every kernel shape: half tiles, octets, panels
         assert torch.equal(lin(x[:m]), alone[:m])
 
 
