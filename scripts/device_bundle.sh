@@ -6,7 +6,7 @@
 # usage (repository root): scripts/device_bundle.sh [PART_MB]   (default 20: 5 parts)
 # Writes .dev/ (ignored through .git/info/exclude): gguf.part.*, hf/ (config, tokenizer and chat
 # template of the local conversion: transformers' GGUF tokenizer converter is then not needed
-# there) and whl/ (gguf's wheel; its own needs are all on the machine), then prints the calls.
+# there; and the GGUF's sha256, checked after joining) and whl/ (gguf's wheel; its own needs are all on the machine), then prints the calls.
 set -euo pipefail
 PART_MB=${1:-20}
 EXCLUDE=$(git rev-parse --git-path info/exclude)

@@ -49,7 +49,7 @@ INIT=${INIT-specdecode/weights/smollm2-135m} LR_INIT=${LR_INIT:-5e-4} REGEN_S=${
 for dir in "$M"/out/*/; do
   m=$(basename "$dir")
   if [ -f "$dir/model.safetensors" ]; then
-    tar -cf "$OUT/$m.tar" -C "$M/out" "$m/config.json" "$m/model.safetensors" "$m/train_log.json"
+    tar -cf "$OUT/$m.tar" --ignore-failed-read -C "$M/out" "$m/config.json" "$m/model.safetensors" "$m/train_log.json"
   fi
 done
 tar -czf "$OUT/logs.tgz" -C "$M" train.log out/logs
