@@ -87,6 +87,11 @@ class BudgetOptions:
         if not isinstance(f, (int, float)) or isinstance(f, bool) or not 0 < f <= 1:
             raise SpecDecodeError(f"throughput_floor must be a number in (0, 1], got {f!r}")
 
+    @property
+    def adaptive(self) -> bool:
+        """Whether the engine plans each request's drafts (and learned drafters report confidences)."""
+        return self.verify_budget == "adaptive"
+
     @staticmethod
     def pop_from(raw: dict[str, Any]) -> "BudgetOptions":
         """Take the budget keys out of a raw speculative_config dict."""

@@ -62,7 +62,7 @@ class DFlashDrafter:
         self.net: DFlashNet = load_net(DFlashNet, path, ctx.target.model, ctx.dtype, ctx.device, ctx.quantization)
         self.gamma = spec.num_speculative_tokens
         self.threshold: float = float(spec.options.confidence_threshold)
-        self.report_confidence: bool = spec.budget.verify_budget == "adaptive"  # see eagle.py
+        self.report_confidence: bool = spec.budget.adaptive  # see eagle.py
         if self.gamma > self.net.block_size:
             raise SpecDecodeError(
                 f"dflash drafts at most its block size of {self.net.block_size} tokens per pass; "

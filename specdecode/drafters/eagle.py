@@ -79,7 +79,7 @@ class EagleDrafter:
         self.threshold: float = float(spec.options.confidence_threshold)
         # an adaptive budget plans on per-token confidences: a trained head's, else the draft's own
         # probability of its token (calibrated on the default model: docs/benchmarks.md, issue 4)
-        self.report_confidence: bool = spec.budget.verify_budget == "adaptive"
+        self.report_confidence: bool = spec.budget.adaptive
         self.pending = PendingFeatures()
         self.cache = DraftKVCache(self.net.body)
 

@@ -137,7 +137,7 @@ class ServingEngine(Engine):
 
     def _default_budget(self) -> BudgetPolicy:
         opts = self.spec.budget if self.spec is not None else None
-        if opts is None or opts.verify_budget == "fixed":
+        if opts is None or not opts.adaptive:
             return FixedBudget(opts.max_verify_tokens if opts is not None else None)
         most = min(opts.max_verify_tokens or self.max_num_seqs * self.round_room, 512)
         most = min(most, self.cache.pool.num_free * self.cache.block_size)
