@@ -23,11 +23,15 @@ class SpecDecodeError(ValueError):
     """Bad input. Its message is one line that names the problem."""
 
 
+GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (vLLM's _SAMPLING_EPS)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens from the target's distribution p (and the draft's q alike).
 
-    ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` disable those
+    ``temperature == 0`` is greedy, and so is a temperature below `GREEDY_BELOW` (1e-5, as in
+    vLLM): dividing logits by it would overflow to inf and give NaN probabilities. ``top_k <= 0`` and ``top_p == 1`` disable those
     filters. ``seed`` drives a per-request ``torch.Generator``; ``None`` draws one at
     random. ``stop`` strings end generation and are not included in the text.
     """
@@ -49,14 +53,16 @@ class SamplingParams:
             raise SpecDecodeError(f"temperature must be a finite number, got {self.temperature!r}")
         if self.temperature < 0:
             raise SpecDecodeError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
         if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
             raise SpecDecodeError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
             raise SpecDecodeError(f"top_k must be an integer, got {self.top_k!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise SpecDecodeError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise SpecDecodeError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63):
+            raise SpecDecodeError(f"seed must be a 64-bit integer (in [-2**63, 2**63)), got {self.seed!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise SpecDecodeError("stop must be a list of non-empty strings")
 

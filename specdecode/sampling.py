@@ -107,20 +107,25 @@ def sample(probs: Tensor, generators: Generators) -> Tensor:
     return (probs.float() / race.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(-1)
 
 
-def fill_per_row(out: Tensor, generators: Generators, fill: Callable[..., Tensor]) -> Tensor:
-    """Fill row b of ``out`` [B, ...] in place with ``fill(row, generator=generators[b])``.
+def fill_per_row(
+    out: Tensor, generators: Generators, fill: Callable[..., Tensor], counts: Sequence[int] | None = None
+) -> Tensor:
+    """Fill row b of ``out`` [B, ...] in place with ``fill(row, generator=generators[b])``;
+    with ``counts``, only the first ``counts[b]`` entries of row b (the rest is left as it is).
 
-    One call for the whole tensor when every row uses the same generator (or all None);
-    otherwise one call per row. Either way row b consumes the same amount of its
-    generator's stream, so its numbers do not depend on the other rows.
+    One call for the whole tensor when every row uses the same generator (or all None) and
+    fills all of its row; otherwise one call per row. Row b consumes the same amount of its
+    generator's stream either way: with ``counts`` it draws for what it has, not for the
+    width other rows padded the batch to, so its numbers do not depend on the other rows.
     """
     if len(generators) != out.shape[0]:
         raise ValueError(f"need one generator per row: {out.shape[0]} rows, {len(generators)} generators")
-    if len(generators) > 0 and all(g is generators[0] for g in generators):
+    full = counts is None or all(n == out.shape[1] for n in counts)
+    if full and len(generators) > 0 and all(g is generators[0] for g in generators):
         fill(out, generator=generators[0])
         return out
-    for row, g in zip(out, generators):
-        fill(row, generator=g)
+    for b, (row, g) in enumerate(zip(out, generators)):
+        fill(row if counts is None else row[: counts[b]], generator=g)
     return out
 
 

@@ -48,7 +48,8 @@ def rejection_sample(
             than γ tokens, and everything after its first -1 is padding too. Row b has
             n_b real drafts.
         generator: one generator for all rows, one per row (None entries = default RNG),
-            or None. Row b consumes γ uniforms and V exponentials per call.
+            or None. Row b consumes n_b uniforms and V exponentials per call: what it
+            draws does not depend on how wide other rows' drafts made the batch.
 
     Returns:
         output_tokens: [B, γ+1] int64; row b's tokens are ``output_tokens[b, :num_accepted[b] + 1]``,
@@ -89,11 +90,12 @@ def rejection_sample(
     # Accept iff u < p/q, written without a division: q(d) = 0 accepts whenever p(d) > 0,
     # p(d) = 0 never accepts, and 0 < q(d) <= p(d) accepts whatever u is (so greedy rows
     # are exact even if u rounds to 1).
-    u = fill_per_row(torch.empty(B, gamma, device=p.device), generators, Tensor.uniform_)  # [B, γ]
+    num_drafts = valid.sum(dim=1)  # [B] n_b
+    u = torch.zeros(B, gamma, device=p.device)  # [B, γ]; row b draws its n_b, whatever the batch's width
+    fill_per_row(u, generators, Tensor.uniform_, num_drafts.tolist())
     certain = (p_draft >= q_draft) & (p_draft > 0)  # [B, γ]
     accept = ((u * q_draft < p_draft) | certain) & valid  # [B, γ]
     num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [B] length of the accepted prefix
-    num_drafts = valid.sum(dim=1)  # [B] n_b
 
     # The last token comes from p at the stop position: its residual if a draft was
     # rejected there (recovered), p itself if the row ran out of drafts (bonus).
@@ -150,8 +152,9 @@ def tree_rejection_sample(
             was drawn from, under the same transforms (``q[:, 0]`` and padding are
             ignored); or ``None`` for deterministic children (one-hot q at each token).
         trees: the batch of trees (`specdecode.tree.TreeBatch`), N nodes, max depth D.
-        generator: as `rejection_sample`. Row b consumes N-1 uniforms (one per node, so
-            the same as a chain of N-1 drafts) and V exponentials per call.
+        generator: as `rejection_sample`. Row b consumes n uniforms, n its last real node
+            (one per node; for a chain tree of n drafts the same as the chain), and V
+            exponentials per call.
 
     Returns:
         output_tokens: [B, D+1] int64: the accepted path's draft tokens, then one recovered
@@ -211,7 +214,9 @@ def tree_rejection_sample(
     rows = torch.arange(B, device=p.device)
     depth = trees.max_depth
     tokens = trees.tokens.clamp_min(0)  # [B, N] safe to gather with
-    u = fill_per_row(torch.empty(B, N - 1, device=p.device), generators, Tensor.uniform_)  # [B, N-1], node c: u[:, c-1]
+    last = (trees.valid * torch.arange(N, device=p.device)).amax(dim=1)  # [B] each row's last real node
+    u = torch.zeros(B, N - 1, device=p.device)  # [B, N-1]: node c's at c-1; row b draws up to its last node
+    fill_per_row(u, generators, Tensor.uniform_, last.tolist())
 
     cur = torch.zeros(B, dtype=torch.long, device=p.device)  # [B] the node each row stands on
     residual = p[:, 0].float()  # [B, V] unnormalised; its true law is residual / mass

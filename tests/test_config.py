@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError
 
@@ -34,6 +35,8 @@ def test_none_means_plain():
         ({"top_p": 1.5}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"stop": [""]}, "stop"),
+        ({"seed": 2**64}, "64-bit"),
+        ({"seed": -(2**63) - 1}, "64-bit"),
     ],
 )
 def test_bad_sampling_params(kwargs, match):
@@ -45,3 +48,14 @@ def test_sampling_params_normalise_stop():
     assert SamplingParams(stop="x").stop == ("x",)
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
     assert SamplingParams(temperature=0).greedy
+
+
+def test_tiny_temperatures_decode_greedily():
+    """Below 1e-5 (vLLM's bound) logits / T would overflow to inf and the softmax to NaN."""
+    from specdecode.sampling import logits_to_probs
+
+    params = SamplingParams(temperature=1e-39)
+    assert params.greedy and not SamplingParams(temperature=1e-4).greedy
+    logits = torch.tensor([[[40.0, 41.0, 39.0]]])
+    probs = logits_to_probs(logits, torch.tensor([params.temperature]), torch.tensor([0]), torch.tensor([1.0]))
+    assert probs[0, 0].tolist() == [0.0, 1.0, 0.0]

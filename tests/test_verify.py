@@ -299,8 +299,8 @@ def test_certain_accepts_do_not_depend_on_the_uniform(monkeypatch):
     """With p(d) >= q(d) > 0 the draft is accepted even if the RNG returns u = 1 (some GPU RNGs draw from (0, 1])."""
     real_fill = verify.fill_per_row
 
-    def uniform_is_one(out, generators, fill):
-        return out.fill_(1.0) if fill is torch.Tensor.uniform_ else real_fill(out, generators, fill)
+    def uniform_is_one(out, generators, fill, counts=None):
+        return out.fill_(1.0) if fill is torch.Tensor.uniform_ else real_fill(out, generators, fill, counts)
 
     monkeypatch.setattr(verify, "fill_per_row", uniform_is_one)
     p = torch.tensor([[[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [0.3, 0.3, 0.4]]])
@@ -313,20 +313,23 @@ def test_certain_accepts_do_not_depend_on_the_uniform(monkeypatch):
     assert num_accepted.tolist() == [0]
 
 
-def test_rows_are_reproducible_whatever_the_batch():
-    """Row 0 with the same seed gives the same tokens alone or next to other rows."""
+@pytest.mark.parametrize("own", [3, 1])
+def test_rows_are_reproducible_whatever_the_batch(own):
+    """Row 0 with the same seed gives the same tokens alone (its own width) or next to other
+    rows, also when they pad the batch wider than its own drafts."""
     g = torch.Generator().manual_seed(9)
     V, gamma = 30, 3
     p = torch.softmax(torch.randn(4, gamma + 1, V, generator=g), -1)
     q = torch.softmax(torch.randn(4, gamma, V, generator=g), -1)
     drafts = torch.randint(0, V, (4, gamma), generator=g)
     drafts[2, 1:] = -1
+    drafts[0, own:] = -1
     alone_gen = [make_generator(1234, "cpu")]
     batch_gens = [make_generator(1234, "cpu"), make_generator(1, "cpu"), None, make_generator(3, "cpu")]
     alone, together = [], []
     for _ in range(30):
-        out, acc = rejection_sample(p[:1], q[:1], drafts[:1], generator=alone_gen)
-        alone.append((out[0].tolist(), acc[0].item()))
+        out, acc = rejection_sample(p[:1, : own + 1], q[:1, :own], drafts[:1, :own], generator=alone_gen)
+        alone.append((out[0].tolist() + [-1] * (gamma - own), acc[0].item()))
         out, acc = rejection_sample(p, q, drafts, generator=batch_gens)
         together.append((out[0].tolist(), acc[0].item()))
     assert alone == together

@@ -384,21 +384,28 @@ def test_edge_cases_without_nan_or_zero_probability_tokens():
     assert follows_target_single(out[:, 0], torch.tensor([0.0, 0.25, 0.75, 0, 0, 0])) > 1e-4
 
 
-def test_rows_are_reproducible_whatever_the_batch():
-    """Row 0 with its own seed gives the same tokens alone or next to other trees of at most its size."""
+def _unpadded(t: torch.Tensor) -> list[int] | int:
+    return t.item() if t.dim() == 0 else [x for x in t.tolist() if x != -1]
+
+
+@pytest.mark.parametrize("first", [2, 0])
+def test_rows_are_reproducible_whatever_the_batch(first):
+    """Row 0 with its own seed gives the same tokens alone or next to other trees, smaller or larger."""
     g = torch.Generator().manual_seed(14)
-    big = DraftTree.from_paths(1, SHAPES[2], torch.randint(0, V, (len(SHAPES[2]),), generator=g))
-    others = [DraftTree.from_chain(2, [3, 4]), DraftTree.from_paths(0, SHAPES[0], torch.randint(0, V, (9,), generator=g))]
-    N = big.num_nodes
+    trees = [DraftTree.from_paths(i, SHAPES[i], torch.randint(0, V, (len(SHAPES[i]),), generator=g)) for i in (2, 0)]
+    mine, other = trees[0 if first == 2 else 1], trees[1 if first == 2 else 0]
+    others = [DraftTree.from_chain(2, [3, 4]), other]
+    N = max(t.num_nodes for t in trees)
     p = torch.softmax(torch.randn(3, N, V, generator=g), -1)
     q = torch.softmax(torch.randn(3, N, V, generator=g), -1)
+    n = mine.num_nodes
     alone_gen, batch_gens = [make_generator(77, "cpu")], [make_generator(77, "cpu"), make_generator(1, "cpu"), None]
     alone, together = [], []
     for _ in range(40):
-        r = tree_rejection_sample(p[:1], q[:1], batch_trees([big]), generator=alone_gen)
-        alone.append([t[0].tolist() for t in r])
-        r = tree_rejection_sample(p, q, batch_trees([big, *others]), generator=batch_gens)
-        together.append([t[0].tolist() for t in r])
+        r = tree_rejection_sample(p[:1, :n], q[:1, :n], batch_trees([mine]), generator=alone_gen)
+        alone.append([_unpadded(t[0]) for t in r])
+        r = tree_rejection_sample(p, q, batch_trees([mine, *others]), generator=batch_gens)
+        together.append([_unpadded(t[0]) for t in r])
     assert alone == together
     assert len({str(a) for a in alone}) > 3
 

@@ -133,7 +133,7 @@ class DraftModelDrafter:
                 token = logits.argmax(dim=-1)
             else:
                 q = logits_to_probs(logits[:, None], batch.temperature, batch.top_k, batch.top_p)[:, 0]  # [B, V]
-                token = sample(q, batch.generators)
+                token = sample(q, batch.draft_generators(k))
                 qs.append(q)
             drafts.append(token)
             if k + 1 < num_tokens:  # the last draft token is fed next round, if accepted

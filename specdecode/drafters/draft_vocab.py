@@ -80,14 +80,18 @@ class DraftVocabHead(nn.Module):
         """[..., V] target probabilities or logits -> [..., Vd] at the draft vocabulary."""
         return p[..., self.vocab_ids]
 
-    def sample(self, logits: Tensor, batch: Batch, vocab_size: int) -> tuple[Tensor, Tensor]:
-        """Draft tokens [B, T] sampled from ``logits`` [B, T, Vd] under the rows' temperature,
-        top-k and top-p, and their q [B, T, V] (0 outside the draft vocabulary). Computed over
-        the draft vocabulary and then scattered: the same distribution as filtering the full
-        logits (-inf outside; ``vocab_ids`` are sorted, so argmax ties break alike), at a sixth
-        of the cost of the softmax and of the random draws."""
+    def sample(
+        self, logits: Tensor, batch: Batch, vocab_size: int, start: int = 0, drafting: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Draft tokens [B, T] sampled from ``logits`` [B, T, Vd] (draft positions start .. start+T-1)
+        under the rows' temperature, top-k and top-p, and their q [B, T, V] (0 outside the draft
+        vocabulary). Computed over the draft vocabulary and then scattered: the same distribution
+        as filtering the full logits (-inf outside; ``vocab_ids`` are sorted, so argmax ties break
+        alike), at a sixth of the cost of the softmax and of the random draws. Rows past their
+        draft limit, or not ``drafting`` [B], draw from scratch (`Batch.draft_generators`)."""
         q = logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p)  # [B, T, Vd]
-        tokens = self.vocab_ids[torch.stack([sample(q[:, k], batch.generators) for k in range(q.shape[1])], dim=1)]
+        draws = [sample(q[:, k], batch.draft_generators(start + k, drafting)) for k in range(q.shape[1])]
+        tokens = self.vocab_ids[torch.stack(draws, dim=1)]
         if self.size == vocab_size:  # the whole vocabulary: vocab_ids, kept sorted by prepare, is every id in order
             return tokens, q
         full = q.new_zeros((*q.shape[:-1], vocab_size))

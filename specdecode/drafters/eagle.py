@@ -144,8 +144,9 @@ class EagleDrafter:
             if batch.all_greedy:  # one-hot q: the verifier needs no distribution
                 token = self.net.head.vocab_ids[logits.argmax(dim=-1)]
             else:
-                token, q = self.net.head.sample(logits[:, None], batch, self.vocab_size)  # [B, 1], [B, 1, V]
-                token, q = token[:, 0], q[:, 0]
+                drafting = alive if self.threshold > 0 else None  # a stopped row's draws are scratch
+                token, q = self.net.head.sample(logits[:, None], batch, self.vocab_size, k, drafting)
+                token, q = token[:, 0], q[:, 0]  # [B], [B, V]
                 qs.append(q)
             token = torch.where(alive, token, -1)
             drafts.append(token)

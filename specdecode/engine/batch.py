@@ -65,6 +65,7 @@ class Batch:
         self.seqs = seqs
         self.capacity = capacity
         self.device = device
+        self._scratch = make_generator(0, device)  # draws whose tokens are cut before verification
         self._refresh()
 
     def _refresh(self) -> None:
@@ -72,6 +73,19 @@ class Batch:
         self.temperature, self.top_k, self.top_p = sampling_tensors(params, self.device)  # [B] each
         self.all_greedy = all(p.greedy for p in params)
         self.generators = [s.generator for s in self.seqs]
+        # set by the engine before each proposal: row b verifies at most draft_limits[b] draft tokens
+        # this step (None: no row is cut below the depth it is asked for)
+        self.draft_limits: list[int] | None = None
+
+    def draft_generators(self, k: int, drafting: torch.Tensor | None = None) -> list[torch.Generator | None]:
+        """The generators to sample draft position ``k`` (0-based) from: a row's own where its
+        draft can reach k (within ``draft_limits``, and ``drafting`` [B] bool where given), else
+        a scratch stream. A row's own stream then advances by its own drafts only, not by the
+        depth another row asked for, so a seeded request samples the same tokens whatever else
+        is in the batch (under a fixed budget)."""
+        own = [True] * len(self.seqs) if drafting is None else drafting.tolist()
+        limits = self.draft_limits or [k + 1] * len(self.seqs)
+        return [g if ok and k < n else self._scratch for g, ok, n in zip(self.generators, own, limits)]
 
     def __len__(self) -> int:
         return len(self.seqs)

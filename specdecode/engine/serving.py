@@ -320,13 +320,13 @@ class ServingEngine(Engine):
         # once, on what it found (at one client the first planning was ~1.3% of a step).
         shadowing = self.drafter is not None and self._shadows and self.budget.propose_first()
         cheap = shadowing and self.budget.lookahead() > 0
-        if cheap:
-            want = self.gamma
-        else:
-            want = int(self.budget.budgets(reqs, gammas, self).max()) if self.drafter is not None else 0
+        planned = None if cheap or self.drafter is None else self.budget.budgets(reqs, gammas, self)  # [B]
+        want = self.gamma if cheap else int(planned.max()) if planned is not None else 0
         shadow: torch.Tensor | None = None
         if want > 0 or shadowing:
             depth = min(want + self.budget.lookahead() if want else self.gamma, self.gamma)
+            # drafts past a row's own plan come from scratch: its stream follows its own γ (Batch.draft_generators)
+            self.batch.draft_limits = planned.tolist() if planned is not None else None
             start = time.perf_counter()
             proposed = self.drafter.propose(self.batch, depth)
             draft_seconds = time.perf_counter() - start

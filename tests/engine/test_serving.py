@@ -134,18 +134,26 @@ def test_abort_frees_blocks_and_spares_the_others(plain, ckpts, reference):
     assert not engine.has_unfinished() and engine.stats().kv_blocks_used == 0
 
 
-@pytest.mark.parametrize("name", ["ngram", "draft_model"])
-def test_seeded_sampling_is_reproducible_whatever_else_runs(plain, ckpts, name):
+@pytest.mark.parametrize(
+    "name, prompt, override",
+    [
+        ("ngram", 3, None),
+        ("ngram", 5, None),  # x finds shorter chains than the repetitive rows: its draws stay its own
+        ("draft_model", 3, None),
+        ("draft_model", 0, {"num_speculative_tokens": 1}),  # the others draft 3 deep
+    ],
+)
+def test_seeded_sampling_is_reproducible_whatever_else_runs(plain, ckpts, name, prompt, override):
     sampled = SamplingParams(temperature=1.0, max_tokens=15, seed=7, ignore_eos=True)
     alone = make_engine(plain, ckpts, name)
-    alone.add_request("x", PROMPTS[3], sampled)
+    alone.add_request("x", PROMPTS[prompt], sampled, spec_override=override)
     want = [t for _ in range(100) if alone.has_unfinished() for e in alone.step() for t in e.new_token_ids]
     crowded = make_engine(plain, ckpts, name, max_num_seqs=3)
     others = [SamplingParams(temperature=0.9, max_tokens=9, seed=s, ignore_eos=True) for s in range(4)]
     for i, sp in enumerate(others):
-        crowded.add_request(f"o{i}", PROMPTS[i], sp)
+        crowded.add_request(f"o{i}", PROMPTS[[3, 4, 0, 1][i]], sp)
     crowded.step()
-    crowded.add_request("x", PROMPTS[3], sampled)
+    crowded.add_request("x", PROMPTS[prompt], sampled, spec_override=override)
     got = [t for _ in range(200) if crowded.has_unfinished() for e in crowded.step() if e.request_id == "x"
            for t in e.new_token_ids]
     assert got == want and len(want) == 15
