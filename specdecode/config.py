@@ -70,6 +70,20 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def visible_text(self, text: str, finished: bool = True) -> str:
+        """What of a request's decoded ``text`` may be shown: up to its first stop string (not
+        included, as in vLLM). While it runs, also without what a later token may change: a
+        trailing run of U+FFFD (an unfinished UTF-8 character; byte-fallback tokenizers such as
+        Gemma's decode each of its bytes to one) and a tail that may begin a stop string."""
+        cuts = [text.index(s) for s in self.stop if s in text]
+        if cuts:
+            text = text[: min(cuts)]
+        if finished:
+            return text
+        text = text.rstrip("\ufffd")
+        held = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        return text[: len(text) - held]
+
 
 @dataclass(frozen=True)
 class BudgetOptions:

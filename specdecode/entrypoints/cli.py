@@ -180,18 +180,18 @@ def _params(args: argparse.Namespace) -> SamplingParams:
 
 
 class _TextStreamer:
-    """Prints text as rounds commit tokens. Decoding the whole output keeps multi-byte characters whole."""
+    """Prints text as rounds commit tokens: decoding the whole output keeps multi-byte characters
+    whole, and what may still become part of a stop string waits (`SamplingParams.visible_text`)."""
 
-    def __init__(self, llm: Any) -> None:
-        self.llm, self.out, self.shown = llm, [], ""
+    def __init__(self, llm: Any, params: SamplingParams) -> None:
+        self.llm, self.params, self.out, self.shown = llm, params, [], ""
 
     def __call__(self, request_id: int, new_ids: list[int]) -> None:
         self.out += new_ids
-        text = self.llm.decode(self.out)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-            return
-        print(text[len(self.shown) :], end="", flush=True)
-        self.shown = text
+        text = self.params.visible_text(self.llm.decode(self.out), finished=False)
+        if len(text) > len(self.shown) and text.startswith(self.shown):
+            print(text[len(self.shown) :], end="", flush=True)
+            self.shown = text
 
     def finish(self, final_text: str) -> None:
         print(final_text[len(self.shown) :] if final_text.startswith(self.shown) else "", flush=True)
@@ -213,7 +213,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(model=args.model, speculative_config=spec, dtype=args.dtype, device=args.device,
               quantization=args.quantization, batch_invariant=args.batch_invariant, compile=_compile(args))  # fmt: skip
     prompt_ids = llm.encode_chat(args.prompt) if args.chat else llm.tokenize(args.prompt)
-    streamer = None if args.json else _TextStreamer(llm)
+    streamer = None if args.json else _TextStreamer(llm, params)
     out = llm.generate([prompt_ids], params, on_tokens=streamer)[0]
     if streamer is not None:
         streamer.finish(out.text)

@@ -276,9 +276,6 @@ class LLM:
         return ids
 
     def _output(self, prompt, out, finish, params, stats, wall, first) -> RequestOutput:
-        text = self.decode(out)
-        cuts = [text.index(s) for s in params.stop if s in text]
-        if cuts:  # the stop string itself is not part of the text (as in vLLM)
-            text = text[: min(cuts)]
+        text = params.visible_text(self.decode(out))
         metrics = RequestMetrics(**dataclasses.asdict(stats), num_generated_tokens=len(out), wall_time_s=wall, first_token_time_s=first)
         return RequestOutput(prompt, out, text, finish, metrics)

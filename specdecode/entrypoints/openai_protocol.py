@@ -21,7 +21,8 @@ from specdecode.entrypoints.llm import RequestMetrics
 
 # OpenAI fields we do not implement: a request that sets one gets a 400 rather than silence.
 UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "logit_bias", "presence_penalty",
-               "frequency_penalty", "tools", "functions", "repetition_penalty")  # fmt: skip
+               "frequency_penalty", "tools", "functions", "repetition_penalty", "response_format",
+               "stop_token_ids", "min_tokens", "min_p", "tool_choice", "guided_json")  # fmt: skip
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "n")
 
 
@@ -81,9 +82,9 @@ class _Request(BaseModel):
         for name in UNSUPPORTED:
             if (self.model_extra or {}).get(name):
                 raise bad_request(f"{name} is not supported by this server", name)
-        if (self.n or 1) != 1:
+        if self.n not in (None, 1):
             raise bad_request(f"only n = 1 is supported, got {self.n}", "n")
-        if (self.best_of or 1) != 1:
+        if self.best_of not in (None, 1):
             raise bad_request(f"only best_of = 1 is supported, got {self.best_of}", "best_of")
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
@@ -161,8 +162,8 @@ def parse_body(raw: bytes, model_cls: type[_Request]) -> Any:
         req = model_cls.model_validate(obj)
     except ValidationError as e:
         raise validation_error(e.errors()) from None
-    if isinstance(req, ChatCompletionRequest) and req.max_tokens is None:
-        req.max_tokens = req.max_completion_tokens
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        req.max_tokens = req.max_completion_tokens  # OpenAI's and vLLM's order: the newer name wins
     req.check_supported()
     return req
 

@@ -28,7 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specdecode.config import SpecDecodeError
+from specdecode.config import SamplingParams, SpecDecodeError
 from specdecode.entrypoints.engine_thread import ADMITTED, EngineThread, ShuttingDown
 from specdecode.entrypoints.openai_protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, bad_request, from_spec_error, parse_body, usage,
@@ -42,8 +42,10 @@ COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat default
 class _Output:
     """One request's events as text: stop strings cut, partial characters and stop prefixes held back."""
 
-    def __init__(self, app: _Server, request_id: str, events: asyncio.Queue, stop: Sequence[str], arrival: float) -> None:
-        self.app, self.request_id, self.events, self.stop, self.arrival = app, request_id, events, stop, arrival
+    def __init__(
+        self, app: _Server, request_id: str, events: asyncio.Queue, params: SamplingParams, arrival: float
+    ) -> None:
+        self.app, self.request_id, self.events, self.params, self.arrival = app, request_id, events, params, arrival
         self.ids: list[int] = []
         self.shown = 0  # characters of the text already returned
         self.finish: str | None = None
@@ -69,18 +71,9 @@ class _Output:
         return self._delta()
 
     def _delta(self) -> str:
-        text = self.app.decode(self.ids)
-        cuts = [text.index(s) for s in self.stop if s in text]
-        if cuts:  # the stop string is not part of the text (as in vLLM)
-            text = text[: min(cuts)]
-        safe = len(text)
-        if self.finish is None:
-            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-                safe -= 1
-            held = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-            safe = min(safe, len(text) - held)
-        delta = text[self.shown : safe] if safe > self.shown else ""
-        self.shown = max(self.shown, safe)
+        text = self.params.visible_text(self.app.decode(self.ids), finished=self.finish is not None)
+        delta = text[self.shown :]
+        self.shown = max(self.shown, len(text))
         return delta
 
     def usage(self) -> dict[str, Any]:
@@ -137,7 +130,8 @@ class _Server:
 
     async def generate(self, request: Request, req: Any, prompt_ids: list[int], chat: bool) -> Response:
         arrival = time.monotonic()
-        default_max = max(1, self.max_model_len - len(prompt_ids)) if chat else COMPLETION_MAX_TOKENS
+        room = max(1, self.max_model_len - len(prompt_ids))  # an unset max_tokens never overruns the context
+        default_max = room if chat else min(COMPLETION_MAX_TOKENS, room)
         params = req.sampling_params(default_max)
         if self.engine_thread.draining:
             raise APIError(503, "the server is shutting down", "service_unavailable")
@@ -147,7 +141,7 @@ class _Server:
         if admitted is not ADMITTED:
             raise _engine_error(admitted)
         self.metrics.observe_admitted(len(prompt_ids))
-        out = _Output(self, request_id, events, params.stop, arrival)
+        out = _Output(self, request_id, events, params, arrival)
         if req.stream:
             return _EventStream(self._sse(out, req, chat), on_close=out.cancel)
         return await self._complete(request, out, chat)

@@ -16,7 +16,8 @@ from typing import Any
 import uvicorn
 
 from specdecode.config import SpecConfig
-from specdecode.engine.serving import ServingEngine
+from specdecode.engine.batch import SpecStats
+from specdecode.engine.serving import EngineStats, RequestEvent, ServingEngine
 from specdecode.entrypoints.server import DrainingServer, create_app
 
 
@@ -82,6 +83,49 @@ class SlowEngine:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
+
+
+class ScriptedEngine:
+    """The engine's interface, emitting the same fixed token ids to every request, one a step."""
+
+    def __init__(self, script: list[int]) -> None:
+        self.script, self.requests = script, {}
+
+    def add_request(self, request_id: str, prompt: list[int], params: Any, spec_override: Any = None) -> None:
+        self.requests[request_id] = [len(prompt), 0, params.max_tokens]
+
+    def abort(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(len(self.requests), 0, 0, 0, 0, 1)
+
+    def step(self) -> list[RequestEvent]:
+        events = []
+        for request_id, state in list(self.requests.items()):
+            num_prompt, done, limit = state
+            state[1] = done + 1
+            finish = "length" if state[1] >= min(limit, len(self.script)) else None
+            if finish:
+                del self.requests[request_id]
+            events.append(RequestEvent(request_id, self.script[done : done + 1], finish, SpecStats(), num_prompt, done + 1))
+        return events
+
+
+def byte_fallback_tokenizer() -> Any:
+    """A Llama-2 / Gemma-style tokenizer: characters outside its vocabulary are spelled in bytes,
+    and each byte of an unfinished character decodes to one U+FFFD."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    vocab.update({c: len(vocab) + i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz ")})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
 MAX_MODEL_LEN = 256  # the tiny checkpoint's context

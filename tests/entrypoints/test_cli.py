@@ -67,6 +67,19 @@ def test_generate_streams_text_then_stats(capsys, tiny):
     assert "acceptance rate" in err and "tokens/s" in err and "acceptance by position" in err
 
 
+def test_streamed_text_stops_before_a_stop_string(capsys, tiny):
+    """What `generate` prints is the --json text: the stop string and what follows never show."""
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    argv = ["generate", "0123456789", "--model", tiny["target"], "--speculative-config", spec,
+            "--max-tokens", "24", "--dtype", "float32", "--ignore-eos"]  # fmt: skip
+    full = json.loads(run(capsys, *argv, "--json")[1])["text"]
+    stop = full.strip()[len(full.strip()) // 2 :][:2]
+    assert len(stop) == 2, full
+    cut = json.loads(run(capsys, *argv, "--json", "--stop", stop)[1])["text"]
+    code, out, _ = run(capsys, *argv, "--stop", stop)
+    assert code == 0 and out == cut + "\n" and stop not in out
+
+
 @pytest.mark.parametrize(
     "extra,match",
     [

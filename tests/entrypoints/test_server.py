@@ -13,9 +13,12 @@ import re
 import httpx
 import pytest
 
+from specdecode.entrypoints.server import create_app
 from tests.entrypoints.server_helpers import (
     MAX_MODEL_LEN,
+    ScriptedEngine,
     ServerThread,
+    byte_fallback_tokenizer,
     make_app,
     sse_events,
 )
@@ -157,7 +160,11 @@ BAD = [
     ("speculative override unknown key", {"speculative_config": {"method": "ngram", "gamma": 2}}, "speculative_config"),
     ("speculative override not an object", {"speculative_config": 3}, "speculative_config"),
     ("n > 1", {"n": 2}, "n"),
+    ("n = 0", {"n": 0}, "n"),
+    ("best_of = 0", {"best_of": 0}, "best_of"),
+    ("seed beyond 64 bits", {"seed": 2**64}, "seed"),
     ("unsupported logprobs", {"logprobs": 2}, "logprobs"),
+    ("unsupported stop_token_ids", {"stop_token_ids": [3]}, "stop_token_ids"),
     ("stop not strings", {"stop": [1]}, "stop"),
     ("missing prompt", {"prompt": None}, "prompt"),
 ]
@@ -183,6 +190,15 @@ def test_bad_chat_input_is_400(client):
         r = client.post("/v1/chat/completions", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).status_code == 200
+    both = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9, "max_completion_tokens": 2, "ignore_eos": True}
+    assert client.post("/v1/chat/completions", json=both).json()["usage"]["completion_tokens"] == 2  # the newer name wins
+
+
+def test_unset_max_tokens_stays_within_the_context(client):
+    """A completion without max_tokens (OpenAI's default 16) near the context's end gets the room left."""
+    prompt = [5] * (MAX_MODEL_LEN - 4)
+    r = client.post("/v1/completions", json={"prompt": prompt, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
 
 
 # -- auth ------------------------------------------------------------------------------------
@@ -199,3 +215,19 @@ def test_api_key(target):
         good = {"Authorization": "Bearer s3cret"}
         assert c.post("/v1/completions", json=body, headers=good).status_code == 200
         assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
+
+
+def test_characters_a_byte_fallback_tokenizer_spells_in_bytes_arrive_whole():
+    """Gemma's and Llama-2's tokenizers decode each byte of an unfinished character to U+FFFD:
+    the whole run waits, so no delta carries one and none is lost when the character completes."""
+    tok = byte_fallback_tokenizer()
+    want = "ab 你好 cd"
+    script = tok(want, add_special_tokens=False)["input_ids"]
+    assert len(script) > len(want)  # each CJK character is three byte tokens
+    app = create_app(ScriptedEngine(script), tok, "tiny", max_model_len=64, vocab_size=len(tok))
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        body = {"prompt": "a", "max_tokens": 50}
+        assert c.post("/v1/completions", json=body).json()["choices"][0]["text"] == want
+        with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            deltas = [e["choices"][0]["text"] for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+    assert "".join(deltas) == want and not any("\ufffd" in d for d in deltas)
