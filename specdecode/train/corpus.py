@@ -52,14 +52,14 @@ class Corpus:
 
 def find_files(paths: tuple[str, ...]) -> list[Path]:
     """Every corpus file under ``paths``, sorted; a missing path or no file at all is an error."""
-    files: set[Path] = set()
+    files: set[Path] = set()  # resolved: a file named twice (two spellings, a link) is read once
     for p in map(Path, paths):
         if not p.exists():
             raise SpecDecodeError(f"data path not found: {p}")
         if p.is_file():
-            files.add(p)
+            files.add(p.resolve())
         else:
-            files.update(f for f in p.rglob("*") if f.suffix in SUFFIXES and f.is_file())
+            files.update(f.resolve() for f in p.rglob("*") if f.suffix in SUFFIXES and f.is_file())
     if not files:
         kinds = " ".join(f"*{s}" for s in SUFFIXES)
         raise SpecDecodeError(f"no text found in {', '.join(paths)} (looked for {kinds})")
@@ -138,7 +138,7 @@ def read_corpus(
     docs = kept
     stream = [t for d in docs for t in d]
     if len(docs) >= 2:
-        held = max(1, round(heldout * len(docs)))
+        held = min(max(1, round(heldout * len(docs))), len(docs) - 1)  # at least one document trains
         cut = sum(len(d) for d in docs[:-held])
     else:
         cut = len(stream) - max(1, round(heldout * len(stream)))

@@ -21,6 +21,7 @@ import json
 import sys
 from pathlib import Path
 
+from specdecode.config import SpecDecodeError
 from specdecode.train.instructions import instructions
 
 
@@ -28,6 +29,8 @@ def read_messages(paths: list[str], role: str) -> list[str]:
     """The ``role`` messages of chat records (an earlier run's output)."""
     texts = []
     for path in paths:
+        if not Path(path).is_file():
+            raise SpecDecodeError(f"chat records not found: {path}")
         for line in Path(path).read_text(encoding="utf-8").splitlines():
             try:
                 record = json.loads(line)
@@ -68,6 +71,15 @@ def main(argv: list[str] | None = None) -> int:
         assert 0 <= shard < num_shards
     except (ValueError, AssertionError):
         ap.error(f"--shard must be K/N with 0 <= K < N, got {args.shard!r}")
+    try:
+        return answer(args, shard, num_shards)
+    except SpecDecodeError as e:  # bad input: one line, as the CLI gives it
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def answer(args: argparse.Namespace, shard: int, num_shards: int) -> int:
+    """Answer this shard's instructions and write them as chat records to ``args.out``."""
     import torch
     from tqdm import tqdm
 
@@ -75,12 +87,12 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    answered = set(read_messages(args.exclude, "user"))  # bad paths fail before the model loads
+    prompts = new_instructions(args.num, args.seed, read_passages(args.passages), answered)[shard::num_shards]
     # sequences end within max_model_len; KV for a whole batch of them, so nothing is preempted
     max_len = args.max_prompt_tokens + args.max_tokens
     llm = LLM(model=args.target, max_model_len=max_len, max_num_seqs=args.batch,
               num_blocks=args.batch * -(-(max_len + 32) // 16))  # fmt: skip
-    answered = set(read_messages(args.exclude, "user"))
-    prompts = new_instructions(args.num, args.seed, read_passages(args.passages), answered)[shard::num_shards]
     limit = args.max_prompt_tokens
     encoded = [(p, llm.encode_chat(p)) for p in prompts]  # the chat template rendered once per instruction
     fits = [(p, ids) for p, ids in encoded if len(ids) <= limit]

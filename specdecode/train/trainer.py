@@ -160,6 +160,8 @@ def read_checkpoint(cfg: TrainConfig) -> dict[str, Any]:
         raise SpecDecodeError(f"--resume: {path} is not a specdecode training checkpoint")
     if ckpt.get("method") != cfg.method:
         raise SpecDecodeError(f"--resume: {cfg.out} holds a {ckpt.get('method')!r} checkpoint, not {cfg.method!r}")
+    if not {"net_config", "target", "step", "net", "optimizer", "rng", "cuda_rng", "log"} <= set(ckpt):
+        raise SpecDecodeError(f"--resume: {path} is not a specdecode training checkpoint")
     return ckpt
 
 
@@ -191,9 +193,15 @@ def init_from(net: torch.nn.Module, folder: str, target: Transformer, freeze: bo
     """Load a trained folder's weights into ``net``; with ``freeze`` they stay fixed, so that only
     what the folder lacks (a new confidence head, say) trains."""
     _, state = read_net(net.method, folder, target)
-    unexpected = net.load_state_dict(state, strict=False).unexpected_keys
+    own = net.state_dict()
+    unexpected = [k for k in state if k not in own]
     if unexpected:
         raise SpecDecodeError(f"--init {folder}: tensors the net does not have: {unexpected[:3]}")
+    for k, v in state.items():
+        if v.shape != own[k].shape:  # e.g. --net-config changed draft_vocab or num_layers
+            raise SpecDecodeError(f"--init {folder}: {k} is {list(v.shape)} there, {list(own[k].shape)} in this net; "
+                                  "drop the --net-config keys that change it")  # fmt: skip
+    net.load_state_dict(state, strict=False)
     for name, p in net.named_parameters():
         if name in state and freeze:
             p.requires_grad_(False)
@@ -254,7 +262,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     else:
         log["start"] = {"step": 0, **evaluate(net, target, corpus.heldout, cfg)}
         log["evals"].append(log["start"])
-    cache = TargetCache(cfg.cache_topk) if cfg.cache_topk else None
+    cache = TargetCache(min(cfg.cache_topk, target.config.vocab_size)) if cfg.cache_topk else None  # k >= V: all
     bar = tqdm(total=cfg.steps, initial=step, disable=not cfg.progress, desc=f"train {cfg.method}", unit="step")
     tokens, t0 = 0, time.perf_counter()
     before = log.get("train_seconds", 0.0)  # training time of earlier runs of a resumed checkpoint

@@ -28,10 +28,14 @@ def folders(tmp_path, tiny_target, corpus):
     other = tmp_path / "other_method"
     other.mkdir()
     torch.save({"method": "eagle", "step": 3}, other / CHECKPOINT_FILE)
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    torch.save({"method": "draft_model", "step": 3}, partial / CHECKPOINT_FILE)  # a foreign file of that name
     bad_jsonl = tmp_path / "bad.jsonl"
     bad_jsonl.write_text('{"text": "fine"}\n{"neither": 1}\n')
     return {"target": tiny_target, "corpus": corpus, "empty_text": str(empty_text), "no_text": str(no_text),
-            "other": str(other), "bad_jsonl": str(bad_jsonl), "out": str(tmp_path / "out")}  # fmt: skip
+            "other": str(other), "partial": str(partial), "bad_jsonl": str(bad_jsonl),
+            "out": str(tmp_path / "out")}  # fmt: skip
 
 
 # per case: the flags it changes (None = left out) and what the error line must say
@@ -50,6 +54,7 @@ CASES = {
     "bad steps": ({"--steps": "0"}, "--steps must be an integer >= 1"),
     "resume another method": ({"--out": "@other", "--resume": ""}, "holds a 'eagle' checkpoint, not 'draft_model'"),
     "resume without checkpoint": ({"--resume": ""}, "--resume: no checkpoint.pt"),
+    "resume a foreign checkpoint": ({"--out": "@partial", "--resume": ""}, "is not a specdecode training checkpoint"),
 }
 
 
@@ -76,3 +81,17 @@ def test_cli_trains_and_prints_heldout_metrics(capsys, folders):
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "held-out start (step 0)" in out and "held-out end (step 4)" in out and "alpha@1" in out
+
+
+def test_init_refuses_a_net_config_that_reshapes_its_tensors(capsys, folders, tmp_path):
+    common = ["--method", "medusa", "--target", folders["target"], "--data", folders["corpus"], "--steps", "1",
+              "--batch-size", "2", "--seq-len", "32", "--eval-batches", "1", "--dtype", "float32", "--device", "cpu",
+              "--quiet"]  # fmt: skip
+    first = str(tmp_path / "first")
+    # a top-k logit cache larger than the vocabulary keeps all of it
+    code = main(["train", *common, "--out", first, "--net-config", '{"draft_vocab": 0}', "--cache-topk", "100000"])
+    assert code == 0, capsys.readouterr().err
+    capsys.readouterr()
+    code, err = run_train(capsys, *common, "--out", str(tmp_path / "second"), "--init", first,
+                          "--net-config", '{"draft_vocab": 32}')  # fmt: skip
+    assert code == 2 and err.count("\n") == 1 and "drop the --net-config keys" in err, err

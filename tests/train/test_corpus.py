@@ -49,3 +49,17 @@ def test_pack_pads_the_last_window():
     w = pack(list(range(1, 11)), 4)
     assert w.tokens.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 0, 0]]
     assert w.mask.sum() == 10 and not w.mask[2, 2:].any()
+
+
+def test_a_file_named_twice_is_read_once_and_one_document_always_trains(tmp_path):
+    for i in range(3):
+        (tmp_path / f"{i}.txt").write_text(f"document {i} " * 20)
+    tok = tiny_tokenizer()
+    once = read_corpus((str(tmp_path),), tok, seq_len=16, max_tokens=10_000, heldout=0.3, seed=0)
+    twice = read_corpus((str(tmp_path), f"{tmp_path}/./", str(tmp_path / "0.txt")), tok, seq_len=16,
+                        max_tokens=10_000, heldout=0.3, seed=0)  # fmt: skip
+    assert twice.num_files == once.num_files == 3 and torch.equal(twice.heldout.tokens, once.heldout.tokens)
+    most = read_corpus((str(tmp_path),), tok, seq_len=16, max_tokens=10_000, heldout=0.99, seed=0)
+    eos = tok.eos_token_id
+    assert int((most.train.tokens[most.train.mask] == eos).sum()) == 1  # 0.99 of 3 documents: 2 held out
+    assert int((most.heldout.tokens[most.heldout.mask] == eos).sum()) == 2

@@ -71,3 +71,12 @@ def test_a_new_run_skips_the_instructions_earlier_runs_answered():
     assert len(made) == 100 and not earlier & set(made)
     kinds = [p.split(" ")[0] for p in made]
     assert kinds.count("Summarize") >= 10  # still a mix
+
+
+def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
+    out = str(tmp_path / "data.jsonl")
+    assert main(["--out", out, "--exclude", str(tmp_path / "no.jsonl")]) == 2
+    assert capsys.readouterr().err == f"error: chat records not found: {tmp_path / 'no.jsonl'}\n"
+    assert main(["--out", out, "--target", str(tmp_path / "no_model"), "--num", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
