@@ -109,9 +109,13 @@ class FeatureNet(nn.Module):
 
     @torch.no_grad()
     def _init_from_target(self, target: Transformer) -> None:
-        """Warm start: the decoder layers copy the target's last ones, the norm its final norm."""
+        """Warm start: the decoder layers copy the target's last ones (a net deeper than the target
+        keeps its first extra layers random), the norm its final norm."""
         for i, layer in enumerate(self.body.layers):
-            src = target.layers[len(target.layers) - len(self.body.layers) + i]
+            at = len(target.layers) - len(self.body.layers) + i
+            if at < 0:
+                continue
+            src = target.layers[at]
             try:
                 layer.load_state_dict(src.state_dict())
             except RuntimeError:  # a quantized target: keep the random init

@@ -25,13 +25,21 @@ from specdecode.tree import TreeBatch, check_node_budget
 
 @dataclass(frozen=True)
 class NgramOptions:
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 5
+    # 2 and 5 when neither is given; one given alone moves the other's default to meet it where they
+    # would cross (vLLM sets the missing one equal to the given one)
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
     max_matches: int = 1  # continuations merged into one tree; 1 = a chain
     num_draft_tokens: int | None = None  # tree node budget (SGLang's name); None = γ · max_matches
 
     def __post_init__(self) -> None:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None:
+            lo = min(2, hi) if isinstance(hi, int) else 2
+        if hi is None:
+            hi = max(5, lo) if isinstance(lo, int) else 5
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
         if not all(isinstance(x, int) and not isinstance(x, bool) for x in (lo, hi)) or not 1 <= lo <= hi:
             raise SpecDecodeError(
                 f"ngram needs integers 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r} and {hi!r}"

@@ -76,6 +76,11 @@ def test_options_validated():
         SpecConfig.parse({"method": "ngram", "lookahead": 3})
     spec = SpecConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
     assert spec.num_speculative_tokens == 3 and spec.options.prompt_lookup_max == 4
+    # one bound alone: the other's default (2 or 5) moves to meet it, never past it (vLLM: equal)
+    for given, want in [({}, (2, 5)), ({"prompt_lookup_max": 1}, (1, 1)), ({"prompt_lookup_min": 7}, (7, 7)),
+                        ({"prompt_lookup_min": 1}, (1, 5)), ({"prompt_lookup_max": 9}, (2, 9))]:  # fmt: skip
+        o = SpecConfig.parse({"method": "ngram", **given}).options
+        assert (o.prompt_lookup_min, o.prompt_lookup_max) == want, given
 
 
 def test_lookup_all_orders_longest_then_most_recent():
