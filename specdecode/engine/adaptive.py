@@ -41,7 +41,8 @@ if TYPE_CHECKING:
 # policy that stopped on a few early rejections, or on a cost curve that priced drafts too
 # high, would otherwise stay stopped (speculation switched off for good).
 PROBE_EVERY = 16
-# A probe drafts on one row in this many (at least one), the likeliest. It also shows what a
+# A probe drafts on one row in this many (at least one): the rows probed longest ago, likeliest
+# first, so that successive probes reach every row (never past max_verify_tokens). It also shows what a
 # bigger pass costs (the curve is fitted from the engine's passes): at 16 clients after runs
 # at 1 and 4, probes on one row in 8 left a curve that priced a draft at ~2.4 ms, where
 # such passes measured ~1.4 ms a position, and the budgets stayed at ~0 (docs/benchmarks.md).
@@ -137,6 +138,7 @@ class AdaptiveBudget:
         self.steps_without_drafts = 0
         self.probe_every = PROBE_EVERY  # steps without drafts before the next probe
         self.probed = False  # whether the last planning was a probe
+        self.probes: dict[str, int] = {}  # request id -> the probe (count) that last drafted on it
         self.plan_seconds = 0.0  # the last planning on a proposal: a shadow step's cost with its proposing
         # seconds of prefill the step being planned carries: its chunk ran just before its
         # decode round. Below a floor of 1 it is part of the step time the budgets maximise
@@ -212,11 +214,17 @@ class AdaptiveBudget:
                 out = self._plan(survival, cap, B, fused, limit, self.step_prefill, allowed, best).budgets
         self.probed = not any(out) and self.steps_without_drafts >= self.probe_every
         if self.probed:
-            # a probe: see whether drafts pay again, one token on the rows likeliest to keep it
-            # (one in PROBE_SHARE: in a busy batch, a token on every row would double the pass)
-            likely = sorted((b for b in range(B) if cap[b] > 0), key=lambda b: -survival[b][0])
-            for b in likely[: max(1, B // PROBE_SHARE)]:
+            # a probe: see whether drafts pay again, one token on the rows likeliest to keep it among
+            # those probed longest ago (one in PROBE_SHARE: a token on every row would double the pass)
+            ids = [r.request_id for r in reqs]
+            last = {i: self.probes.get(i, -1) for i in ids}  # finished requests are forgotten here
+            order = sorted((b for b in range(B) if cap[b] > 0), key=lambda b: (last[ids[b]], -survival[b][0]))
+            room = B if self.max_verify_tokens is None else self.max_verify_tokens - B
+            count = 1 + max(last.values(), default=-1)
+            for b in order[: min(max(1, B // PROBE_SHARE), room)]:
                 out[b] = 1
+                last[ids[b]] = count
+            self.probes = last
         if proposal is None:
             self.planned_first = True
         else:

@@ -46,6 +46,8 @@ class VerifyCost:
         pts, top = [], 0.0
         for p, t in sorted(points):
             top = max(top, t)
+            if pts and pts[-1][0] == p:  # a size measured twice: its dearer time
+                pts.pop()
             pts.append((p, top))
         self.points = pts
         self._sizes = [p for p, _ in pts]
@@ -77,7 +79,8 @@ class VerifyCost:
             (p0, t0), (p1, t1) = pts[i - 1], pts[i]
             return t0 + (t1 - t0) * (positions - p0) / (p1 - p0)
         (p0, t0), (p1, t1) = pts[-2:] if len(pts) > 1 else (pts[0], (pts[0][0] + 1, pts[0][1]))
-        return t1 + (t1 - t0) / max(1, p1 - p0) * (positions - p1)  # extrapolate the last slope
+        slope = (t1 - t0) / (p1 - p0)  # sizes are distinct; a fitted curve's last gap may be under 1
+        return t1 + slope * (positions - p1)  # extrapolate the last slope
 
     def _interpolate_all(self, x: torch.Tensor) -> torch.Tensor:
         """`_interpolate` at every size in ``x`` [N] at once."""
@@ -88,7 +91,7 @@ class VerifyCost:
         i = torch.searchsorted(p, x).clamp(1, len(p) - 1)  # the segment [i - 1, i] each size falls in or past
         p0, p1, t0, t1 = p[i - 1], p[i], t[i - 1], t[i]
         inside = t0 + (t1 - t0) * (x - p0) / (p1 - p0)
-        past = t1 + (t1 - t0) / (p1 - p0).clamp(min=1) * (x - p1)  # the last slope, extrapolated
+        past = t1 + (t1 - t0) / (p1 - p0) * (x - p1)  # the last slope, extrapolated
         return torch.where(x <= p[0], t[0], torch.where(x > p[-1], past, inside))
 
     def min_slope(self, positions: int) -> float:

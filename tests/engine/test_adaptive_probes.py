@@ -11,7 +11,7 @@ import torch
 
 from specdecode.drafters.base import Draft
 from specdecode.engine.acceptance import STATES, _RequestRounds
-from specdecode.engine.adaptive import AdaptiveBudget
+from specdecode.engine.adaptive import PROBE_EVERY, AdaptiveBudget
 from specdecode.engine.cost import VerifyCost
 from specdecode.tree import TreeBatch
 from tests.engine.test_adaptive import req, roofline
@@ -93,6 +93,24 @@ def test_a_probe_in_a_busy_batch_drafts_on_the_likeliest_rows():
     policy.steps_without_drafts = PROBE_EVERY
     probe = policy.budgets(reqs, torch.full((32,), 4), engine=None)
     assert 1 < PROBE_SHARE < 32 and probe.tolist() == [0] * (32 - 32 // PROBE_SHARE) + [1] * (32 // PROBE_SHARE)
+
+
+def test_successive_probes_reach_every_row_within_max_verify_tokens():
+    """Probed tokens that are accepted make their rows likelier; the next probes still go to the
+    rows probed longest ago, and no probe verifies more positions than max_verify_tokens."""
+    policy = AdaptiveBudget(roofline(knee=1, slope=1.0), max_gamma=4)
+    policy._observe_cost = lambda *a: None  # keep the compute-bound curve: no drafts pay
+    reqs = [req(f"r{i}") for i in range(8)]
+    drafted = torch.zeros(8, dtype=torch.long)
+    for _ in range(1000):
+        b = policy.budgets(reqs, torch.full((8,), 4), engine=None)
+        drafted += b
+        policy.observe(reqs, b, b, 1.0, 0.0)  # every probed token accepted
+    assert int(drafted.min()) >= 2 and int(drafted.max()) - int(drafted.min()) <= 1, drafted
+    for limit, most in ((10, 2), (8, 0)):
+        capped = AdaptiveBudget(roofline(knee=1, slope=1.0), max_gamma=4, max_verify_tokens=limit)
+        capped.steps_without_drafts = PROBE_EVERY
+        assert int(capped.budgets(reqs, torch.full((8,), 4), engine=None).sum()) == most
 
 
 def test_a_drafters_confidence_replaces_the_online_estimate():

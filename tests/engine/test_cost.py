@@ -106,6 +106,9 @@ def test_verify_cost_interpolates_and_extrapolates():
     assert cost(1) == cost(3) == 2.0
     assert cost(7) == pytest.approx(3.0)
     assert cost(13) == pytest.approx(6.0)
+    # a refitted curve's grid ends close to its last size: past it, the line's own slope
+    line = VerifyCost.fit_line([(3, 1.3), (7, 1.7)] * 4)  # t = 1 + 0.1 P exactly
+    assert line(20) == pytest.approx(3.0) and line._interpolate(15.5) == pytest.approx(2.55)
 
 
 @pytest.mark.parametrize(
