@@ -19,6 +19,7 @@ import re
 import shutil
 import tempfile
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,7 @@ import torch
 
 from specdecode.config import SpecDecodeError
 
-CONVERTER_VERSION = 1  # bump when the conversion output changes
+CONVERTER_VERSION = 2  # bump when the conversion output changes (2: GGUF RoPE scaling read)
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 
 _LAYER_NAMES = {
@@ -156,6 +157,7 @@ def convert_gguf(gguf_path: Path, out: Path, progress: bool = True) -> None:
     key_length = reader.fields.get(f"{arch}.attention.key_length")
     if key_length is not None:  # transformers drops it for some architectures (qwen3)
         hf_config.head_dim = int(key_length.contents())
+    _rope_scaling(reader, arch, hf_config)
     if hasattr(hf_config, "quantization_config"):  # the weights we write are plain fp32
         del hf_config.quantization_config
     state = gguf_state_dict(reader, arch, hf_config, progress)
@@ -165,6 +167,20 @@ def convert_gguf(gguf_path: Path, out: Path, progress: bool = True) -> None:
         AutoTokenizer.from_pretrained(folder, gguf_file=file).save_pretrained(out)
     save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "source.json").write_text(json.dumps({"gguf": str(gguf_path.resolve()), "version": CONVERTER_VERSION}))
+
+
+def _rope_scaling(reader: Any, arch: str, hf_config: Any) -> None:
+    """``{arch}.rope.scaling.*`` into the config (transformers reads it only for some architectures):
+    linear scaling, on Gemma-3's global layers only (as its HF configs scale them); others refused."""
+    kind = reader.fields.get(f"{arch}.rope.scaling.type")
+    kind = str(kind.contents()) if kind is not None else "none"
+    if kind == "none":
+        return
+    if kind != "linear":
+        raise SpecDecodeError(f"GGUF RoPE scaling {kind!r} is not supported (linear is)")
+    factor = float(reader.fields[f"{arch}.rope.scaling.factor"].contents())
+    params = hf_config.rope_parameters
+    (params["full_attention"] if "full_attention" in params else params).update(rope_type="linear", factor=factor)
 
 
 # ---- GGUF blocks kept quantized ("gguf" quantization) -----------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,10 +174,12 @@ def load_model(
         hf_config = AutoConfig.from_pretrained(str(folder))
     except (ValueError, OSError, KeyError) as e:
         raise SpecDecodeError(f"cannot read {folder / 'config.json'}: {str(e).splitlines()[0]}") from None
-    config = ModelConfig.from_hf(hf_config)
+    config = ModelConfig.from_hf(hf_config)  # an unsupported config fails before the weights are read
+    hf_state = read_safetensors(folder)
+    config = _tied_as_transformers(config, hf_state)
     if quant is not None and quant.mode == "gguf":  # read (and reject) the blocks before building
         blocks = gguf_int4_weights(source, config.num_heads, config.num_kv_heads)
-    model = build_model(config, read_safetensors(folder), dtype, device)
+    model = build_model(config, hf_state, dtype, device)
     if quant is not None and quant.mode == "gguf":
         use_gguf_blocks_(model, config, blocks, a8=quant.a8)
     elif quant is not None:
@@ -262,10 +265,24 @@ def build_model(
         state[k] = cast.setdefault(id(v), v.to(device=device, dtype=dtype))
     with torch.device("meta"):
         model = Transformer(config)
+    for k, p in model.state_dict().items():  # torch's own message would be many lines
+        if k in state and state[k].shape != p.shape:
+            raise SpecDecodeError(f"weight {k!r} is {list(state[k].shape)} in the checkpoint, "
+                                  f"its config.json makes it {list(p.shape)}")  # fmt: skip
     model.load_state_dict(state, strict=True, assign=True)
     if config.tie_embeddings:
         model.lm_head.weight = model.embed.weight
     return model.to(device).eval().requires_grad_(False)
+
+
+def _tied_as_transformers(config: ModelConfig, hf: dict[str, torch.Tensor]) -> ModelConfig:
+    """A tied config stays tied unless the checkpoint carries an LM head that differs from the
+    embeddings: transformers then uses that head (untied), and so do we."""
+    names = {k.removeprefix("model."): v for k, v in hf.items()}
+    head, embed = names.get("lm_head.weight"), names.get("embed_tokens.weight")
+    if config.tie_embeddings and head is not None and embed is not None and not torch.equal(head, embed):
+        return dataclasses.replace(config, tie_embeddings=False)
+    return config
 
 
 def to_our_names(config: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

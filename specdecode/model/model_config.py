@@ -86,8 +86,8 @@ class ModelConfig:
         hf_types = getattr(hf, "layer_types", None)
         if hf_types is not None:
             layer_types = tuple(SLIDING if t == "sliding_attention" else FULL for t in hf_types)
-        else:  # Mistral: one window for every layer
-            layer_types = (SLIDING if window else FULL,) * hf.num_hidden_layers
+        else:  # Mistral: one window for every layer; transformers' Llama ignores a sliding_window key
+            layer_types = (SLIDING if window and arch == "mistral" else FULL,) * hf.num_hidden_layers
         if SLIDING not in layer_types:
             window = None
         rope_params = hf.rope_parameters

@@ -49,11 +49,14 @@ class RopeConfig:
             value = params.get(key)
             return default if value is None else value
 
+        original = get("original_max_position_embeddings", max_positions)
+        # yarn without a factor: the context's growth over the original (as transformers infers it)
+        implied = max_positions / original if kind == "yarn" else 1.0
         return RopeConfig(
             theta=float(params["rope_theta"]),
             type=kind,
-            factor=float(get("factor", 1.0)),
-            original_max_position_embeddings=get("original_max_position_embeddings", max_positions),
+            factor=float(get("factor", implied)),
+            original_max_position_embeddings=original,
             low_freq_factor=float(get("low_freq_factor", 1.0)),
             high_freq_factor=float(get("high_freq_factor", 4.0)),
             beta_fast=float(get("beta_fast", 32.0)),

@@ -140,6 +140,35 @@ def test_f32_gguf_matches_original_weights(tmp_path, arch):
     torch.testing.assert_close(logits(lm.model, SEQ), want, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_gguf_rope_scaling_is_read_or_refused(tmp_path, monkeypatch, arch):
+    """Linear RoPE scaling in the metadata (every Gemma-3 4B+ GGUF has it) reaches the model,
+    on Gemma-3's global layers; a kind we do not implement is refused, not dropped."""
+    import gguf
+
+    kind = gguf.RopeScalingType.LINEAR
+    write_base = gguf.GGUFWriter.add_rope_freq_base
+
+    def with_scaling(writer, value):
+        write_base(writer, value)
+        writer.add_rope_scaling_type(kind)
+        writer.add_rope_scaling_factor(4.0)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_rope_freq_base", with_scaling)
+    linear = {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6 if arch == "gemma3" else 10000.0}
+    ov = dict(GGUF_EXACT[arch])
+    ov["rope_parameters"] = {**ov["rope_parameters"], "full_attention": linear} if arch == "gemma3" else linear
+    path, hf = make_tiny_gguf(tmp_path / f"{arch}.gguf", arch, quant="F32", **ov)
+    lm = load_model(str(path), dtype="float32", device="cpu", progress=False)
+    with torch.no_grad():
+        want = hf(SEQ[None]).logits[0]
+    torch.testing.assert_close(logits(lm.model, SEQ), want, atol=1e-4, rtol=0)
+    kind = gguf.RopeScalingType.YARN
+    path, _ = make_tiny_gguf(tmp_path / f"{arch}_yarn.gguf", arch, quant="F32", **ov)
+    with pytest.raises(SpecDecodeError, match="RoPE scaling 'yarn' is not supported"):
+        load_model(str(path), dtype="float32", device="cpu", progress=False)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_quantized_gguf_matches_transformers(tmp_path, arch):
     """Q8_0 GGUF: our mapping equals transformers' own GGUF loading of the same file."""
@@ -238,3 +267,29 @@ def test_gemma3_270m_generates_sensible_text(real_cache):
     with torch.no_grad():
         gen = ref.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
     assert ours == gen[0, len(prompt) :].tolist(), (tok.decode(ours), tok.decode(gen[0, len(prompt) :]))
+
+
+def test_checkpoints_transformers_reads_differently_than_their_config_says(tmp_path):
+    """A llama config with a sliding_window key (transformers' Llama ignores it) and a tied config
+    whose checkpoint carries a different lm_head (transformers then uses it) load as transformers
+    loads them; a config whose shapes the weights do not have is one line naming the weight."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    folder = make_tiny_checkpoint(tmp_path / "t", "llama", tie_word_embeddings=True)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "sliding_window": 3}))
+    state = load_file(str(folder / "model.safetensors"))
+    state["lm_head.weight"] = torch.randn_like(state["model.embed_tokens.weight"])
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    lm = load_model(str(folder), dtype="float32", device="cpu", progress=False)
+    assert not lm.config.tie_embeddings and lm.config.sliding_window is None
+    with torch.no_grad():
+        torch.testing.assert_close(logits(lm.model, SEQ), hf(SEQ[None]).logits[0], atol=1e-4, rtol=0)
+    (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] + 8}))
+    with pytest.raises(SpecDecodeError, match=r"^weight 'layers.0.mlp.gate_up.weight' is \[") as e:
+        load_model(str(folder), dtype="float32", device="cpu", progress=False)
+    assert "\n" not in str(e.value)
