@@ -6,6 +6,8 @@ for an i.i.d. per-position acceptance rate α and a draft/target step cost ratio
 
 from __future__ import annotations
 
+import math
+
 from specdecode.config import MAX_SPECULATIVE_TOKENS, SpecDecodeError
 
 
@@ -14,8 +16,8 @@ def _check(alpha: float, gamma: int, c: float) -> None:
         raise SpecDecodeError(f"alpha must be in [0, 1], got {alpha}")
     if gamma < 0:
         raise SpecDecodeError(f"gamma must be >= 0, got {gamma}")
-    if c < 0:
-        raise SpecDecodeError(f"c must be >= 0, got {c}")
+    if not (math.isfinite(c) and c >= 0):
+        raise SpecDecodeError(f"c must be a finite number >= 0, got {c}")
 
 
 def expected_tokens_per_round(alpha: float, gamma: int) -> float:

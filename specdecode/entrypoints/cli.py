@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from specdecode.config import SamplingParams, SpecDecodeError
 
@@ -93,8 +94,16 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     add_train_arguments(sub.add_parser("train", help="train a learned drafter on a frozen target (self-distillation)"))
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's own errors keep the CLI's contract: one line ``error: ...``, exit code 2
+    (its subcommands' parsers are of this class too)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding.")
+    parser = _Parser(prog="specdecode", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_theory(sub)
@@ -104,10 +113,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_theory(args: argparse.Namespace) -> int:
-    if args.alpha is None and args.model is None and args.hardware is None:
+    """The speedup formula (--alpha), the roofline (--model/--hardware), or both (--json: one object)."""
+    roofline = args.model is not None or args.hardware is not None
+    if args.alpha is None and not roofline:
         raise SpecDecodeError("theory needs --alpha (speedup formula) and/or --model/--hardware (roofline)")
-    if args.alpha is None:
-        return cmd_roofline(args)
+    if not (math.isfinite(args.c) and args.c >= 0):
+        raise SpecDecodeError(f"--c must be a finite number >= 0, got {args.c}")
+    speedup = cmd_speedup(args, quiet=args.json) if args.alpha is not None else None
+    roof = cmd_roofline(args, quiet=args.json) if roofline else None
+    if args.json:
+        both = speedup is not None and roof is not None
+        print(json.dumps({"speedup": speedup, "roofline": roof} if both else speedup or roof))
+    return 0
+
+
+def cmd_speedup(args: argparse.Namespace, quiet: bool) -> dict[str, Any]:
     from specdecode.theory import expected_speedup, expected_tokens_per_round, optimal_gamma
 
     gamma = args.gamma if args.gamma is not None else optimal_gamma(args.alpha, args.c)
@@ -121,17 +141,15 @@ def cmd_theory(args: argparse.Namespace) -> int:
         "tokens_per_round": expected_tokens_per_round(args.alpha, gamma),
         "speedup": expected_speedup(args.alpha, gamma, args.c),
     }
-    if args.json:
-        print(json.dumps(result))
-    else:
+    if not quiet:
         label = "optimal γ" if args.gamma is None else "γ"
         print(f"α = {args.alpha}, {label} = {gamma}, c = {args.c}")
         print(f"expected tokens per round: {result['tokens_per_round']:.2f}")
         print(f"expected speedup:          {result['speedup']:.2f}x")
-    return 0
+    return result
 
 
-def cmd_roofline(args: argparse.Namespace) -> int:
+def cmd_roofline(args: argparse.Namespace, quiet: bool) -> dict[str, Any]:
     from specdecode.roofline import Roofline, resolve_hardware, resolve_model
 
     gamma = 4 if args.gamma is None else args.gamma
@@ -154,9 +172,8 @@ def cmd_roofline(args: argparse.Namespace) -> int:
         "compute_ms": roof.compute_s(positions) * 1e3,
         "verification_free": roof.compute_s(positions) <= roof.weight_read_s,
     }
-    if args.json:
-        print(json.dumps(result))
-        return 0
+    if quiet:
+        return result
     r = result
     print(f"{r['model']} on {r['hardware']}: {r['flops_per_s'] / 1e12:.1f} TFLOP/s, {r['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s")
     print(f"FLOPs per verified position: {r['flops_per_position']:.3g} (matrices + LM head)")
@@ -164,7 +181,7 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     print(f"threshold B·(γ+1): {r['threshold_positions']:.0f} positions")
     verdict = "free" if r["verification_free"] else "NOT free: compute exceeds the weight read"
     print(f"B = {args.batch}, γ = {gamma}: {positions} positions, compute {r['compute_ms']:.2f} ms -> verification {verdict}")
-    return 0
+    return result
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:

@@ -43,6 +43,20 @@ def test_theory_cost_and_optimal_gamma(capsys):
     assert r["optimal_gamma"] and r["gamma"] == 4
 
 
+def test_theory_both_models_at_once_and_bad_numbers(capsys):
+    code, out, _ = run(capsys, "theory", "--alpha", "0.8", "--gamma", "4", "--model", "llama-3-8b", "--hardware",
+                       "h100", "--json")  # fmt: skip
+    r = json.loads(out)
+    assert code == 0 and round(r["speedup"]["speedup"], 2) == 2.80 and r["roofline"]["positions"] == 64 * 5
+    for argv in (["--alpha", "0.8", "--c", "nan"], ["--model", "llama-3-8b", "--c", "-1"]):
+        code, _, err = run(capsys, "theory", *argv)
+        assert code == 2 and err.startswith("error: --c must be") and err.count("\n") == 1, err
+    with pytest.raises(SystemExit) as exit_:  # argparse's own errors: one line too
+        main(["theory", "--alpha", "x"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("error: argument --alpha") and err.count("\n") == 1, err
+
+
 def test_generate_json_compare(capsys, tiny):
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
     code, out, err = run(
