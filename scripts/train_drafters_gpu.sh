@@ -10,7 +10,8 @@
 #      a warm restart, since the schedule's progress drops back to TRAIN_S / RESUME_S.
 # Training is bounded by time, so the steps reached (in each train_log.json) depend on the GPU.
 # usage: scripts/train_drafters_gpu.sh TARGET OUT   (TARGET: .gguf, HF folder or alias)
-# The shipped weights: TRAIN_S=210 REGEN_S=110 RESUME_S=430 on one H200.
+# The shipped weights: PASSAGES=0 TRAIN_S=210 REGEN_S=110 RESUME_S=430 on one H200 (the passages
+# pass came later); eagle was then continued on CPU (README).
 # Knobs (environment): TRAIN_S (seconds per method, 200), REGEN_S (seconds of data generation,
 # 120; the passages pass gets as long again), NUM_GREEDY (3000), NUM_SAMPLED (1200), BATCH (128
 # answered at once), MAX_NEW (256), TRAIN_BATCH (16 windows of SEQ 512 tokens), RESUME_S (unset:

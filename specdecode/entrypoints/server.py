@@ -385,7 +385,9 @@ class DrainingServer(uvicorn.Server):
         self.engine_thread = engine_thread
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        if self.engine_thread.draining:  # a second signal: uvicorn's own (forced) exit
-            return super().handle_exit(sig, frame)
+        if self.engine_thread.draining:  # a second signal: exit at once, in-flight requests cut
+            super().handle_exit(sig, frame)  # recorded: the process ends as that signal makes it
+            self.should_exit = self.force_exit = True  # uvicorn alone would wait for open streams
+            return
         # not recorded in _captured_signals, so the process exits 0 once drained
         self.engine_thread.drain(on_drained=lambda: setattr(self, "should_exit", True))

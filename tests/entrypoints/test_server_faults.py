@@ -147,6 +147,34 @@ def test_drain_finishes_in_flight_and_refuses_new(target):
         srv.__exit__()
 
 
+def test_a_second_signal_exits_at_once(target):
+    """The first SIGTERM drains; a second one stops the server without waiting for open streams."""
+    srv = ServerThread(make_app(target, make_engine(target, delay=0.05))).__enter__()
+    try:
+        first = threading.Event()
+
+        def stream():
+            body = {"prompt": "long", "max_tokens": 200, "stream": True, "ignore_eos": True}  # ~10 s of steps
+            try:
+                with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r:
+                    for _ in r.iter_lines():
+                        first.set()
+            except httpx.HTTPError:  # cut by the forced exit
+                pass
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert first.wait(10)
+        srv.server.handle_exit(signal.SIGTERM, None)
+        srv.server.handle_exit(signal.SIGTERM, None)
+        start = time.monotonic()
+        srv.thread.join(5)
+        assert not srv.thread.is_alive() and time.monotonic() - start < 5
+        t.join(10)
+    finally:
+        srv.__exit__()
+
+
 def test_engine_error_is_500_and_the_server_recovers(target):
     class FailOnDemand(SlowEngine):
         fail_next = True
