@@ -31,9 +31,9 @@ class SamplingParams:
     """How to pick tokens from the target's distribution p (and the draft's q alike).
 
     ``temperature == 0`` is greedy, and so is a temperature below `GREEDY_BELOW` (1e-5, as in
-    vLLM): dividing logits by it would overflow to inf and give NaN probabilities. ``top_k <= 0`` and ``top_p == 1`` disable those
-    filters. ``seed`` drives a per-request ``torch.Generator``; ``None`` draws one at
-    random. ``stop`` strings end generation and are not included in the text.
+    vLLM): dividing logits by it would overflow to inf and give NaN probabilities. ``top_k <= 0``
+    and ``top_p == 1`` disable those filters. ``seed`` drives a per-request ``torch.Generator``;
+    ``None`` draws one at random. ``stop`` strings end generation and are not included in the text.
     """
 
     temperature: float = 1.0

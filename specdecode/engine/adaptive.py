@@ -219,7 +219,7 @@ class AdaptiveBudget:
             ids = [r.request_id for r in reqs]
             last = {i: self.probes.get(i, -1) for i in ids}  # finished requests are forgotten here
             order = sorted((b for b in range(B) if cap[b] > 0), key=lambda b: (last[ids[b]], -survival[b][0]))
-            room = B if self.max_verify_tokens is None else self.max_verify_tokens - B
+            room = B if self.max_verify_tokens is None else max(0, self.max_verify_tokens - B)
             count = 1 + max(last.values(), default=-1)
             for b in order[: min(max(1, B // PROBE_SHARE), room)]:
                 out[b] = 1

@@ -107,7 +107,7 @@ def test_successive_probes_reach_every_row_within_max_verify_tokens():
         drafted += b
         policy.observe(reqs, b, b, 1.0, 0.0)  # every probed token accepted
     assert int(drafted.min()) >= 2 and int(drafted.max()) - int(drafted.min()) <= 1, drafted
-    for limit, most in ((10, 2), (8, 0)):
+    for limit, most in ((10, 2), (8, 0), (4, 0)):
         capped = AdaptiveBudget(roofline(knee=1, slope=1.0), max_gamma=4, max_verify_tokens=limit)
         capped.steps_without_drafts = PROBE_EVERY
         assert int(capped.budgets(reqs, torch.full((8,), 4), engine=None).sum()) == most

@@ -111,7 +111,8 @@ class ScriptedEngine:
             finish = "length" if state[1] >= min(limit, len(self.script)) else None
             if finish:
                 del self.requests[request_id]
-            events.append(RequestEvent(request_id, self.script[done : done + 1], finish, SpecStats(), num_prompt, done + 1))
+            new = self.script[done : done + 1]
+            events.append(RequestEvent(request_id, new, finish, SpecStats(), num_prompt, done + 1))
         return events
 
 

@@ -190,8 +190,10 @@ def test_bad_chat_input_is_400(client):
         r = client.post("/v1/chat/completions", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).status_code == 200
-    both = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9, "max_completion_tokens": 2, "ignore_eos": True}
-    assert client.post("/v1/chat/completions", json=both).json()["usage"]["completion_tokens"] == 2  # the newer name wins
+    both = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9, "max_completion_tokens": 2,
+            "ignore_eos": True}  # fmt: skip
+    r = client.post("/v1/chat/completions", json=both)
+    assert r.json()["usage"]["completion_tokens"] == 2  # the newer name wins
 
 
 def test_unset_max_tokens_stays_within_the_context(client):
