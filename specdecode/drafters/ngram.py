@@ -34,10 +34,13 @@ class NgramOptions:
 
     def __post_init__(self) -> None:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise SpecDecodeError(f"{name} must be an integer >= 1, got {v!r}")
         if lo is None:
-            lo = min(2, hi) if isinstance(hi, int) else 2
+            lo = 2 if hi is None else min(2, hi)
         if hi is None:
-            hi = max(5, lo) if isinstance(lo, int) else 5
+            hi = max(5, lo)
         object.__setattr__(self, "prompt_lookup_min", lo)
         object.__setattr__(self, "prompt_lookup_max", hi)
         if not all(isinstance(x, int) and not isinstance(x, bool) for x in (lo, hi)) or not 1 <= lo <= hi:

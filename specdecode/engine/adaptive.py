@@ -92,6 +92,8 @@ class AdaptiveBudget:
     its proposal carries one.
     """
 
+    plan_caps_proposal = False  # a proposal's evidence may earn a row more than its plan
+
     def __init__(
         self,
         cost: VerifyCost,
@@ -139,6 +141,7 @@ class AdaptiveBudget:
         self.probe_every = PROBE_EVERY  # steps without drafts before the next probe
         self.probed = False  # whether the last planning was a probe
         self.probes: dict[str, int] = {}  # request id -> the probe (count) that last drafted on it
+        self.probe_pick: set[str] | None = None  # this step's probe rows, chosen before the proposal
         self.plan_seconds = 0.0  # the last planning on a proposal: a shadow step's cost with its proposing
         # seconds of prefill the step being planned carries: its chunk ran just before its
         # decode round. Below a floor of 1 it is part of the step time the budgets maximise
@@ -213,18 +216,9 @@ class AdaptiveBudget:
             if self._floor_reachable(B, survival, cap, allowed, plain):
                 out = self._plan(survival, cap, B, fused, limit, self.step_prefill, allowed, best).budgets
         self.probed = not any(out) and self.steps_without_drafts >= self.probe_every
-        if self.probed:
-            # a probe: see whether drafts pay again, one token on the rows likeliest to keep it among
-            # those probed longest ago (one in PROBE_SHARE: a token on every row would double the pass)
-            ids = [r.request_id for r in reqs]
-            last = {i: self.probes.get(i, -1) for i in ids}  # finished requests are forgotten here
-            order = sorted((b for b in range(B) if cap[b] > 0), key=lambda b: (last[ids[b]], -survival[b][0]))
-            room = B if self.max_verify_tokens is None else max(0, self.max_verify_tokens - B)
-            count = 1 + max(last.values(), default=-1)
-            for b in order[: min(max(1, B // PROBE_SHARE), room)]:
+        if self.probed:  # a probe: see whether drafts pay again, one token on a few rows
+            for b in self._probe_rows([r.request_id for r in reqs], cap, survival, final=proposal is not None):
                 out[b] = 1
-                last[ids[b]] = count
-            self.probes = last
         if proposal is None:
             self.planned_first = True
         else:
@@ -233,6 +227,22 @@ class AdaptiveBudget:
                 saved = best.expected * plain - best.seconds  # 0 for no drafts
                 self.proposal_saved += PREFILL_DECAY * (saved - self.proposal_saved)
         return torch.tensor(out, dtype=torch.long, device=limits.device)
+
+    def _probe_rows(self, ids: list[str], cap: list[int], survival: list[list[float]], final: bool) -> list[int]:
+        """One row in PROBE_SHARE (at least one; a token on every row would double the pass, and never
+        past max_verify_tokens): those probed longest ago, likeliest first. Chosen once a step: the
+        planning on the proposal keeps the rows the planning before it proposed for, and records them."""
+        if self.probe_pick is None:
+            last = {i: self.probes.get(i, -1) for i in ids}
+            order = sorted((b for b in range(len(ids)) if cap[b] > 0), key=lambda b: (last[ids[b]], -survival[b][0]))
+            room = len(ids) if self.max_verify_tokens is None else max(0, self.max_verify_tokens - len(ids))
+            self.probe_pick = {ids[b] for b in order[: min(max(1, len(ids) // PROBE_SHARE), room)]}
+        rows = [b for b, i in enumerate(ids) if i in self.probe_pick and cap[b] > 0]
+        if final:  # finished requests are forgotten here
+            count = 1 + max(self.probes.values(), default=-1)
+            self.probes = {i: count if i in self.probe_pick else self.probes.get(i, -1) for i in ids}
+            self.probe_pick = None
+        return rows
 
     def _plan(
         self, survival: list[list[float]], cap: list[int], B: int, fused: bool, limit: int | None, prefill: float,
@@ -378,6 +388,7 @@ class AdaptiveBudget:
         earned = SHADOW_SHARE * seconds / (1 if drafted else max(1, len(reqs)))
         self.shadow_allowance = min(0.0, self.shadow_allowance + earned - spent)
         self.plan_seconds, self.planned_first, self.proposing_first = 0.0, False, False
+        self.probe_pick = None
         if drafted:  # a probe that found no drafts paying doubles the wait; a plan that drafts resets it
             self.probe_every = min(2 * self.probe_every, PROBE_MAX) if self.probed else PROBE_EVERY
         if draft_seconds > 0:  # a running mean of what proposing costs per draft depth

@@ -65,7 +65,8 @@ class Batch:
         self.seqs = seqs
         self.capacity = capacity
         self.device = device
-        self._scratch = make_generator(0, device)  # draws whose tokens are cut before verification
+        # draws whose tokens are cut before verification; randomly seeded: no request's stream
+        self._scratch = make_generator(None, device)
         self._refresh()
 
     def _refresh(self) -> None:

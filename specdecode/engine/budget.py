@@ -21,6 +21,10 @@ if TYPE_CHECKING:
 
 
 class BudgetPolicy(Protocol):
+    # whether planning on a proposal never gives a row more than the planning before it did (the
+    # engine then samples a row's drafts past that plan from a scratch stream: Batch.draft_generators)
+    plan_caps_proposal: bool
+
     def budgets(
         self, reqs: list[Any], limits: torch.Tensor, engine: ServingEngine, proposal: Draft | None = None
     ) -> torch.Tensor:
@@ -60,6 +64,8 @@ class BudgetPolicy(Protocol):
 
 class FixedBudget:
     """Every request verifies its own γ each step, whatever the load."""
+
+    plan_caps_proposal = True
 
     def __init__(self, max_verify_tokens: int | None = None) -> None:
         self.max_verify_tokens = max_verify_tokens

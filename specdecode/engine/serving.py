@@ -326,7 +326,8 @@ class ServingEngine(Engine):
         if want > 0 or shadowing:
             depth = min(want + self.budget.lookahead() if want else self.gamma, self.gamma)
             # drafts past a row's own plan come from scratch: its stream follows its own γ (Batch.draft_generators)
-            self.batch.draft_limits = planned.tolist() if planned is not None else None
+            capped = planned is not None and self.budget.plan_caps_proposal
+            self.batch.draft_limits = planned.tolist() if capped else None
             start = time.perf_counter()
             proposed = self.drafter.propose(self.batch, depth)
             draft_seconds = time.perf_counter() - start

@@ -120,6 +120,8 @@ def cmd_theory(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.c) and args.c >= 0):
         raise SpecDecodeError(f"--c must be a finite number >= 0, got {args.c}")
     speedup = cmd_speedup(args, quiet=args.json) if args.alpha is not None else None
+    if speedup is not None:  # the roofline of the γ the formula used (the optimal one if none was given)
+        args = argparse.Namespace(**{**vars(args), "gamma": speedup["gamma"]})
     roof = cmd_roofline(args, quiet=args.json) if roofline else None
     if args.json:
         both = speedup is not None and roof is not None

@@ -23,6 +23,7 @@ from specdecode.entrypoints.llm import RequestMetrics
 UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "logit_bias", "presence_penalty",
                "frequency_penalty", "tools", "functions", "repetition_penalty", "response_format",
                "stop_token_ids", "min_tokens", "min_p", "tool_choice", "guided_json")  # fmt: skip
+NO_OPS = {"response_format": ({"type": "text"},), "tool_choice": ("none",)}  # their defaults: accepted
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "n")
 
 
@@ -80,7 +81,8 @@ class _Request(BaseModel):
 
     def check_supported(self) -> None:
         for name in UNSUPPORTED:
-            if (self.model_extra or {}).get(name):
+            value = (self.model_extra or {}).get(name)
+            if value and value not in NO_OPS.get(name, ()):
                 raise bad_request(f"{name} is not supported by this server", name)
         if self.n not in (None, 1):
             raise bad_request(f"only n = 1 is supported, got {self.n}", "n")

@@ -378,7 +378,16 @@ def run_server(
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server, but the first SIGTERM / SIGINT drains the engine before uvicorn's shutdown."""
+    """uvicorn's server, but the first SIGTERM / SIGINT drains the engine before uvicorn's shutdown;
+    a second one exits at once."""
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        if self.force_exit:  # cut open streams: from Python 3.12 asyncio's wait_closed waits for them
+            for connection in list(self.server_state.connections):
+                transport = getattr(connection, "transport", None)
+                if transport is not None:
+                    transport.close()
+        await super().shutdown(sockets)
 
     def __init__(self, config: uvicorn.Config, engine_thread: EngineThread) -> None:
         super().__init__(config)

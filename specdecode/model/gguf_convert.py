@@ -178,7 +178,10 @@ def _rope_scaling(reader: Any, arch: str, hf_config: Any) -> None:
         return
     if kind != "linear":
         raise SpecDecodeError(f"GGUF RoPE scaling {kind!r} is not supported (linear is)")
-    factor = float(reader.fields[f"{arch}.rope.scaling.factor"].contents())
+    factor = reader.fields.get(f"{arch}.rope.scaling.factor")
+    if factor is None:
+        raise SpecDecodeError(f"GGUF RoPE scaling is linear but {arch}.rope.scaling.factor is missing")
+    factor = float(factor.contents())
     params = hf_config.rope_parameters
     (params["full_attention"] if "full_attention" in params else params).update(rope_type="linear", factor=factor)
 

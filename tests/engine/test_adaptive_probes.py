@@ -102,8 +102,10 @@ def test_successive_probes_reach_every_row_within_max_verify_tokens():
     policy._observe_cost = lambda *a: None  # keep the compute-bound curve: no drafts pay
     reqs = [req(f"r{i}") for i in range(8)]
     drafted = torch.zeros(8, dtype=torch.long)
-    for _ in range(1000):
-        b = policy.budgets(reqs, torch.full((8,), 4), engine=None)
+    for _ in range(1000):  # planned, proposed, planned again on the proposal: as the engine does
+        planned = policy.budgets(reqs, torch.full((8,), 4), engine=None)
+        b = policy.budgets(reqs, torch.full((8,), 4), None, Draft(torch.full((8, 4), 5)))
+        assert torch.equal(b, planned)  # the probe's rows are the ones it proposed for
         drafted += b
         policy.observe(reqs, b, b, 1.0, 0.0)  # every probed token accepted
     assert int(drafted.min()) >= 2 and int(drafted.max()) - int(drafted.min()) <= 1, drafted

@@ -194,6 +194,10 @@ def test_bad_chat_input_is_400(client):
             "ignore_eos": True}  # fmt: skip
     r = client.post("/v1/chat/completions", json=both)
     assert r.json()["usage"]["completion_tokens"] == 2  # the newer name wins
+    defaults = {"response_format": {"type": "text"}, "tool_choice": "none"}  # what they are when unset
+    assert client.post("/v1/chat/completions", json={**both, **defaults}).status_code == 200
+    r = client.post("/v1/chat/completions", json={**both, "response_format": {"type": "json_object"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
 
 
 def test_unset_max_tokens_stays_within_the_context(client):
