@@ -155,6 +155,7 @@ def load_net(
 ) -> Any:  # fmt: skip
     """A trained net of class ``cls`` from ``path``, checked against ``target``; its linears in
     ``quantization``'s format (the target's) when given."""
+    from specdecode.model.loader import check_shapes
     from specdecode.model.quant import quantize_linears_
     from specdecode.model.transformer import Transformer
 
@@ -164,6 +165,7 @@ def load_net(
     if set(state) != expected:
         missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
         raise SpecDecodeError(f"{path}: weights do not fit the net (missing {missing[:3]}, unexpected {extra[:3]})")
+    check_shapes(state, net.state_dict(), str(path), f"the {cls.method} net its config.json describes")
     net.load_state_dict(state, strict=False)
     net = quantize_linears_(net.to(device=device, dtype=dtype).eval().requires_grad_(False), quantization)
     for body in (m for m in net.modules() if isinstance(m, Transformer)):

@@ -43,7 +43,7 @@ class NgramOptions:
             hi = max(5, lo)
         object.__setattr__(self, "prompt_lookup_min", lo)
         object.__setattr__(self, "prompt_lookup_max", hi)
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (lo, hi)) or not 1 <= lo <= hi:
+        if lo > hi:  # each is an integer >= 1 by now
             raise SpecDecodeError(
                 f"ngram needs integers 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r} and {hi!r}"
             )

@@ -85,8 +85,9 @@ class Batch:
         depth another row asked for, so a seeded request samples the same tokens whatever else
         is in the batch (under a fixed budget)."""
         own = [True] * len(self.seqs) if drafting is None else drafting.tolist()
-        limits = self.draft_limits or [k + 1] * len(self.seqs)
-        return [g if ok and k < n else self._scratch for g, ok, n in zip(self.generators, own, limits)]
+        if self.draft_limits is not None:
+            own = [ok and k < n for ok, n in zip(own, self.draft_limits)]
+        return [g if ok else self._scratch for g, ok in zip(self.generators, own)]
 
     def __len__(self) -> int:
         return len(self.seqs)

@@ -19,8 +19,8 @@ import re
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch

@@ -11,9 +11,9 @@ forward pass (transformer.py), the quantized modules and kernels (quant.py). Con
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import importlib.util
-import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -265,14 +265,19 @@ def build_model(
         state[k] = cast.setdefault(id(v), v.to(device=device, dtype=dtype))
     with torch.device("meta"):
         model = Transformer(config)
-    for k, p in model.state_dict().items():  # torch's own message would be many lines
-        if k in state and state[k].shape != p.shape:
-            raise SpecDecodeError(f"weight {k!r} is {list(state[k].shape)} in the checkpoint, "
-                                  f"its config.json makes it {list(p.shape)}")  # fmt: skip
+    check_shapes(state, model.state_dict(), "the checkpoint", "the model its config.json describes")
     model.load_state_dict(state, strict=True, assign=True)
     if config.tie_embeddings:
         model.lm_head.weight = model.embed.weight
     return model.to(device).eval().requires_grad_(False)
+
+
+def check_shapes(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], source: str, target: str) -> None:
+    """One line naming the first tensor of ``state`` whose shape is not ``expected``'s (torch's own
+    load_state_dict error runs over many lines): model checkpoints and drafter folders alike."""
+    for k, v in state.items():
+        if k in expected and v.shape != expected[k].shape:
+            raise SpecDecodeError(f"weight {k!r} is {list(v.shape)} in {source}, {list(expected[k].shape)} in {target}")
 
 
 def _tied_as_transformers(config: ModelConfig, hf: dict[str, torch.Tensor]) -> ModelConfig:

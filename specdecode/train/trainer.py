@@ -192,15 +192,15 @@ def train_step(net: Any, opt: torch.optim.Optimizer, batch: TrainBatch, lr: floa
 def init_from(net: torch.nn.Module, folder: str, target: Transformer, freeze: bool = True) -> None:
     """Load a trained folder's weights into ``net``; with ``freeze`` they stay fixed, so that only
     what the folder lacks (a new confidence head, say) trains."""
+    from specdecode.model.loader import check_shapes
+
     _, state = read_net(net.method, folder, target)
     own = net.state_dict()
     unexpected = [k for k in state if k not in own]
     if unexpected:
         raise SpecDecodeError(f"--init {folder}: tensors the net does not have: {unexpected[:3]}")
-    for k, v in state.items():
-        if v.shape != own[k].shape:  # e.g. --net-config changed draft_vocab or num_layers
-            raise SpecDecodeError(f"--init {folder}: {k} is {list(v.shape)} there, {list(own[k].shape)} in this net; "
-                                  "drop the --net-config keys that change it")  # fmt: skip
+    # e.g. --net-config changed draft_vocab or num_layers
+    check_shapes(state, own, f"--init {folder}", "this net; drop the --net-config keys that change it")
     net.load_state_dict(state, strict=False)
     for name, p in net.named_parameters():
         if name in state and freeze:
