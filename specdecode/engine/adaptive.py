@@ -32,25 +32,12 @@ from specdecode.config import BudgetOptions
 from specdecode.drafters.base import Draft
 from specdecode.engine.acceptance import AcceptanceStats
 from specdecode.engine.cost import PassLog, VerifyCost
+from specdecode.engine.probes import Probes
 from specdecode.model.masks import attention_queries
 
 if TYPE_CHECKING:
     from specdecode.engine.serving import ServingEngine
 
-# After this many steps in a row without drafts, one step drafts a token on a few rows: a
-# policy that stopped on a few early rejections, or on a cost curve that priced drafts too
-# high, would otherwise stay stopped (speculation switched off for good).
-PROBE_EVERY = 16
-# A probe drafts on one row in this many (at least one): the rows probed longest ago, likeliest
-# first, so that successive probes reach every row (never past max_verify_tokens). It also shows what a
-# bigger pass costs (the curve is fitted from the engine's passes): at 16 clients after runs
-# at 1 and 4, probes on one row in 8 left a curve that priced a draft at ~2.4 ms, where
-# such passes measured ~1.4 ms a position, and the budgets stayed at ~0 (docs/benchmarks.md).
-PROBE_SHARE = 2
-# Each probe after which the plans still find no drafts doubles the wait for the next, up to
-# this many steps: under load, where no draft pays, probes cost ~0.5% of the wall time every
-# 16 steps (16 clients); a plan that drafts again brings the wait back to PROBE_EVERY.
-PROBE_MAX = 128
 # A step carries drafts only if the model predicts at least this much more expected tokens
 # per second of pass than without any: what the cost model leaves out (sampling and
 # bookkeeping per draft, the prefill that a closed loop brings in sooner) costs a few
@@ -137,11 +124,7 @@ class AdaptiveBudget:
         self.draft_overhead = 0.0
         self.context = 1  # the longest row's tokens at the last planning: attention's length
         self.draft_cost = 0.0  # seconds proposing costs per draft depth (the drafter's c, in seconds)
-        self.steps_without_drafts = 0
-        self.probe_every = PROBE_EVERY  # steps without drafts before the next probe
-        self.probed = False  # whether the last planning was a probe
-        self.probes: dict[str, int] = {}  # request id -> the probe (count) that last drafted on it
-        self.probe_pick: set[str] | None = None  # this step's probe rows, chosen before the proposal
+        self.probes = Probes(max_verify_tokens)  # drafts on a few rows after steps without any (never off)
         self.plan_seconds = 0.0  # the last planning on a proposal: a shadow step's cost with its proposing
         # seconds of prefill the step being planned carries: its chunk ran just before its
         # decode round. Below a floor of 1 it is part of the step time the budgets maximise
@@ -215,9 +198,8 @@ class AdaptiveBudget:
             allowed = self._allowed_seconds_per_token(best.seconds / best.expected)
             if self._floor_reachable(B, survival, cap, allowed, plain):
                 out = self._plan(survival, cap, B, fused, limit, self.step_prefill, allowed, best).budgets
-        self.probed = not any(out) and self.steps_without_drafts >= self.probe_every
-        if self.probed:  # a probe: see whether drafts pay again, one token on a few rows
-            for b in self._probe_rows([r.request_id for r in reqs], cap, survival, final=proposal is not None):
+        if self.probes.due(any(out)):  # a probe: see whether drafts pay again, one token on a few rows
+            for b in self.probes.rows([r.request_id for r in reqs], cap, survival, final=proposal is not None):
                 out[b] = 1
         if proposal is None:
             self.planned_first = True
@@ -227,22 +209,6 @@ class AdaptiveBudget:
                 saved = best.expected * plain - best.seconds  # 0 for no drafts
                 self.proposal_saved += PREFILL_DECAY * (saved - self.proposal_saved)
         return torch.tensor(out, dtype=torch.long, device=limits.device)
-
-    def _probe_rows(self, ids: list[str], cap: list[int], survival: list[list[float]], final: bool) -> list[int]:
-        """One row in PROBE_SHARE (at least one; a token on every row would double the pass, and never
-        past max_verify_tokens): those probed longest ago, likeliest first. Chosen once a step: the
-        planning on the proposal keeps the rows the planning before it proposed for, and records them."""
-        if self.probe_pick is None:
-            last = {i: self.probes.get(i, -1) for i in ids}
-            order = sorted((b for b in range(len(ids)) if cap[b] > 0), key=lambda b: (last[ids[b]], -survival[b][0]))
-            room = len(ids) if self.max_verify_tokens is None else max(0, self.max_verify_tokens - len(ids))
-            self.probe_pick = {ids[b] for b in order[: min(max(1, len(ids) // PROBE_SHARE), room)]}
-        rows = [b for b, i in enumerate(ids) if i in self.probe_pick and cap[b] > 0]
-        if final:  # finished requests are forgotten here
-            count = 1 + max(self.probes.values(), default=-1)
-            self.probes = {i: count if i in self.probe_pick else self.probes.get(i, -1) for i in ids}
-            self.probe_pick = None
-        return rows
 
     def _plan(
         self, survival: list[list[float]], cap: list[int], B: int, fused: bool, limit: int | None, prefill: float,
@@ -388,18 +354,12 @@ class AdaptiveBudget:
         earned = SHADOW_SHARE * seconds / (1 if drafted else max(1, len(reqs)))
         self.shadow_allowance = min(0.0, self.shadow_allowance + earned - spent)
         self.plan_seconds, self.planned_first, self.proposing_first = 0.0, False, False
-        self.probe_pick = None
-        if drafted:  # a probe that found no drafts paying doubles the wait; a plan that drafts resets it
-            self.probe_every = min(2 * self.probe_every, PROBE_MAX) if self.probed else PROBE_EVERY
+        self.probes.observe(drafted)
         if draft_seconds > 0:  # a running mean of what proposing costs per draft depth
             per_depth = draft_seconds / max(1, draft_depth)
             self.draft_cost = per_depth if self.draft_cost == 0 else 0.9 * self.draft_cost + 0.1 * per_depth
         rows = proposal.tolist() if proposal is not None else None
         self.acceptance.observe(reqs, num_accepted.tolist(), num_draft.tolist(), rows)
-        # Probes count passes without drafts even while shadow rounds teach acceptance: only a
-        # pass that carries drafts shows what drafting costs, and a verify-cost curve measured at
-        # load in a noisy moment (t(2) priced at 2 t(1)) otherwise kept a request from ever drafting.
-        self.steps_without_drafts = 0 if drafted else self.steps_without_drafts + 1
 
     def _observe_cost(self, rows: int, num_draft: list[int], seconds: float) -> None:
         """Log the pass (positions, attention queries · context, whether it carried drafts, its

@@ -1,4 +1,4 @@
-"""The adaptive budget's probes and shadow rounds (engine/adaptive.py): a budget that stopped
+"""The adaptive budget's probes (engine/probes.py) and shadow rounds (engine/adaptive.py): a budget that stopped
 drafting tries again ever more rarely, shadow proposals teach it at a bounded share of the time,
 and steps propose first while planning on proposals pays. (Its budgets: test_adaptive.py.)"""
 
@@ -11,8 +11,9 @@ import torch
 
 from specdecode.drafters.base import Draft
 from specdecode.engine.acceptance import STATES, _RequestRounds
-from specdecode.engine.adaptive import PROBE_EVERY, AdaptiveBudget
+from specdecode.engine.adaptive import AdaptiveBudget
 from specdecode.engine.cost import VerifyCost
+from specdecode.engine.probes import PROBE_EVERY, PROBE_MAX, PROBE_SHARE
 from specdecode.tree import TreeBatch
 from tests.engine.test_adaptive import req, roofline
 
@@ -21,8 +22,6 @@ def test_a_budget_that_stopped_drafting_probes_again():
     """Estimates move only when drafts are tried: after PROBE_EVERY steps without any, one step
     verifies a token per row, and acceptances there bring the budget back (here after the
     second probe, which came twice as late as the first). Passes cost what the curve says."""
-    from specdecode.engine.adaptive import PROBE_EVERY
-
     policy = AdaptiveBudget(roofline(knee=1, slope=0.5), max_gamma=4)
     unlucky = req("unlucky")
     for _ in range(10):  # early rejections
@@ -42,8 +41,6 @@ def test_probes_that_find_nothing_come_ever_more_rarely_and_never_stop():
     """Each probe after which no plan drafts doubles the wait for the next (up to PROBE_MAX
     steps): under load, where no draft pays, they cost less and less, but keep coming. A plan
     that drafts brings the wait back to PROBE_EVERY."""
-    from specdecode.engine.adaptive import PROBE_EVERY, PROBE_MAX
-
     policy = AdaptiveBudget(roofline(knee=1, slope=0.5), max_gamma=4)
     r = req("r")
     probes = []
@@ -55,17 +52,15 @@ def test_probes_that_find_nothing_come_ever_more_rarely_and_never_stop():
     gaps = [b - a for a, b in zip([-1] + probes, probes)]
     want = [PROBE_EVERY + 1] + [min(PROBE_EVERY * 2**k, PROBE_MAX) + 1 for k in range(1, len(gaps))]
     assert gaps == want and gaps[-1] == PROBE_MAX + 1 and len(gaps) > 8
-    policy.probed = False  # a plan that drafted, not a probe
+    policy.probes.probed = False  # a plan that drafted, not a probe
     policy.observe([r], torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long), 1.0, 0.0)
-    assert policy.probe_every == PROBE_EVERY
+    assert policy.probes.every == PROBE_EVERY
 
 
 def test_shadow_rounds_do_not_hold_off_probes_when_a_cost_curve_prices_drafts_out():
     """A verify-cost curve measured in a noisy moment (here t(2) = 2 t(1): no draft can pay)
     is corrected only by passes that carry drafts; shadow rounds that keep teaching acceptance
     must not hold off the probe, whose pass refits the curve (32+ passes of two sizes)."""
-    from specdecode.engine.adaptive import PROBE_EVERY
-
     policy = AdaptiveBudget(VerifyCost([(1, 1.0), (2, 2.0), (9, 9.0)]), max_gamma=4)
     r = req("r", length=4)
     seen = []
@@ -84,13 +79,11 @@ def test_a_probe_in_a_busy_batch_drafts_on_the_likeliest_rows():
     """A probe token on every one of 32 rows would double a compute-bound pass; it goes to one
     row in PROBE_SHARE (a share that still shows what a pass past the rows costs), those whose
     first token is likeliest to survive."""
-    from specdecode.engine.adaptive import PROBE_EVERY, PROBE_SHARE
-
     policy = AdaptiveBudget(roofline(knee=1, slope=0.5), max_gamma=4)
     reqs = [req(f"r{i}") for i in range(32)]
     for i, r in enumerate(reqs):  # row i accepted i of 31 first tokens: all too unlikely to draft
         policy.acceptance.per_request[r.request_id] = _RequestRounds([[31.0, 0, 0, 0], [0.0] * 4], [[0.3 * i / 31, 0, 0, 0], [0.0] * 4])
-    policy.steps_without_drafts = PROBE_EVERY
+    policy.probes.steps_without_drafts = PROBE_EVERY
     probe = policy.budgets(reqs, torch.full((32,), 4), engine=None)
     assert 1 < PROBE_SHARE < 32 and probe.tolist() == [0] * (32 - 32 // PROBE_SHARE) + [1] * (32 // PROBE_SHARE)
 
@@ -111,7 +104,7 @@ def test_successive_probes_reach_every_row_within_max_verify_tokens():
     assert int(drafted.min()) >= 2 and int(drafted.max()) - int(drafted.min()) <= 1, drafted
     for limit, most in ((10, 2), (8, 0), (4, 0)):
         capped = AdaptiveBudget(roofline(knee=1, slope=1.0), max_gamma=4, max_verify_tokens=limit)
-        capped.steps_without_drafts = PROBE_EVERY
+        capped.probes.steps_without_drafts = PROBE_EVERY
         assert int(capped.budgets(reqs, torch.full((8,), 4), engine=None).sum()) == most
 
 

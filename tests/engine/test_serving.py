@@ -230,11 +230,11 @@ def test_shadow_proposals_teach_the_budget_and_change_no_token(plain, ckpts, ref
     """Under a cost where no draft ever pays, the adaptive budget verifies nothing, yet steps
     still propose for its shadow rounds: the output stays plain greedy, chains settle shadow
     rounds, and a tree drafter (no shadows possible) stops being asked after its first tree."""
-    from specdecode.engine import adaptive
+    from specdecode.engine import probes
     from specdecode.engine.adaptive import AdaptiveBudget
     from specdecode.engine.cost import VerifyCost
 
-    monkeypatch.setattr(adaptive, "PROBE_EVERY", 10**9)  # no probes: every recorded round is a shadow
+    monkeypatch.setattr(probes, "PROBE_EVERY", 10**9)  # no probes: every recorded round is a shadow
 
     spec = dict(SPECS[name], verify_budget="adaptive")
     engine = ServingEngine(plain.target, SpecConfig.parse(spec), max_model_len=64, max_num_seqs=4, block_size=4)
