@@ -18,7 +18,8 @@ import uvicorn
 from specdecode.config import SpecConfig
 from specdecode.engine.batch import SpecStats
 from specdecode.engine.serving import EngineStats, RequestEvent, ServingEngine
-from specdecode.entrypoints.server import DrainingServer, create_app
+from specdecode.entrypoints.serve import DrainingServer
+from specdecode.entrypoints.server import create_app
 
 
 class ServerThread:

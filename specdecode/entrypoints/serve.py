@@ -1,0 +1,85 @@
+"""Running `specdecode serve`: load the model, build the engine and the app (server.py), and
+serve it with uvicorn until a signal.
+
+Shutdown: the first SIGTERM / SIGINT drains (new requests and /health get 503, admitted
+requests run to the end, then uvicorn stops and the process exits 0); a second one
+exits at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import uvicorn
+
+from specdecode.config import SpecDecodeError
+from specdecode.entrypoints.engine_thread import EngineThread
+from specdecode.entrypoints.server import create_app
+
+
+def run_server(
+    model: str | None = None,
+    speculative_config: Any = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    max_num_seqs: int = 8,
+    api_key: str | None = None,
+    dtype: str = "auto",
+    device: str = "auto",
+    quantization: str | None = "auto",
+    max_model_len: int | None = None,
+    log_level: str = "info",
+    compile: bool | str = False,
+) -> None:
+    """Load the model, build the engine and serve until SIGTERM / SIGINT (then drain).
+    ``compile`` as for `LLM`: the target's blocks compiled and warmed up before the port opens."""
+    from specdecode.config import SpecConfig
+    from specdecode.engine.serving import ServingEngine
+    from specdecode.model.compiled import compile_target, parse_compile
+    from specdecode.model.loader import load_model
+    from specdecode.model.quant import parse_quantization
+
+    spec = SpecConfig.parse(speculative_config)  # bad input fails before the model loads
+    parse_quantization(quantization)
+    compile_mode = parse_compile(compile)
+    target = load_model(model, dtype=dtype, device=device, quantization=quantization)
+    context = target.config.max_position_embeddings
+    if max_model_len is not None and not 1 < max_model_len <= context:
+        raise SpecDecodeError(f"max_model_len must be in [2, {context}], got {max_model_len}")
+    max_model_len = max_model_len or context
+
+    def new_engine() -> ServingEngine:
+        return ServingEngine(target, spec, max_model_len=max_model_len, max_num_seqs=max_num_seqs, quantization=quantization)
+
+    if compile_mode is not None:
+        compile_target(target.model, compile_mode, lambda: [new_engine()])
+    engine = new_engine()
+    app = create_app(engine, target.tokenizer, target.name, max_model_len=max_model_len,
+                     vocab_size=target.config.vocab_size, api_key=api_key, aliases=[model] if model else [])  # fmt: skip
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level)
+    DrainingServer(config, app.state.server.engine_thread).run()
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, but the first SIGTERM / SIGINT drains the engine before uvicorn's shutdown;
+    a second one exits at once."""
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        if self.force_exit:  # cut open streams: from Python 3.12 asyncio's wait_closed waits for them
+            for connection in list(self.server_state.connections):
+                transport = getattr(connection, "transport", None)
+                if transport is not None:
+                    transport.close()
+        await super().shutdown(sockets)
+
+    def __init__(self, config: uvicorn.Config, engine_thread: EngineThread) -> None:
+        super().__init__(config)
+        self.engine_thread = engine_thread
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.engine_thread.draining:  # a second signal: exit at once, in-flight requests cut
+            super().handle_exit(sig, frame)  # recorded: the process ends as that signal makes it
+            self.should_exit = self.force_exit = True  # uvicorn alone would wait for open streams
+            return
+        # not recorded in _captured_signals, so the process exits 0 once drained
+        self.engine_thread.drain(on_drained=lambda: setattr(self, "should_exit", True))
