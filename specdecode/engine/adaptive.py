@@ -179,7 +179,13 @@ class AdaptiveBudget:
         if confidence is not None:  # the drafter's own estimates (a head's, or its draft probabilities)
             w = min(self.acceptance.gamma, confidence.shape[1])
             head = confidence[:, :w].float().cpu().clamp(1e-4, 1 - 1e-4).tolist()
-            raw = [h + row[w:] for h, row in zip(head, raw)]
+            # Only where the drafts are a function of the context (greedy rows, or a drafter with a
+            # one-hot q): a sampled row's confidences follow its sampled drafts (q(d_k) itself, or a
+            # head fed d_<k), and a plan that keeps d_j by them verifies a token no longer drawn
+            # from q_j, which the rejection rule assumes (lossy). Those rows plan on the online estimates.
+            drawn = proposal.q is not None
+            raw = [h + row[w:] if not (drawn and r.seq.params.temperature > 0) else row
+                   for h, row, r in zip(head, raw, reqs)]  # fmt: skip
         self.acceptance.planned(reqs, raw, evidence)
         survival = self.acceptance.sts.survival_rows(raw)
         fused = B <= self.fused_positions
