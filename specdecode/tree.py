@@ -71,7 +71,9 @@ class TreeShape:
         return len(self.parents)
 
 
-def parse_token_tree(choices: str | Sequence[Sequence[int]]) -> TreeShape:
+def parse_token_tree(
+    choices: str | Sequence[Sequence[int]], vocab: int | None = None, gamma: int | None = None
+) -> TreeShape:
     """Validate a ``speculative_token_tree`` and turn it into parent pointers.
 
     ``choices`` lists the draft nodes as child-rank paths from the root, as Medusa and
@@ -83,7 +85,9 @@ def parse_token_tree(choices: str | Sequence[Sequence[int]]) -> TreeShape:
 
     Nodes are numbered breadth-first with siblings by rank (Medusa's ``sorted(key=(len,
     path))``), whatever the input order: node i (i >= 1) is the (i-1)-th sorted choice.
-    Raises `SpecDecodeError` with a one-line message on malformed input.
+    Raises `SpecDecodeError` with a one-line message on malformed input, on a rank the
+    draft's ``vocab`` (where given) has no token for, or on nodes deeper than ``gamma`` (where
+    given): a round verifies at most γ tokens along a path, so they would be drafted for nothing.
     """
     if isinstance(choices, str):
         try:
@@ -116,6 +120,15 @@ def parse_token_tree(choices: str | Sequence[Sequence[int]]) -> TreeShape:
         for k in range(1, len(path)):
             if path[:k] not in seen:
                 raise SpecDecodeError(f"speculative_token_tree has {path} but not its prefix {path[:k]}")
+    if vocab is not None and max(max(p) for p in paths) >= vocab:
+        raise SpecDecodeError(
+            f"speculative_token_tree asks for rank {max(max(p) for p in paths)}, the vocabulary has {vocab}"
+        )
+    if gamma is not None and max(len(p) for p in paths) > gamma:
+        raise SpecDecodeError(
+            f"speculative_token_tree is {max(len(p) for p in paths)} deep but num_speculative_tokens is {gamma}: "
+            "set it to the tree's depth"
+        )
     ordered: list[Choice] = [(), *sorted(paths, key=lambda c: (len(c), c))]
     index = {c: i for i, c in enumerate(ordered)}
     return TreeShape(

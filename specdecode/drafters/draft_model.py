@@ -84,7 +84,8 @@ class DraftModelDrafter:
         self.topk: int = spec.options.topk
         self.budget: int = spec.options.num_draft_tokens or self.gamma * self.topk
         tree = spec.options.speculative_token_tree
-        self.static_tree: TreeShape | None = parse_token_tree(tree) if tree is not None else None
+        vocab = ctx.target.config.vocab_size  # the draft's too (check_same_vocab)
+        self.static_tree: TreeShape | None = parse_token_tree(tree, vocab, self.gamma) if tree is not None else None
         self.cache = DraftKVCache(self.model)
 
     def draft_network(self, spec: SpecConfig, ctx: DrafterContext) -> Transformer:

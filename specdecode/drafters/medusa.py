@@ -181,11 +181,7 @@ class MedusaDrafter:
         vocab = self.net.head.size  # drafts come from the draft vocabulary
         if tree == DEFAULT_TREE:
             tree = [c for c in MC_SIM_7B_63 if len(c) <= gamma and max(c) < vocab]
-        self.tree: TreeShape | None = parse_token_tree(tree) if tree is not None else None
-        if self.tree is not None and max(self.tree.rank) >= vocab:
-            raise SpecDecodeError(
-                f"speculative_token_tree asks for rank {max(self.tree.rank)}, the vocabulary has {vocab}"
-            )
+        self.tree: TreeShape | None = parse_token_tree(tree, vocab, gamma) if tree is not None else None
         self.depth = max(self.tree.depth) if self.tree is not None else gamma  # heads used
         have = self.net.config.num_heads
         if self.depth > have:

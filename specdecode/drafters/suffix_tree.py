@@ -167,7 +167,8 @@ def speculate(node: Node, budget: int, min_prob: float) -> Speculation:
 
 def spec_budget(match_len: int, cap: int, factor: float) -> int:
     """Arctic's adaptive draft length: at most ``factor`` tokens per matched token, and ``cap``."""
-    return max(0, min(cap, int(match_len * factor + 1e-6)))
+    length = match_len * factor + 1e-6  # inf for a huge factor (any finite one is valid)
+    return max(0, cap if length >= cap else int(length))
 
 
 def best_speculation(matches: list[Node], max_depth: int, cap: int, factor: float, min_prob: float) -> Speculation:

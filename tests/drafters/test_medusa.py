@@ -124,6 +124,8 @@ def test_bad_options_get_one_line(setup, tmp_path):
     assert "4 heads" in one_line_error(lambda: make_drafter(target, {"model": folder, "num_speculative_tokens": 5}))
     deep = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0]]
     assert "5 deep" in one_line_error(lambda: make_drafter(target, {"model": folder, "speculative_token_tree": deep}))
+    deeper_than_gamma = {"model": folder, "speculative_token_tree": deep[:4], "num_speculative_tokens": 2}
+    assert "is 4 deep but num_speculative_tokens is 2" in one_line_error(lambda: make_drafter(target, deeper_than_gamma))
     assert "rank 200" in one_line_error(
         lambda: make_drafter(target, {"model": folder, "speculative_token_tree": [[200]]})
     )

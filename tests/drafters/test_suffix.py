@@ -129,6 +129,7 @@ def test_proposal_tree_shape(sequences, budget, min_prob, depth):
 def test_adaptive_length_grows_with_the_match():
     assert [spec_budget(k, cap=8, factor=1.0) for k in (0, 1, 3, 8, 20)] == [0, 1, 3, 8, 8]
     assert spec_budget(3, cap=32, factor=2.5) == 7
+    assert spec_budget(3, cap=32, factor=1e308) == 32  # a huge finite factor: the cap (was an OverflowError)
     text = list(range(40))
     tree = tree_of(text, depth=24)
     for k in (1, 2, 5, 12, 20):  # a context whose last k tokens match
