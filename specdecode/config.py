@@ -26,6 +26,22 @@ class SpecDecodeError(ValueError):
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (vLLM's _SAMPLING_EPS)
 
 
+def _is_int(x: object) -> bool:
+    """An int that is not a bool (True is an int in Python, and never means a count)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    """An int or float (not a bool) that converts to a float: 10**400 does not."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return False
+    try:
+        float(x)
+    except OverflowError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens from the target's distribution p (and the draft's q alike).
@@ -45,26 +61,29 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        elif not isinstance(self.stop, tuple):
-            object.__setattr__(self, "stop", tuple(self.stop))
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature):
+        # None is vLLM's default value
+        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise SpecDecodeError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature):
             raise SpecDecodeError(f"temperature must be a finite number, got {self.temperature!r}")
         if self.temperature < 0:
             raise SpecDecodeError(f"temperature must be >= 0, got {self.temperature}")
         if self.temperature < GREEDY_BELOW:
             object.__setattr__(self, "temperature", 0.0)
-        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
-            raise SpecDecodeError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
-            raise SpecDecodeError(f"top_k must be an integer, got {self.top_k!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise SpecDecodeError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise SpecDecodeError(f"top_k must be an integer: -1 or 0 (off) or >= 1, got {self.top_k!r}")
+        if self.top_k >= 2**31:  # more than any vocabulary: off (as a value past int64 could not be a tensor)
+            object.__setattr__(self, "top_k", 0)
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise SpecDecodeError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63):
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**63):
             raise SpecDecodeError(f"seed must be a 64-bit integer (in [-2**63, 2**63)), got {self.seed!r}")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise SpecDecodeError("stop must be a list of non-empty strings")
+        if not isinstance(self.ignore_eos, bool):
+            raise SpecDecodeError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:
@@ -134,11 +153,14 @@ class SpecConfig:
 
     @staticmethod
     def parse(value: "str | Mapping[str, Any] | SpecConfig | None") -> "SpecConfig | None":
-        """Parse a JSON string or dict as given on the CLI / API. ``None`` means no speculation."""
+        """Parse a JSON string or dict as given on the CLI / API, or check a `SpecConfig`.
+        ``None`` means no speculation."""
         from specdecode.drafters.registry import drafter_class, method_names
 
-        if value is None or isinstance(value, SpecConfig):
-            return value
+        if value is None:
+            return None
+        if isinstance(value, SpecConfig):  # built by hand (it is exported): validated as its dict would be
+            value = value.to_dict()
         if isinstance(value, str):
             if not value.strip():
                 return None

@@ -37,6 +37,16 @@ def test_none_means_plain():
         ({"stop": [""]}, "stop"),
         ({"seed": 2**64}, "64-bit"),
         ({"seed": -(2**63) - 1}, "64-bit"),
+        # True is an int in Python; here it never means a count, a seed or a temperature
+        ({"seed": True}, "64-bit"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"temperature": True}, "temperature"),
+        ({"top_p": True}, "top_p"),
+        ({"temperature": 10**400}, "temperature"),  # an int too large for a float
+        ({"top_k": -5}, "top_k"),  # -1 and 0 are off, as in vLLM
+        ({"stop": 5}, "stop"),
+        ({"stop": {"a": 1}}, "stop"),
+        ({"ignore_eos": "no"}, "ignore_eos"),
     ],
 )
 def test_bad_sampling_params(kwargs, match):
@@ -47,6 +57,8 @@ def test_bad_sampling_params(kwargs, match):
 def test_sampling_params_normalise_stop():
     assert SamplingParams(stop="x").stop == ("x",)
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+    assert SamplingParams(stop=None).stop == ()  # vLLM's default value
+    assert SamplingParams(top_k=2**63).top_k == 0  # past any vocabulary: off (was an overflow inside a step)
     assert SamplingParams(temperature=0).greedy
 
 

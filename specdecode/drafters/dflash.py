@@ -66,7 +66,8 @@ class DFlashDrafter:
         if self.gamma > self.net.block_size:
             raise SpecDecodeError(
                 f"dflash drafts at most its block size of {self.net.block_size} tokens per pass; "
-                f"num_speculative_tokens is {self.gamma}: set it to at most {self.net.block_size}"
+                f"num_speculative_tokens is {self.gamma} ({self.default_num_speculative_tokens} when not given): "
+                f"set it to at most {self.net.block_size}"
             )
         self.hidden_layers: tuple[int, ...] = self.net.hidden_layers
         self.ctx = ctx

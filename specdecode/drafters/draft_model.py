@@ -48,7 +48,7 @@ class DraftModelOptions:
 
     def check_shape(self) -> None:
         """The chain / tree options (shared with layer_skip, which drafts the same way)."""
-        if not isinstance(self.topk, int) or not 1 <= self.topk <= 16:
+        if not isinstance(self.topk, int) or isinstance(self.topk, bool) or not 1 <= self.topk <= 16:
             raise SpecDecodeError(f"topk must be an integer in [1, 16], got {self.topk!r}")
         budget = self.num_draft_tokens
         check_node_budget(budget)

@@ -47,7 +47,8 @@ class NgramOptions:
             raise SpecDecodeError(
                 f"ngram needs integers 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r} and {hi!r}"
             )
-        if not isinstance(self.max_matches, int) or not 1 <= self.max_matches <= 16:
+        matches = self.max_matches
+        if not isinstance(matches, int) or isinstance(matches, bool) or not 1 <= matches <= 16:
             raise SpecDecodeError(f"max_matches must be an integer in [1, 16], got {self.max_matches!r}")
         budget = self.num_draft_tokens
         check_node_budget(budget)

@@ -158,7 +158,7 @@ class ServingEngine(Engine):
         vocab = self.target.config.vocab_size
         if not prompt_ids:
             raise SpecDecodeError("prompt is empty")
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt_ids):
             raise SpecDecodeError(f"prompt token ids must be integers in [0, {vocab})")
         room = self.max_model_len - len(prompt_ids)
         if room < 1:

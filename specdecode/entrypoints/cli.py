@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from typing import Any, NoReturn
 
@@ -119,17 +120,23 @@ def cmd_theory(args: argparse.Namespace) -> int:
         raise SpecDecodeError("theory needs --alpha (speedup formula) and/or --model/--hardware (roofline)")
     if not (math.isfinite(args.c) and args.c >= 0):
         raise SpecDecodeError(f"--c must be a finite number >= 0, got {args.c}")
-    speedup = cmd_speedup(args, quiet=args.json) if args.alpha is not None else None
+    # both computed before anything is printed: a bad --model must not follow a printed formula
+    speedup = cmd_speedup(args) if args.alpha is not None else None
     if speedup is not None:  # the roofline of the γ the formula used (the optimal one if none was given)
         args = argparse.Namespace(**{**vars(args), "gamma": speedup["gamma"]})
-    roof = cmd_roofline(args, quiet=args.json) if roofline else None
+    roof = cmd_roofline(args) if roofline else None
     if args.json:
         both = speedup is not None and roof is not None
         print(json.dumps({"speedup": speedup, "roofline": roof} if both else speedup or roof))
+        return 0
+    if speedup is not None:
+        _print_speedup(speedup)
+    if roof is not None:
+        _print_roofline(roof)
     return 0
 
 
-def cmd_speedup(args: argparse.Namespace, quiet: bool) -> dict[str, Any]:
+def cmd_speedup(args: argparse.Namespace) -> dict[str, Any]:
     from specdecode.theory import expected_speedup, expected_tokens_per_round, optimal_gamma
 
     gamma = args.gamma if args.gamma is not None else optimal_gamma(args.alpha, args.c)
@@ -143,15 +150,17 @@ def cmd_speedup(args: argparse.Namespace, quiet: bool) -> dict[str, Any]:
         "tokens_per_round": expected_tokens_per_round(args.alpha, gamma),
         "speedup": expected_speedup(args.alpha, gamma, args.c),
     }
-    if not quiet:
-        label = "optimal γ" if args.gamma is None else "γ"
-        print(f"α = {args.alpha}, {label} = {gamma}, c = {args.c}")
-        print(f"expected tokens per round: {result['tokens_per_round']:.2f}")
-        print(f"expected speedup:          {result['speedup']:.2f}x")
     return result
 
 
-def cmd_roofline(args: argparse.Namespace, quiet: bool) -> dict[str, Any]:
+def _print_speedup(r: dict[str, Any]) -> None:
+    label = "optimal γ" if r["optimal_gamma"] else "γ"
+    print(f"α = {r['alpha']}, {label} = {r['gamma']}, c = {r['c']}")
+    print(f"expected tokens per round: {r['tokens_per_round']:.2f}")
+    print(f"expected speedup:          {r['speedup']:.2f}x")
+
+
+def cmd_roofline(args: argparse.Namespace) -> dict[str, Any]:
     from specdecode.roofline import Roofline, resolve_hardware, resolve_model
 
     gamma = 4 if args.gamma is None else args.gamma
@@ -174,16 +183,17 @@ def cmd_roofline(args: argparse.Namespace, quiet: bool) -> dict[str, Any]:
         "compute_ms": roof.compute_s(positions) * 1e3,
         "verification_free": roof.compute_s(positions) <= roof.weight_read_s,
     }
-    if quiet:
-        return result
-    r = result
+    return result
+
+
+def _print_roofline(r: dict[str, Any]) -> None:
     print(f"{r['model']} on {r['hardware']}: {r['flops_per_s'] / 1e12:.1f} TFLOP/s, {r['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s")
     print(f"FLOPs per verified position: {r['flops_per_position']:.3g} (matrices + LM head)")
     print(f"weight read: {r['weight_bytes'] / 1e9:.2f} GB in {r['weight_read_ms']:.2f} ms")
     print(f"threshold B·(γ+1): {r['threshold_positions']:.0f} positions")
     verdict = "free" if r["verification_free"] else "NOT free: compute exceeds the weight read"
-    print(f"B = {args.batch}, γ = {gamma}: {positions} positions, compute {r['compute_ms']:.2f} ms -> verification {verdict}")
-    return result
+    print(f"B = {r['batch']}, γ = {r['gamma']}: {r['positions']} positions, "
+          f"compute {r['compute_ms']:.2f} ms -> verification {verdict}")
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:
@@ -330,7 +340,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
+        print(file=sys.stderr)  # end the streamed line
         return 130
+    except BrokenPipeError:  # stdout's reader left (`| head`): stop quietly, as a pipeline expects
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else Python's exit flush reports it
+        return 141  # 128 + SIGPIPE: what a shell reports for a command whose reader left
 
 
 if __name__ == "__main__":

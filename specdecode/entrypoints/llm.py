@@ -129,6 +129,10 @@ class LLM:
         from specdecode.model.quant import describe_kernels, parse_quantization
 
         spec = SpecConfig.parse(speculative_config)  # fail on a bad config before loading anything
+        for name, value, least in (("max_model_len", max_model_len, 2), ("max_num_seqs", max_num_seqs, 1),
+                                   ("num_blocks", num_blocks, 1)):  # fmt: skip
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+                raise SpecDecodeError(f"{name} must be an integer >= {least}, got {value!r}")
         parse_quantization(quantization)
         compile_mode = parse_compile(compile)
         self.target = load_model(model, dtype=dtype, device=device, quantization=quantization)
@@ -146,6 +150,7 @@ class LLM:
             self.compile_mode = compile_target(self.target.model, compile_mode, lambda: self._build_engines(
                 spec, quantization, engine_args))  # fmt: skip
         self.engine, self._plain = self._build_engines(spec, quantization, engine_args)
+        self._open_call = False  # a generate / stream call is stepping the engines (they are shared)
 
     def _build_engines(
         self, spec: SpecConfig | None, quantization: str | None, engine_args: dict
@@ -202,10 +207,15 @@ class LLM:
     def _stream(
         self, token_lists: list[list[int]], params: list[SamplingParams], speculative: bool
     ) -> Iterator[StreamEvent]:
+        if self._open_call:  # its steps would hand this call the other's tokens, and lose them there
+            raise SpecDecodeError(
+                "another generate/stream call on this LLM is still open: finish that stream or close() it first"
+            )
         engine = self.engine if speculative else self._plain
         ids = [f"llm-{id(self)}-{time.perf_counter_ns()}-{i}" for i in range(len(token_lists))]
         index = {rid: i for i, rid in enumerate(ids)}
         start = time.perf_counter()
+        self._open_call = True
         try:
             for rid, tokens, sp in zip(ids, token_lists, params):
                 engine.add_request(rid, tokens, sp)
@@ -217,16 +227,25 @@ class LLM:
         finally:  # an exception or a consumer that stopped early: nothing stays queued or cached
             for rid in ids:
                 engine.abort(rid)
+            self._open_call = False
 
     def encode_chat(self, user_message: str) -> list[int]:
         """Token ids of a one-turn chat, with the generation prompt, via the model's chat template."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise SpecDecodeError("this model has no chat template; drop --chat")
+        if not isinstance(user_message, str):
+            raise SpecDecodeError(f"a chat message must be a string, got {type(user_message).__name__}")
+        _check_utf8(user_message)
         messages = [{"role": "user", "content": user_message}]
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
 
     def decode(self, token_ids: list[int]) -> str:
+        vocab = self.target.config.vocab_size
+        if not isinstance(token_ids, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids
+        ):
+            raise SpecDecodeError(f"token ids to decode must be a list of integers in [0, {vocab})")
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
     # -- validation ---------------------------------------------------------------------
@@ -244,6 +263,10 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(token_lists)
         else:
+            if not isinstance(sampling_params, (list, tuple)) or not all(
+                isinstance(sp, SamplingParams) for sp in sampling_params
+            ):
+                raise SpecDecodeError("sampling_params must be a SamplingParams or a list of them, one per prompt")
             params = list(sampling_params)
             if len(params) != len(token_lists):
                 raise SpecDecodeError(f"got {len(params)} sampling params for {len(token_lists)} prompts")
@@ -260,6 +283,7 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise SpecDecodeError("this model folder has no tokenizer; pass token-id lists")
+            _check_utf8(prompt)
             ids = list(self.tokenizer(prompt)["input_ids"])
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
@@ -279,3 +303,12 @@ class LLM:
         text = params.visible_text(self.decode(out))
         metrics = RequestMetrics(**dataclasses.asdict(stats), num_generated_tokens=len(out), wall_time_s=wall, first_token_time_s=first)
         return RequestOutput(prompt, out, text, finish, metrics)
+
+
+def _check_utf8(text: str) -> None:
+    """Text the tokenizer can take: a lone surrogate (a non-UTF-8 byte in argv, escaped by
+    Python) is not, and the tokenizer's own error is a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise SpecDecodeError("the prompt is not valid UTF-8 text") from None

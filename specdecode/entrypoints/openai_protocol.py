@@ -91,12 +91,11 @@ class _Request(BaseModel):
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        top_k = self.top_k or 0
         try:
             return SamplingParams(
                 temperature=1.0 if self.temperature is None else self.temperature,  # OpenAI's default
                 top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=max(top_k, 0),  # -1 (vLLM) or 0: no top-k filter
+                top_k=self.top_k or 0,  # -1 (vLLM) or 0: no top-k filter; below -1 refused, as vLLM does
                 max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
                 seed=self.seed,
                 stop=stop,

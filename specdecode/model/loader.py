@@ -119,6 +119,9 @@ def _resolve(path: str | None) -> tuple[Path, str]:
         return Path(default_model_path()), "smollm2-135m"
     if path == "gemma3-270m":
         return Path(_gemma3_path()), "gemma3-270m"
+    path = os.fspath(path) if isinstance(path, os.PathLike) else path
+    if not isinstance(path, str) or not path.strip():  # Path("") is the current folder
+        raise SpecDecodeError(f"model must be a path or one of: {', '.join(ALIASES)}; got {path!r}")
     p = Path(path).expanduser()
     if not p.exists():
         raise SpecDecodeError(f"model path not found: {path} (or use one of: {', '.join(ALIASES)})")

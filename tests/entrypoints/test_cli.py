@@ -51,6 +51,8 @@ def test_theory_both_models_at_once_and_bad_numbers(capsys):
     for argv in (["--alpha", "0.8", "--c", "nan"], ["--model", "llama-3-8b", "--c", "-1"]):
         code, _, err = run(capsys, "theory", *argv)
         assert code == 2 and err.startswith("error: --c must be") and err.count("\n") == 1, err
+    code, out, err = run(capsys, "theory", "--alpha", "0.8", "--model", "/no/such/model")
+    assert code == 2 and out == "" and err.startswith("error: model path not found")  # no formula printed first
     with pytest.raises(SystemExit) as exit_:  # argparse's own errors: one line too
         main(["theory", "--alpha", "x"])
     err = capsys.readouterr().err
@@ -130,3 +132,17 @@ def test_prompt_longer_than_context(capsys, tiny):
     ctx = LLM(model=tiny["target"], dtype="float32").max_model_len
     code, _, err = run(capsys, "generate", "a" * (ctx + 10), "--model", tiny["target"], "--dtype", "float32")
     assert code == 2 and "context" in err
+
+
+def test_a_reader_that_leaves_stops_generate_quietly(tiny):
+    """`specdecode generate ... | head -c 1`: the pipe closes under the streamed text; the
+    command stops with 141 (128 + SIGPIPE, as a shell reports it) and no traceback."""
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-c", "import sys; from specdecode.entrypoints.cli import main; sys.exit(main())",
+            "generate", "hi", "--model", tiny["target"], "--dtype", "float32", "--max-tokens", "32"]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the first token
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141 and b"Traceback" not in err, err.decode()

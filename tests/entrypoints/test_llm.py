@@ -64,6 +64,42 @@ def test_bad_prompts(llm, prompts, match):
         llm.generate(prompts, SamplingParams(max_tokens=2))
 
 
+def test_a_second_call_while_a_stream_is_open_is_refused_and_the_stream_loses_nothing(llm):
+    """The engines are shared: a generate call stepping them while a stream is open would take
+    the stream's tokens (a KeyError there) and they were lost. It is refused in one line; the
+    stream then finishes whole, and once it is closed the LLM takes calls again."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = llm.generate("abcabc", params)[0].token_ids
+    stream = llm.stream("abcabc", params)
+    got = list(next(stream).new_token_ids)
+    with pytest.raises(SpecDecodeError, match="still open"):
+        llm.generate("hello", SamplingParams(max_tokens=2))
+    with pytest.raises(SpecDecodeError, match="still open"):
+        next(llm.stream("hello", SamplingParams(max_tokens=2)))
+    got += [t for e in stream for t in e.new_token_ids]
+    assert got == want
+    half_read = llm.stream("abcabc", params)
+    next(half_read)
+    half_read.close()  # a consumer that stopped early
+    assert llm.generate("abcabc", params)[0].token_ids == want
+    assert llm.engine.stats().kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("sampling_params", [[{"max_tokens": 3}], [None], "x", {"max_tokens": 3}])
+def test_bad_sampling_params_are_one_line(llm, sampling_params):
+    with pytest.raises(SpecDecodeError, match="sampling_params must be a SamplingParams or a list of them"):
+        llm.generate(["a"], sampling_params)
+
+
+def test_text_that_is_not_utf8_and_bad_ids_to_decode_are_one_line(llm):
+    with pytest.raises(SpecDecodeError, match="not valid UTF-8"):
+        llm.generate("ab\udcff", SamplingParams(max_tokens=2))  # a non-UTF-8 byte in argv, as Python escapes it
+    with pytest.raises(SpecDecodeError, match="not valid UTF-8"):
+        llm.encode_chat("ab\udcff")
+    with pytest.raises(SpecDecodeError, match="token ids to decode"):
+        llm.decode([-1])
+
+
 def test_prompt_longer_than_context_is_a_value_error(llm):
     with pytest.raises(ValueError, match="context"):
         llm.generate([[5] * llm.max_model_len], SamplingParams(max_tokens=2))
@@ -79,6 +115,19 @@ def test_bad_config_fails_before_loading(tmp_path):
         LLM(model=str(tmp_path / "missing"), speculative_config={"method": "eagle9"})
     with pytest.raises(SpecDecodeError, match="model path not found"):
         LLM(model=str(tmp_path / "missing"))
+    with pytest.raises(SpecDecodeError, match="model must be a path"):
+        LLM(model="")  # not the current folder
+    for bad in ({"max_num_seqs": "4"}, {"max_model_len": 100.5}, {"num_blocks": 0}, {"max_num_seqs": True}):
+        with pytest.raises(SpecDecodeError, match=f"{next(iter(bad))} must be an integer"):
+            LLM(model=str(tmp_path / "missing"), **bad)  # checked before the model is looked for
+
+
+def test_a_spec_config_built_by_hand_is_checked_as_its_dict_would_be(tmp_path):
+    from specdecode.config import SpecConfig
+
+    with pytest.raises(SpecDecodeError, match=r"num_speculative_tokens must be an integer in \[1, 32\]"):
+        LLM(model=str(tmp_path / "missing"), speculative_config=SpecConfig("ngram", 100))
+    assert SpecConfig.parse(SpecConfig("ngram", 4)).options.prompt_lookup_max == 5  # options=None: the defaults
 
 
 def test_tree_budget_beyond_context(tmp_path):
