@@ -14,6 +14,9 @@
 #   Run on an H200 then: both CUDA tests pass; reduce-overhead cost 1.7x eager per pass.
 set -uo pipefail
 MODEL=${1:-}
+# a lent machine's Python may be python3 only (scripts/device_train.sh)
+mkdir -p /tmp/bin && { command -v python > /dev/null || ln -sf "$(command -v python3)" /tmp/bin/python; }
+export PATH=/tmp/bin:$PATH
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 python -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
 timeout 240 python -m pytest tests/model/test_compiled.py -q -rs -p no:cacheprovider

@@ -121,11 +121,11 @@ def _profile(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
         times = []
         for _ in range(repeats):
             if device.type == "cuda":
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(device)
             t0 = time.perf_counter()
             fn()
             if device.type == "cuda":
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t0)
         return min(times)
 

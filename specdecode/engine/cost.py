@@ -128,7 +128,7 @@ class VerifyCost:
                         start = time.perf_counter()
                         model(tokens, positions, cache, batch_invariant=engine.batch_invariant)
                         if device.type == "cuda":
-                            torch.cuda.synchronize()
+                            torch.cuda.synchronize(device)
                         times.append(time.perf_counter() - start)
                     points.append((size, sorted(times)[len(times) // 2]))
         finally:
@@ -156,7 +156,7 @@ def measure_attention_cost(engine: ServingEngine, rows: int = 16, width: int = 9
             start = time.perf_counter()
             F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             if device.type == "cuda":
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
         return min(times[1:])
 
