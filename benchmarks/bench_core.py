@@ -98,9 +98,11 @@ def main() -> None:
             hf_ids, hf_s = time_hf(hf, ids, args.max_tokens, None)
             hfl_ids, hfl_s = time_hf(hf, ids, args.max_tokens, args.gamma)
             m = spec_out.metrics
-            step_s = 1.0 / base.metrics.decode_tokens_per_s  # one plain decode step
-            c = (timer.seconds / max(timer.calls, 1)) / step_s
-            alpha = m.acceptance_rate
+            step_s = 1.0 / max(base.metrics.decode_tokens_per_s, 1e-9)  # one plain decode step
+            # the formula's γ and c are per draft token: a lookup drafts fewer than γ where its match runs out
+            depth = m.num_draft_tokens / m.num_drafts if m.num_drafts else args.gamma
+            c = (timer.seconds / max(timer.calls, 1)) / depth / step_s
+            alpha = m.acceptance_rate  # accepted / reached: the formula's α
             rows.append({
                 "kind": kind,
                 "prompt": text[:40].replace("\n", " "),
@@ -111,10 +113,10 @@ def main() -> None:
                 "hf_lookup_tps": len(hfl_ids) / hfl_s,
                 "alpha": alpha,
                 "tau": m.mean_accepted_length,
-                "tokens_per_round": len(spec_out.token_ids) / max(timer.calls, 1),
+                "tokens_per_round": (len(spec_out.token_ids) - 1) / max(timer.calls, 1),  # the first is prefill's
                 "accepted_per_position": [n / max(m.num_drafts, 1) for n in m.accepted_per_position],
                 "c": c,
-                "predicted_speedup": expected_speedup(alpha, args.gamma, c),
+                "predicted_speedup": expected_speedup(alpha, depth, c),
                 "match_vs_plain": prefix_match(spec_out.token_ids, base.token_ids),
                 "match_ours_vs_hf": prefix_match(base.token_ids, hf_ids),
                 "n_tokens": len(spec_out.token_ids),

@@ -98,7 +98,7 @@ def main() -> None:
                 params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, seed=i)
                 for rep in range(args.repeats):
                     base = plain.generate([ids], params)[0]
-                    step_s = 1.0 / base.metrics.decode_tokens_per_s
+                    step_s = 1.0 / max(base.metrics.decode_tokens_per_s, 1e-9)
                     for name, _ in methods[rep % len(methods):] + methods[: rep % len(methods)]:
                         rows.append(run_method(llms[name], timers[name], ids, params, base, step_s))
                         r = rows[-1]

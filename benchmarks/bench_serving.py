@@ -38,6 +38,7 @@ load.py.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -99,7 +100,11 @@ def threshold_report(model: LoadedModel, curve: VerifyCost) -> dict:
     measured verify-cost curve: with t(P) ≈ a + m·P fitted, the P at which the per-position
     cost m·P equals the fixed cost a (the roofline's threshold has the same meaning)."""
     hw = profile_local(model.model.embed.weight.device)
-    roof = Roofline(shape_from_config(model.name, model.config), hw)
+    shape = shape_from_config(model.name, model.config)
+    # the bytes the loaded weights hold (GGUF / int4 blocks: ~0.6 of bf16), each tensor once (tied)
+    held = {t.data_ptr(): t.numel() * t.element_size() for t in model.model.state_dict().values()}
+    shape = dataclasses.replace(shape, bytes_per_param=shape.bytes_per_param * sum(held.values()) / shape.weight_bytes)
+    roof = Roofline(shape, hw)
     a, m = fit_line(curve)
     return {
         "hardware": hw.name,

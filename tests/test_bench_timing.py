@@ -1,5 +1,5 @@
-"""The benchmarks' paired statistic (benchmarks/timing.py: bench_serving.py decides "met" with it,
-bench_learned.py gives its speedups' intervals)."""
+"""The benchmarks' paired statistic (benchmarks/timing.py: bench_serving.py prints it beside each
+pooled ratio it decides "met" by, bench_learned.py gives its speedups' intervals)."""
 
 import importlib.util
 from pathlib import Path

@@ -24,6 +24,9 @@ class SpecStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     lossy: bool = False  # decoded with a lossy opt-in (typical acceptance): not the target's distribution
+    # draft tokens verification decided on: a round stops at its first rejection, so the drafts
+    # after it were never tried (α = accepted / reached; accepted / drafted understates it)
+    num_reached_tokens: int = 0
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         if num_draft == 0:
@@ -31,6 +34,7 @@ class SpecStats:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
+        self.num_reached_tokens += min(num_accepted + 1, num_draft)
         if len(self.accepted_per_position) < num_draft:
             self.accepted_per_position += [0] * (num_draft - len(self.accepted_per_position))
         for i in range(num_accepted):

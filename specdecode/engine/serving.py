@@ -55,6 +55,9 @@ class RequestEvent:
     stats: SpecStats
     num_prompt_tokens: int
     num_output_tokens: int
+    # when the step made it (time.perf_counter): a request's first token comes out of the prefill,
+    # before the same step's decode round, whose tokens come out with it
+    at: float = field(default_factory=time.perf_counter)
 
 
 @dataclass

@@ -39,7 +39,14 @@ class RequestMetrics(SpecStats):
 
     @property
     def acceptance_rate(self) -> float:
-        """α estimate: accepted draft tokens / proposed draft tokens."""
+        """α, the chance that a draft token verification reaches is accepted (1 − TV(p, q) for a
+        sampled draft; Leviathan's α): accepted / reached draft tokens."""
+        return self.num_accepted_tokens / self.num_reached_tokens if self.num_reached_tokens else 0.0
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        """vLLM's draft acceptance rate: accepted / proposed draft tokens (below α where rounds
+        stop at a rejection: the drafts after it count as proposed)."""
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
     @property
@@ -51,9 +58,11 @@ class RequestMetrics(SpecStats):
             "num_drafts": self.num_drafts,
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
+            "num_reached_tokens": self.num_reached_tokens,
             "accepted_per_position": list(self.accepted_per_position),
             "mean_accepted_length": self.mean_accepted_length,
             "acceptance_rate": self.acceptance_rate,
+            "draft_acceptance_rate": self.draft_acceptance_rate,
             "num_generated_tokens": self.num_generated_tokens,
             "wall_time_s": self.wall_time_s,
             "first_token_time_s": self.first_token_time_s,
@@ -220,10 +229,8 @@ class LLM:
             for rid, tokens, sp in zip(ids, token_lists, params):
                 engine.add_request(rid, tokens, sp)
             while engine.has_unfinished():
-                events = engine.step()
-                now = time.perf_counter() - start
-                for e in events:
-                    yield StreamEvent(index[e.request_id], e.new_token_ids, e.finish_reason, now, e.stats)
+                for e in engine.step():
+                    yield StreamEvent(index[e.request_id], e.new_token_ids, e.finish_reason, e.at - start, e.stats)
         finally:  # an exception or a consumer that stopped early: nothing stays queued or cached
             for rid in ids:
                 engine.abort(rid)

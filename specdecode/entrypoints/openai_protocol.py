@@ -9,6 +9,7 @@ their one-line messages are passed through), HTTP routing (server.py).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from typing import Any
@@ -183,17 +184,19 @@ def validation_error(errors: Any) -> APIError:
 
 
 def usage(stats: SpecStats, num_prompt_tokens: int, num_output_tokens: int) -> dict[str, Any]:
-    """OpenAI's usage plus speculation: α (accepted / drafted) and τ (1 + accepted / rounds)."""
-    m = RequestMetrics(stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
-                       list(stats.accepted_per_position))  # fmt: skip
+    """OpenAI's usage plus speculation: α (accepted / reached draft tokens), vLLM's draft
+    acceptance rate (accepted / drafted) and τ (1 + accepted / rounds)."""
+    m = RequestMetrics(**dataclasses.asdict(stats))
     return {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_output_tokens,
         "total_tokens": num_prompt_tokens + num_output_tokens,
         "acceptance_rate": m.acceptance_rate,
+        "draft_acceptance_rate": m.draft_acceptance_rate,
         "mean_accepted_length": m.mean_accepted_length,
         "num_drafts": m.num_drafts,
         "num_draft_tokens": m.num_draft_tokens,
+        "num_reached_tokens": m.num_reached_tokens,
         "num_accepted_tokens": m.num_accepted_tokens,
         "accepted_per_position": m.accepted_per_position,
         "lossy": stats.lossy,  # typical acceptance: the output need not follow the model's distribution

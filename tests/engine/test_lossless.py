@@ -71,6 +71,9 @@ def test_draft_equal_to_target_accepts_everything(ckpts):
             assert m.num_draft_tokens == gamma * m.num_drafts
             assert m.mean_accepted_length == gamma + 1
             assert m.accepted_per_position == [m.num_drafts] * gamma
+            # each counted round emitted 1 + its accepted tokens, after the first: the last round,
+            # cut to 1 of its 4 by max_tokens, counts as one without drafts (it used to count all 4)
+            assert m.num_drafts + m.num_accepted_tokens == len(o.token_ids) - 2
 
 
 @pytest.mark.parametrize("name", ["ngram", "draft_model", "ngram_tree"])

@@ -21,7 +21,8 @@ def test_outputs_have_text_ids_and_metrics(llm):
     for o in outs:
         assert len(o.token_ids) == 12 and isinstance(o.text, str)
         m = o.metrics
-        assert m.mean_accepted_length == 1 + m.num_accepted_tokens / max(m.num_drafts, 1)
+        assert m.num_drafts + m.num_accepted_tokens <= len(o.token_ids) - 1  # each round's tokens, after the first
+        assert m.num_accepted_tokens <= m.num_reached_tokens <= m.num_draft_tokens
         assert sum(m.accepted_per_position) == m.num_accepted_tokens
         assert m.wall_time_s > 0
     assert outs[0].text == llm.decode(outs[0].token_ids)
@@ -153,3 +154,24 @@ def test_default_quantization_keeps_a_gguf_quantized_and_a_dense_draft_follows(t
     got = llm.generate([[1, 2, 3, 4]], params)[0]
     assert got.token_ids == llm.generate([[1, 2, 3, 4]], params, speculative=False)[0].token_ids
     assert got.metrics.num_accepted_tokens > 0
+
+
+def test_acceptance_rate_is_the_per_token_alpha_the_formula_takes():
+    """Rounds that stop at their first rejection, each draft accepted with probability 0.8 (the
+    formula's model): α = accepted / reached recovers 0.8, and the formula's tokens per round at
+    that α is the measured τ. accepted / drafted (vLLM's draft acceptance rate) is ~0.42 here."""
+    import random
+
+    from specdecode.entrypoints.llm import RequestMetrics
+    from specdecode.theory import expected_tokens_per_round
+
+    rng, alpha, gamma = random.Random(0), 0.8, 8
+    m = RequestMetrics()
+    for _ in range(20000):
+        accepted = 0
+        while accepted < gamma and rng.random() < alpha:
+            accepted += 1
+        m.record(gamma, accepted)
+    assert abs(m.acceptance_rate - alpha) < 0.01
+    assert abs(expected_tokens_per_round(m.acceptance_rate, gamma) - m.mean_accepted_length) < 0.05
+    assert abs(m.draft_acceptance_rate - alpha * (1 - alpha**gamma) / ((1 - alpha) * gamma)) < 0.01

@@ -23,8 +23,9 @@ from tests.entrypoints.server_helpers import (
     sse_events,
 )
 
-USAGE_KEYS = {"prompt_tokens", "completion_tokens", "total_tokens", "acceptance_rate", "mean_accepted_length",
-              "num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position"}  # fmt: skip
+USAGE_KEYS = {"prompt_tokens", "completion_tokens", "total_tokens", "acceptance_rate", "draft_acceptance_rate",
+              "mean_accepted_length", "num_drafts", "num_draft_tokens", "num_reached_tokens", "num_accepted_tokens",
+              "accepted_per_position"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,9 @@ def check_usage(u):
     assert USAGE_KEYS <= set(u)
     assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
     if u["num_draft_tokens"]:
-        assert u["acceptance_rate"] == pytest.approx(u["num_accepted_tokens"] / u["num_draft_tokens"])
+        assert u["acceptance_rate"] == pytest.approx(u["num_accepted_tokens"] / u["num_reached_tokens"])
+        assert u["draft_acceptance_rate"] == pytest.approx(u["num_accepted_tokens"] / u["num_draft_tokens"])
+        assert u["num_accepted_tokens"] <= u["num_reached_tokens"] <= u["num_draft_tokens"]
     if u["num_drafts"]:
         assert u["mean_accepted_length"] == pytest.approx(1 + u["num_accepted_tokens"] / u["num_drafts"])
     assert sum(u["accepted_per_position"]) == u["num_accepted_tokens"]
