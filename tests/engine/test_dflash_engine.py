@@ -100,7 +100,7 @@ def test_adaptive_budget_under_sampling_keeps_the_targets_distribution(tmp_path)
     from specdecode.engine.adaptive import AdaptiveBudget
     from tests.engine.test_adaptive import roofline
 
-    V, n, samples, temperature = 6, 2, 3000, 3.0
+    V, n, samples, temperature = 6, 3, 3000, 3.0  # n = 3: a round's emitted drafts are counted (n = 2 cuts each)
     target = make_tiny_checkpoint(tmp_path / "t", "llama", seed=0, vocab_size=V)
     net = make_dflash(tmp_path / "net", target, seed=1)
     spec = {**dflash(net, 4), "verify_budget": "adaptive"}
