@@ -180,8 +180,8 @@ class Engine:
         for seq, row, n_acc, n_draft in zip(batch.seqs, out.tolist(), num_accepted.tolist(), num_draft.tolist()):
             new = self._append_until_stop(seq, row[: n_acc + 1])
             if len(new) <= n_acc:  # cut by EOS, a stop string or max_tokens among the accepted drafts: the
-                # round counts what it emitted, its last token as the bonus (max_tokens 4 at γ 8 said τ 9)
-                n_draft = n_acc = max(0, len(new) - 1)
+                # round counts the drafts it emitted, all accepted (max_tokens 4 at γ 8 said τ 9; now 4)
+                n_draft = n_acc = len(new)
             seq.stats.record(n_draft, n_acc)
             events.append(StepEvent(seq.request_id, new, seq.finish_reason, seq.stats))
         return events

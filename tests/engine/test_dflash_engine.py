@@ -45,7 +45,8 @@ def test_greedy_equals_plain(ckpts, arch, gamma):
     for max_tokens in (1, 17, 40):
         batch = assert_greedy_matches_plain(llm, plain, PROMPTS, max_tokens, (arch, gamma))
     assert batch[0].metrics.num_drafts > 0
-    assert batch[0].metrics.num_draft_tokens == gamma * batch[0].metrics.num_drafts  # the whole block each round
+    m = batch[0].metrics  # the whole block each round (the last may be cut by max_tokens)
+    assert gamma * (m.num_drafts - 1) < m.num_draft_tokens <= gamma * m.num_drafts
 
 
 def test_confidence_threshold_cuts_blocks_and_stays_exact(ckpts):
@@ -100,7 +101,7 @@ def test_adaptive_budget_under_sampling_keeps_the_targets_distribution(tmp_path)
     from specdecode.engine.adaptive import AdaptiveBudget
     from tests.engine.test_adaptive import roofline
 
-    V, n, samples, temperature = 6, 3, 3000, 3.0  # n = 3: a round's emitted drafts are counted (n = 2 cuts each)
+    V, n, samples, temperature = 6, 2, 3000, 3.0
     target = make_tiny_checkpoint(tmp_path / "t", "llama", seed=0, vocab_size=V)
     net = make_dflash(tmp_path / "net", target, seed=1)
     spec = {**dflash(net, 4), "verify_budget": "adaptive"}

@@ -61,7 +61,7 @@ def test_confidence_threshold_stops_chains_and_stays_exact(setup, method):
         llm = LLM(model=target, speculative_config=spec, dtype="float32", device="cpu")
         out = assert_greedy_matches_plain(llm, plain, PROMPTS, 30, (method, h))
         drafted[h] = [(o.metrics.num_draft_tokens, o.metrics.num_drafts) for o in out]
-    assert all(t == 3 * n for t, n in drafted[0.0])
+    assert all(3 * (n - 1) < t <= 3 * n for t, n in drafted[0.0])  # all 3 each round (the last may be cut)
     assert all(n <= t <= 3 * n for h in (0.6, 0.999) for t, n in drafted[h]), drafted  # >= 1 token a round
     per_round = {h: sum(t for t, _ in d) / sum(n for _, n in d) for h, d in drafted.items()}
     assert per_round[0.999] < per_round[0.6] < 3, drafted  # a higher threshold stops more chains

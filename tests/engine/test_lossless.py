@@ -63,17 +63,19 @@ def test_greedy_equals_plain(ckpts, plain, name):
 def test_draft_equal_to_target_accepts_everything(ckpts):
     gamma = 3
     llm = LLM(model=ckpts["target"], speculative_config=spec_configs(ckpts)["draft_model_self"], dtype="float32", device="cpu")
-    for params in (greedy(30), SamplingParams(temperature=1.0, max_tokens=30, seed=3, ignore_eos=True)):
+    for params in (greedy(29), SamplingParams(temperature=1.0, max_tokens=29, seed=3, ignore_eos=True)):
         out = llm.generate(PROMPTS, params)
-        for o in out:
+        for o in out:  # 28 tokens after the first: 7 rounds of 4
             m = o.metrics
             assert m.acceptance_rate == 1.0
             assert m.num_draft_tokens == gamma * m.num_drafts
             assert m.mean_accepted_length == gamma + 1
             assert m.accepted_per_position == [m.num_drafts] * gamma
-            # each counted round emitted 1 + its accepted tokens, after the first: the last round,
-            # cut to 1 of its 4 by max_tokens, counts as one without drafts (it used to count all 4)
-            assert m.num_drafts + m.num_accepted_tokens == len(o.token_ids) - 2
+            assert m.num_drafts + m.num_accepted_tokens == len(o.token_ids) - 1
+    for o in llm.generate(PROMPTS, greedy(30)):  # the 8th round is cut to 1 of its 4 tokens by max_tokens
+        m = o.metrics
+        assert m.num_drafts == 8 and m.num_accepted_tokens == 7 * gamma + 1  # it counts the draft it emitted
+        assert m.num_drafts + m.num_accepted_tokens <= len(o.token_ids)  # at most that round's bonus is not there
 
 
 @pytest.mark.parametrize("name", ["ngram", "draft_model", "ngram_tree"])
