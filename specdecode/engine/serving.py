@@ -339,6 +339,10 @@ class ServingEngine(Engine):
             # proposed only for the budget's shadow rounds: a proposal found with strong
             # evidence may pay where the estimate without it did not.
             limits = torch.minimum(proposed.num_tokens, gammas)
+            if proposed.q is not None:  # a sampled row's length may follow its drafts (a confidence stop reads
+                # q(d_k)): planned on it, d_k would be verified by its own q (lossy). Its plan takes γ; the stop,
+                # which reads only earlier drafts, then cuts what is verified.
+                limits = torch.where(self.batch.temperature > 0, gammas, limits)
             budgets = self.budget.budgets(reqs, limits, self, proposed)  # [B] >= 0
             if int(budgets.max()) > 0 or (want > 0 and not cheap and proposed.aux is not None):
                 draft = apply_budgets(proposed, budgets)

@@ -114,6 +114,28 @@ def test_adaptive_budget_under_sampling_keeps_the_targets_distribution(tmp_path)
     assert 0 < sum(o.metrics.num_drafts for o in outs) < samples  # some rounds drafted, some did not
 
 
+def test_adaptive_budget_with_a_confidence_stop_under_sampling_keeps_the_targets_distribution(tmp_path):
+    """A confidence stop cuts a sampled block after a token whose q(d) is low, so the block's
+    length follows its drafts; a plan capped by that length (the drafting overhead paid once
+    makes a cap of 1 not worth drafting, a cap of 2 worth it) verified d_1 by its own q (chi-square
+    p ~ 1e-21). A sampled row's plan takes γ as its cap, and the stop then cuts the block."""
+    from specdecode.engine.adaptive import AdaptiveBudget
+    from specdecode.engine.cost import VerifyCost
+
+    V, n, samples, temperature = 6, 2, 3000, 3.0
+    target = make_tiny_checkpoint(tmp_path / "t", "llama", seed=0, vocab_size=V)
+    net = make_dflash(tmp_path / "net", target, seed=1)
+    spec = {**dflash(net, 4, threshold=0.2), "verify_budget": "adaptive"}
+    llm = LLM(model=str(target), speculative_config=spec, dtype="float32", device="cpu", max_num_seqs=1)
+    policy = AdaptiveBudget(VerifyCost([(1, 1.0), (64, 1.0), (164, 2.0)]), max_gamma=4)  # positions free to 64
+    policy._observe_cost = lambda *args: None
+    policy.draft_overhead = 0.6  # seconds a pass that carries drafts pays beyond its positions
+    policy.acceptance.confidence_rows = lambda ids, evidence=None: [[0.5] * 4 for _ in ids]  # history-free estimates
+    llm.engine.budget = policy
+    outs = assert_samples_follow_target(llm, n, temperature, 0, samples)
+    assert sum(o.metrics.num_drafts for o in outs) > 0
+
+
 def run_staggered(engine: ServingEngine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
     """Requests join one per step while the others decode, and leave as they finish."""
     out: list[list[int]] = [[] for _ in prompts]
