@@ -99,9 +99,10 @@ def main() -> None:
             hfl_ids, hfl_s = time_hf(hf, ids, args.max_tokens, args.gamma)
             m = spec_out.metrics
             step_s = 1.0 / max(base.metrics.decode_tokens_per_s, 1e-9)  # one plain decode step
-            # the formula's γ and c are per draft token: a lookup drafts fewer than γ where its match runs out
+            # the formula's c is a draft token's cost, and its γ the mean depth of a drafting round: a lookup
+            # drafts fewer than γ where its match runs out, and nothing in some rounds (their lookups count in c)
             depth = m.num_draft_tokens / m.num_drafts if m.num_drafts else args.gamma
-            c = (timer.seconds / max(timer.calls, 1)) / depth / step_s
+            c = timer.seconds / max(m.num_draft_tokens, 1) / step_s
             alpha = m.acceptance_rate  # accepted / reached: the formula's α
             rows.append({
                 "kind": kind,

@@ -124,8 +124,10 @@ def run_method(
     m = out.metrics
     gamma = llm.engine.gamma
     rounds = max(verified.calls, 1)
-    c = (propose.seconds + verified.seconds) / max(propose.calls, 1) / gamma / step_s
-    alpha = m.acceptance_rate
+    # per draft token, and the formula at the mean drafted depth (a confidence stop or a budget drafts fewer than γ)
+    depth = m.num_draft_tokens / m.num_drafts if m.num_drafts else gamma
+    c = (propose.seconds + verified.seconds) / max(m.num_draft_tokens, 1) / step_s
+    alpha = m.acceptance_rate  # accepted / reached
     return {
         "gamma": gamma, "alpha": alpha, "tau": m.mean_accepted_length,
         "accepted_per_position": [n / max(m.num_drafts, 1) for n in m.accepted_per_position]
@@ -133,7 +135,7 @@ def run_method(
         "tokens_per_round": (len(out.token_ids) - 1) / rounds, "c": c,  # the first comes from prefill
         "plain_tps": base.metrics.decode_tokens_per_s, "tps": m.decode_tokens_per_s,
         "speedup": m.decode_tokens_per_s / base.metrics.decode_tokens_per_s,
-        "predicted": expected_speedup(alpha, gamma, c),
+        "predicted": expected_speedup(alpha, depth, c),
         "latency_s": m.wall_time_s, "plain_latency_s": base.metrics.wall_time_s, "lossy": m.lossy,
     }  # fmt: skip
 

@@ -12,7 +12,7 @@ ratios) is far steadier, since time spent waiting for a core is not counted. Eac
 (the converted model is cached on disk), so a sweep is one command.
 
 The formula. Leviathan's (1 − α^(γ+1)) / ((1 − α)(γc + 1)) with γ = N − 1 (a guess's
-depth), α = accepted / proposed draft tokens over rounds that had a guess, and c = the
+depth), α = accepted / reached draft tokens over rounds that had a guess, and c = the
 drafter's host time per round (propose + on_verified) / γ / one plain decode step. It
 assumes a verify pass costs one plain step and that every round drafts. The *costed*
 prediction drops both assumptions with measured quantities: the formula's tokens per

@@ -167,8 +167,8 @@ class ClosedLoop:
         wall = self.clock
         steps = self.policy.steps[self.first_step :]
         drafts = sum(s.num_drafts for s in stats.values())
-        draft_tokens = sum(s.num_draft_tokens for s in stats.values())
         accepted = sum(s.num_accepted_tokens for s in stats.values())
+        reached = sum(s.num_reached_tokens for s in stats.values())  # α's denominator: drafts verification decided on
         rows = sum(s.rows for s in steps)
         passes = self.policy.passes[self.first_pass :]
         # per-user speed by prompt kind: speculation may speed one kind up and slow another down
@@ -188,7 +188,7 @@ class ClosedLoop:
             ),
             "ttft_s": statistics.fmean(first[r] - submit[r] for r in first),
             "tau": 1 + accepted / drafts if drafts else 1.0,
-            "alpha": accepted / draft_tokens if draft_tokens else 0.0,
+            "alpha": accepted / reached if reached else 0.0,
             "budget_per_row": sum(s.budget for s in steps) / max(rows, 1),
             "drafted_per_row": sum(s.drafted for s in steps) / max(rows, 1),
             "positions_per_step": statistics.fmean(s.rows + s.drafted for s in steps) if steps else 0.0,

@@ -160,6 +160,10 @@ class SpecConfig:
         if value is None:
             return None
         if isinstance(value, SpecConfig):  # built by hand (it is exported): validated as its dict would be
+            if value.options is not None and not dataclasses.is_dataclass(value.options):
+                raise SpecDecodeError(
+                    "SpecConfig options must be the method's Options dataclass; or pass a dict to SpecConfig.parse"
+                )
             value = value.to_dict()
         if isinstance(value, str):
             if not value.strip():

@@ -75,8 +75,8 @@ class AdaptiveBudget:
     """Per-request budgets that maximise expected accepted tokens per unit of step time.
 
     Raw confidences come from ``self.acceptance`` (engine/acceptance.py: online estimates,
-    calibrated by Sequential Temperature Scaling), or from a drafter's trained head where
-    its proposal carries one.
+    calibrated by Sequential Temperature Scaling), or, for greedy rows and deterministic
+    drafters, from the drafter's own estimates where its proposal carries them.
     """
 
     plan_caps_proposal = False  # a proposal's evidence may earn a row more than its plan

@@ -243,9 +243,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(model=args.model, speculative_config=spec, dtype=args.dtype, device=args.device,
               quantization=args.quantization, batch_invariant=args.batch_invariant, compile=_compile(args))  # fmt: skip
     prompt_ids = llm.encode_chat(args.prompt) if args.chat else llm.tokenize(args.prompt)
-    if args.compare:  # the first pass of a process is cold (kernels, pages): both engines prefill once first
-        for speculative in (True, False):
-            llm.generate([prompt_ids], dataclasses.replace(params, max_tokens=1), speculative=speculative)
+    if args.compare:  # the first passes of a process are cold (kernels, pages): both engines run a few rounds
+        warm = llm.tokenize("Hello, world.") if llm.tokenizer is not None else prompt_ids[:1]  # not the prompt:
+        for speculative in (True, False):  # a suffix drafter would remember it
+            llm.generate([warm], dataclasses.replace(params, max_tokens=8), speculative=speculative)
     streamer = None if args.json else _TextStreamer(llm, params)
     out = llm.generate([prompt_ids], params, on_tokens=streamer)[0]
     if streamer is not None:

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence, Union
 
+import torch
+
 from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError
 from specdecode.engine.batch import SpecStats
 from specdecode.engine.serving import ServingEngine
@@ -249,6 +251,8 @@ class LLM:
 
     def decode(self, token_ids: list[int]) -> str:
         vocab = self.target.config.vocab_size
+        if isinstance(token_ids, torch.Tensor) or type(token_ids).__module__ == "numpy":  # as HF's decode takes them
+            token_ids = token_ids.tolist()
         if not isinstance(token_ids, (list, tuple)) or not all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids
         ):

@@ -100,6 +100,10 @@ def test_text_that_is_not_utf8_and_bad_ids_to_decode_are_one_line(llm):
         llm.encode_chat("ab\udcff")
     with pytest.raises(SpecDecodeError, match="token ids to decode"):
         llm.decode([-1])
+    import numpy as np
+    import torch
+
+    assert llm.decode(np.array([5, 6])) == llm.decode(torch.tensor([5, 6])) == llm.decode([5, 6])  # as HF's decode
 
 
 def test_prompt_longer_than_context_is_a_value_error(llm):
