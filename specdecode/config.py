@@ -26,12 +26,12 @@ class SpecDecodeError(ValueError):
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (vLLM's _SAMPLING_EPS)
 
 
-def _is_int(x: object) -> bool:
+def is_int(x: object) -> bool:
     """An int that is not a bool (True is an int in Python, and never means a count)."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_real(x: object) -> bool:
+def is_real(x: object) -> bool:
     """An int or float (not a bool) that converts to a float: 10**400 does not."""
     if not isinstance(x, (int, float)) or isinstance(x, bool):
         return False
@@ -66,21 +66,21 @@ class SamplingParams:
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise SpecDecodeError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(stop))
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature):
+        if not is_real(self.temperature) or not math.isfinite(self.temperature):
             raise SpecDecodeError(f"temperature must be a finite number, got {self.temperature!r}")
         if self.temperature < 0:
             raise SpecDecodeError(f"temperature must be >= 0, got {self.temperature}")
         if self.temperature < GREEDY_BELOW:
             object.__setattr__(self, "temperature", 0.0)
-        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
+        if not is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise SpecDecodeError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k < -1:
             raise SpecDecodeError(f"top_k must be an integer: -1 or 0 (off) or >= 1, got {self.top_k!r}")
         if self.top_k >= 2**31:  # more than any vocabulary: off (as a value past int64 could not be a tensor)
             object.__setattr__(self, "top_k", 0)
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise SpecDecodeError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**63):
+        if self.seed is not None and (not is_int(self.seed) or not -(2**63) <= self.seed < 2**63):
             raise SpecDecodeError(f"seed must be a 64-bit integer (in [-2**63, 2**63)), got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
             raise SpecDecodeError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
@@ -120,7 +120,7 @@ class BudgetOptions:
         if self.verify_budget not in ("fixed", "adaptive"):
             raise SpecDecodeError(f"verify_budget must be \"fixed\" or \"adaptive\", got {self.verify_budget!r}")
         m = self.max_verify_tokens
-        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+        if m is not None and (not is_int(m) or m < 1):
             raise SpecDecodeError(f"max_verify_tokens must be a positive integer, got {m!r}")
         f = self.throughput_floor
         if not isinstance(f, (int, float)) or isinstance(f, bool) or not 0 < f <= 1:
@@ -189,7 +189,7 @@ class SpecConfig:
                 )
             gamma = max(cls.default_num_speculative_tokens, AUTO_MAX_SPECULATIVE_TOKENS)
             budget = dataclasses.replace(budget, verify_budget="adaptive")
-        if not isinstance(gamma, int) or isinstance(gamma, bool) or not 1 <= gamma <= MAX_SPECULATIVE_TOKENS:
+        if not is_int(gamma) or not 1 <= gamma <= MAX_SPECULATIVE_TOKENS:
             raise SpecDecodeError(
                 f'num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}] or "auto", got {gamma!r}'
             )

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 from torch import Tensor
 
-from specdecode.config import SpecDecodeError
+from specdecode.config import SpecDecodeError, is_int
 
 if TYPE_CHECKING:
     from specdecode.kv_cache import KVCache
@@ -45,7 +45,7 @@ def check_node_budget(budget: object) -> None:
     """A drafter's ``num_draft_tokens`` option: None (its default) or an int in [1, MAX_TREE_NODES]."""
     if budget is None:
         return
-    if not isinstance(budget, int) or isinstance(budget, bool) or not 1 <= budget <= MAX_TREE_NODES:
+    if not is_int(budget) or not 1 <= budget <= MAX_TREE_NODES:
         raise SpecDecodeError(
             f"num_draft_tokens (the tree node budget) must be in [1, {MAX_TREE_NODES}], got {budget!r}"
         )
@@ -101,7 +101,7 @@ def parse_token_tree(
     paths: list[Choice] = []
     for entry in choices:
         ok = isinstance(entry, (list, tuple)) and all(
-            isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in entry
+            is_int(r) and r >= 0 for r in entry
         )
         if not ok:
             raise SpecDecodeError(

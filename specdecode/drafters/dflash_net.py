@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdecode.config import SpecDecodeError
+from specdecode.config import SpecDecodeError, is_int
 from specdecode.drafters.draft_vocab import Borrowed, DraftVocabHead
 from specdecode.drafters.learned import TrainBatch
 from specdecode.kv_cache import KVCache
@@ -66,16 +66,16 @@ class DFlashNetConfig:
     position_decay: float | None = 7.0  # training: weight exp(-j / decay) at block position j; None = uniform
 
     def __post_init__(self) -> None:
-        if not isinstance(self.draft_vocab, int) or isinstance(self.draft_vocab, bool) or self.draft_vocab < 0:
+        if not is_int(self.draft_vocab) or self.draft_vocab < 0:
             raise SpecDecodeError(f"dflash net draft_vocab must be an integer >= 0, got {self.draft_vocab!r}")
         for name in ("num_layers", "block_size", "num_target_layers", "anchors_per_window"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise SpecDecodeError(f"dflash net {name} must be a positive integer, got {value!r}")
         if self.block_size > 64:
             raise SpecDecodeError(f"dflash net block_size must be at most 64, got {self.block_size}")
         size = self.intermediate_size
-        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+        if size is not None and (not is_int(size) or size < 1):
             raise SpecDecodeError(f"dflash net intermediate_size must be a positive integer or null, got {size!r}")
         decay = self.position_decay
         if decay is not None and (not isinstance(decay, (int, float)) or isinstance(decay, bool) or decay <= 0):

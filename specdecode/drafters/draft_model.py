@@ -21,7 +21,7 @@ from typing import ClassVar
 
 import torch
 
-from specdecode.config import SpecConfig, SpecDecodeError
+from specdecode.config import SpecConfig, SpecDecodeError, is_int
 from specdecode.drafters.base import Draft, DrafterContext
 from specdecode.engine.batch import Batch, pad_right
 from specdecode.drafters.draft_cache import DraftKVCache
@@ -48,7 +48,7 @@ class DraftModelOptions:
 
     def check_shape(self) -> None:
         """The chain / tree options (shared with layer_skip, which drafts the same way)."""
-        if not isinstance(self.topk, int) or isinstance(self.topk, bool) or not 1 <= self.topk <= 16:
+        if not is_int(self.topk) or not 1 <= self.topk <= 16:
             raise SpecDecodeError(f"topk must be an integer in [1, 16], got {self.topk!r}")
         budget = self.num_draft_tokens
         check_node_budget(budget)

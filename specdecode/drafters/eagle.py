@@ -28,7 +28,7 @@ from typing import ClassVar
 
 import torch
 
-from specdecode.config import SpecConfig, SpecDecodeError
+from specdecode.config import SpecConfig, SpecDecodeError, is_int
 from specdecode.drafters.base import Draft, DrafterContext
 from specdecode.drafters.draft_tree import grow_tree
 from specdecode.drafters.draft_vocab import check_confidence_threshold
@@ -51,7 +51,7 @@ class EagleOptions:
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
             raise SpecDecodeError(f"model must be a folder path, got {self.model!r}")
-        if not isinstance(self.topk, int) or isinstance(self.topk, bool) or not 1 <= self.topk <= 16:
+        if not is_int(self.topk) or not 1 <= self.topk <= 16:
             raise SpecDecodeError(f"topk must be an integer in [1, 16], got {self.topk!r}")
         check_node_budget(self.num_draft_tokens)
         check_confidence_threshold(self.confidence_threshold)

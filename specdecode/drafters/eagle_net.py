@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdecode.config import SpecDecodeError
+from specdecode.config import SpecDecodeError, is_int
 from specdecode.drafters.draft_vocab import Borrowed, DraftVocabHead
 from specdecode.drafters.learned import TrainBatch
 from specdecode.kv_cache import KVCache, NoCache
@@ -58,7 +58,7 @@ class FeatureConfig:
             raise SpecDecodeError(f"feature_layers must be a non-empty list of layer indices, got {layers!r}")
         for name, lo in (("num_layers", 1), ("draft_vocab", 0), ("train_steps", 1)):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+            if not is_int(v) or v < lo:
                 raise SpecDecodeError(f"{name} must be an integer >= {lo}, got {v!r}")
         if not isinstance(self.feature_loss, (int, float)) or self.feature_loss < 0:
             raise SpecDecodeError(f"feature_loss must be >= 0, got {self.feature_loss!r}")

@@ -12,7 +12,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from specdecode.config import SpecConfig, SpecDecodeError
+from specdecode.config import SpecConfig, SpecDecodeError, is_int
 from specdecode.drafters.base import DrafterContext
 from specdecode.drafters.draft_model import DraftModelDrafter, DraftModelOptions
 from specdecode.model.masks import FULL, SLIDING
@@ -27,7 +27,7 @@ class LayerSkipOptions(DraftModelOptions):
         if self.model is not None:
             raise SpecDecodeError("layer_skip drafts with the target's own layers; it takes no \"model\"")
         n = self.exit_layer
-        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        if n is not None and (not is_int(n) or n < 1):
             raise SpecDecodeError(f"exit_layer must be an integer >= 1, got {n!r}")
         self.check_shape()
 

@@ -43,7 +43,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from specdecode.config import MAX_SPECULATIVE_TOKENS, SpecConfig, SpecDecodeError
+from specdecode.config import MAX_SPECULATIVE_TOKENS, SpecConfig, SpecDecodeError, is_int
 from specdecode.drafters.base import AuxBranch, Draft, DrafterContext
 from specdecode.drafters.ngram import merge_into_tree
 from specdecode.engine.batch import Batch
@@ -68,7 +68,7 @@ class LookaheadOptions:
         W, N, G = self.lookahead_window, self.lookahead_ngram, self.lookahead_guess
         for name, value, lo, hi in (("lookahead_window", W, 1, 64), ("lookahead_ngram", N, 2, 16),
                                     ("lookahead_guess", G, 1, 64)):  # fmt: skip
-            if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+            if not is_int(value) or not lo <= value <= hi:
                 raise SpecDecodeError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
         if (W + G) * (N - 1) > MAX_TREE_NODES:
             raise SpecDecodeError(

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from specdecode.config import SpecConfig, SpecDecodeError
+from specdecode.config import SpecConfig, SpecDecodeError, is_int
 from specdecode.drafters.base import Draft, DrafterContext
 from specdecode.drafters.draft_vocab import DraftVocabHead
 from specdecode.drafters.learned import TrainBatch, load_net, resolve_weights
@@ -58,11 +58,11 @@ class MedusaConfig:
     draft_vocab: int = 8192  # LM head rows kept (draft_vocab.py); 0 = the whole vocabulary
 
     def __post_init__(self) -> None:
-        if not isinstance(self.draft_vocab, int) or isinstance(self.draft_vocab, bool) or self.draft_vocab < 0:
+        if not is_int(self.draft_vocab) or self.draft_vocab < 0:
             raise SpecDecodeError(f"medusa draft_vocab must be an integer >= 0, got {self.draft_vocab!r}")
         for name in ("num_heads", "num_layers"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 64:
+            if not is_int(value) or not 1 <= value <= 64:
                 raise SpecDecodeError(f"medusa {name} must be an integer in [1, 64], got {value!r}")
 
 

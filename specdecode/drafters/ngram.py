@@ -17,7 +17,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from specdecode.config import SpecConfig, SpecDecodeError
+from specdecode.config import SpecConfig, SpecDecodeError, is_int
 from specdecode.drafters.base import Draft, DrafterContext
 from specdecode.engine.batch import Batch
 from specdecode.tree import TreeBatch, check_node_budget
@@ -35,7 +35,7 @@ class NgramOptions:
     def __post_init__(self) -> None:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            if v is not None and (not is_int(v) or v < 1):
                 raise SpecDecodeError(f"{name} must be an integer >= 1, got {v!r}")
         if lo is None:
             lo = 2 if hi is None else min(2, hi)
@@ -48,7 +48,7 @@ class NgramOptions:
                 f"ngram needs integers 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r} and {hi!r}"
             )
         matches = self.max_matches
-        if not isinstance(matches, int) or isinstance(matches, bool) or not 1 <= matches <= 16:
+        if not is_int(matches) or not 1 <= matches <= 16:
             raise SpecDecodeError(f"max_matches must be an integer in [1, 16], got {self.max_matches!r}")
         budget = self.num_draft_tokens
         check_node_budget(budget)

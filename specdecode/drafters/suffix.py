@@ -27,7 +27,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from specdecode.config import SpecConfig, SpecDecodeError
+from specdecode.config import SpecConfig, SpecDecodeError, is_int, is_real
 from specdecode.drafters.base import Draft, DrafterContext
 from specdecode.drafters.suffix_tree import GlobalCache, Node, Speculation, SuffixTree, best_speculation, state_match_nodes
 from specdecode.engine.batch import Batch
@@ -44,21 +44,15 @@ class SuffixOptions:
     suffix_decoding_min_token_prob: float = 0.1  # keep a node if its estimated path probability is >= this
 
     def __post_init__(self) -> None:
-        def is_int(x: object) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
-
-        def is_real(x: object) -> bool:
-            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
         depth, cached = self.suffix_decoding_max_tree_depth, self.suffix_decoding_max_cached_requests
         factor, prob = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
         if not is_int(depth) or not 2 <= depth <= 1024:
             raise SpecDecodeError(f"suffix_decoding_max_tree_depth must be an integer in [2, 1024], got {depth!r}")
         if not is_int(cached) or cached < 0:
             raise SpecDecodeError(f"suffix_decoding_max_cached_requests must be an integer >= 0, got {cached!r}")
-        if not is_real(factor) or factor <= 0:
+        if not is_real(factor) or not math.isfinite(factor) or factor <= 0:
             raise SpecDecodeError(f"suffix_decoding_max_spec_factor must be a number > 0, got {factor!r}")
-        if not is_real(prob) or not 0 <= prob <= 1:
+        if not is_real(prob) or not math.isfinite(prob) or not 0 <= prob <= 1:
             raise SpecDecodeError(f"suffix_decoding_min_token_prob must be a number in [0, 1], got {prob!r}")
 
 

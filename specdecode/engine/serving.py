@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.block_pool import OutOfBlocks
-from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError
+from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError, is_int
 from specdecode.drafters.base import Draft, Drafter
 from specdecode.engine.acceptance import NOT_SHADOWED
 from specdecode.engine.adaptive import AdaptiveBudget
@@ -161,7 +161,7 @@ class ServingEngine(Engine):
         vocab = self.target.config.vocab_size
         if not prompt_ids:
             raise SpecDecodeError("prompt is empty")
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt_ids):
+        if any(not is_int(t) or not 0 <= t < vocab for t in prompt_ids):
             raise SpecDecodeError(f"prompt token ids must be integers in [0, {vocab})")
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
@@ -185,7 +185,7 @@ class ServingEngine(Engine):
                 f"a per-request speculative override takes only num_speculative_tokens, got {override!r}"
             )
         k = override.get("num_speculative_tokens", self.gamma)
-        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= self.gamma:
+        if not is_int(k) or not 0 <= k <= self.gamma:
             raise SpecDecodeError(f"num_speculative_tokens override must be an integer in [0, {self.gamma}], got {k!r}")
         return k
 

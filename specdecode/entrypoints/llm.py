@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence, Union
 
 import torch
 
-from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError
+from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError, is_int
 from specdecode.engine.batch import SpecStats
 from specdecode.engine.serving import ServingEngine
 
@@ -142,7 +142,7 @@ class LLM:
         spec = SpecConfig.parse(speculative_config)  # fail on a bad config before loading anything
         for name, value, least in (("max_model_len", max_model_len, 2), ("max_num_seqs", max_num_seqs, 1),
                                    ("num_blocks", num_blocks, 1)):  # fmt: skip
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+            if value is not None and (not is_int(value) or value < least):
                 raise SpecDecodeError(f"{name} must be an integer >= {least}, got {value!r}")
         parse_quantization(quantization)
         compile_mode = parse_compile(compile)
@@ -254,7 +254,7 @@ class LLM:
         if isinstance(token_ids, torch.Tensor) or type(token_ids).__module__ == "numpy":  # as HF's decode takes them
             token_ids = token_ids.tolist()
         if not isinstance(token_ids, (list, tuple)) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids
+            is_int(t) and 0 <= t < vocab for t in token_ids
         ):
             raise SpecDecodeError(f"token ids to decode must be a list of integers in [0, {vocab})")
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
@@ -296,7 +296,7 @@ class LLM:
                 raise SpecDecodeError("this model folder has no tokenizer; pass token-id lists")
             _check_utf8(prompt)
             ids = list(self.tokenizer(prompt)["input_ids"])
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
             ids = list(prompt)
             if any(not 0 <= t < vocab for t in ids):
                 raise SpecDecodeError(f"prompt token ids must be in [0, {vocab})")
