@@ -157,6 +157,9 @@ class MedusaOptions:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
                 raise SpecDecodeError(f"medusa {name} must be a number in (0, 1], got {value!r}")
+            if self.acceptance == "exact" and value != getattr(MedusaOptions, name):
+                # silently verifying exactly would leave the user thinking the setting took effect
+                raise SpecDecodeError(f'medusa {name} applies to acceptance "typical" only; acceptance is "exact"')
         tree = self.speculative_token_tree
         if tree is not None:
             if self.acceptance == "typical":

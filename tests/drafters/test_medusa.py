@@ -120,6 +120,10 @@ def test_bad_options_get_one_line(setup, tmp_path):
     assert "acceptance" in one_line_error(lambda: parse(acceptance="greedy"))
     assert "posterior_threshold" in one_line_error(lambda: parse(acceptance="typical", posterior_threshold=0))
     assert "chain" in one_line_error(lambda: parse(acceptance="typical", speculative_token_tree=[[0]]))
+    # exact acceptance ignores them: refused rather than silently unused
+    assert 'applies to acceptance "typical"' in one_line_error(lambda: parse(posterior_threshold=0.2))
+    assert 'applies to acceptance "typical"' in one_line_error(lambda: parse(acceptance="exact", posterior_alpha=0.5))
+    assert parse(posterior_alpha=0.3).options.acceptance == "exact"  # the default, spelled out, is fine
     assert "speculative_token_tree" in one_line_error(lambda: parse(speculative_token_tree=[[0, 0]]))
     assert "4 heads" in one_line_error(lambda: make_drafter(target, {"model": folder, "num_speculative_tokens": 5}))
     deep = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0]]
