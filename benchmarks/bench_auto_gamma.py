@@ -41,6 +41,10 @@ def main() -> None:
     configs["auto"] = {"method": args.method, "num_speculative_tokens": "auto"}
     llms = {name: LLM(speculative_config=spec, dtype="bfloat16", quantization=args.quantization) for name, spec in configs.items()}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    for llm in llms.values():  # untimed: the first passes of a process are cold (allocator, kernels, graphs)
+        warm = llm.encode_chat("Hi")
+        llm.generate([warm], SamplingParams(temperature=0.0, max_tokens=8))
+        llm.generate([warm], SamplingParams(temperature=0.0, max_tokens=8), speculative=False)
     ratios: dict[str, list[float]] = {name: [] for name in configs}
     for kind, texts in prompts.items():
         for text in texts:

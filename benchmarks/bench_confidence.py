@@ -57,6 +57,11 @@ def main() -> None:
         variants.append(("confidence head", head))
     variants += [(f"fixed γ = {g}", load({**spec, "num_speculative_tokens": g})) for g in args.fixed]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
+    warm = online.encode_chat("Hi")  # untimed: the first passes of a process are cold (allocator, kernels)
+    short = SamplingParams(temperature=args.temperature, max_tokens=8, seed=0)
+    online.generate([warm], short, speculative=False)
+    for _, llm in variants:
+        llm.generate([warm], short)
     ratios: dict[str, list[float]] = {name: [] for name, _ in variants}
     drafts: dict[str, list[float]] = {name: [] for name, _ in variants}
     for text in prompts:
