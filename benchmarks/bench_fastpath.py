@@ -77,14 +77,13 @@ def llama_cpp_runners(path: str, threads: int):
 
 
 def time_llama(llm, ids: list[int], max_tokens: int) -> float:
-    """Greedy tokens/s through `Llama.generate`, stopping at EOS or ``max_tokens``."""
+    """Greedy tokens/s through `Llama.generate`, stopping at EOS or ``max_tokens``; EOS counts
+    as a generated token, as in ours (its output's token_ids end with it)."""
     eos, n = llm.token_eos(), 0
     t0 = time.perf_counter()
     for token in llm.generate(ids, temp=0.0, top_k=1, reset=True):
-        if token == eos:
-            break
         n += 1
-        if n >= max_tokens:
+        if token == eos or n >= max_tokens:
             break
     return n / (time.perf_counter() - t0)
 
