@@ -196,7 +196,7 @@ class CpuBlocks:
             store.slot_stride, store.head_stride, torch.get_num_threads(),
         )  # fmt: skip
         shape = x.shape
-        h = x.reshape(-1, shape[-1]).clone()  # updated in place, layer by layer
+        h = x.reshape(-1, shape[-1]).clone(memory_format=torch.contiguous_format)  # row-major for C; updated in place
         hiddens: dict[int, Tensor] = {}
         block_forward = self.lib.block_forward
         where, keys, values = ctypes.addressof(args), store.keys, store.values

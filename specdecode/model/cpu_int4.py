@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import warnings
 from importlib.resources import files
 from pathlib import Path
 
@@ -93,19 +94,26 @@ def cpu_lib(isa: str | None = None) -> ctypes.CDLL | None:
     texts = {name: _read(name) for name in (*sources, *_HEADERS)}
     digest = hashlib.sha256(("".join(texts.values()) + " ".join(flags)).encode()).hexdigest()[:12]
     target = cache_root() / "kernels" / f"cpu_{isa}-{digest}.so"
-    if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            out = Path(tmp) / "lib.so"
-            for name, text in texts.items():
-                (Path(tmp) / name).write_text(text)
-            srcs = [str(Path(tmp) / name) for name in sources]
-            cmd = [compiler, *flags, "-o", str(out), *srcs, "-lm"]
-            done = subprocess.run(cmd, check=False, capture_output=True)
-            if done.returncode != 0:
-                return None
-            os.replace(out, target)
-    lib = ctypes.CDLL(str(target))
+    try:
+        if not target.is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                out = Path(tmp) / "lib.so"
+                for name, text in texts.items():
+                    (Path(tmp) / name).write_text(text)
+                srcs = [str(Path(tmp) / name) for name in sources]
+                cmd = [compiler, *flags, "-o", str(out), *srcs, "-lm"]
+                done = subprocess.run(cmd, check=False, capture_output=True)
+                if done.returncode != 0:
+                    first = (done.stderr.decode(errors="replace").strip().splitlines() or ["?"])[0]
+                    warnings.warn(f"specdecode: building the {isa} CPU kernels failed ({first}); using torch's")
+                    return None
+                os.replace(out, target)
+        lib = ctypes.CDLL(str(target))
+    except OSError as e:  # a cache folder we cannot write or load from (read-only, noexec, a file)
+        warnings.warn(f"specdecode: the {isa} CPU kernels cannot be built or loaded under {target.parent} ({e}); "
+                      "using torch's (set SPECDECODE_CACHE to a writable folder)")  # fmt: skip
+        return None
     lib.int4_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
     lib.int4_gemm.argtypes += [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.int4_gemm.restype = None
@@ -202,6 +210,9 @@ def cpu_mm(x: Tensor, packed: Tensor, scales: Tensor, isa: str, a8: bool = False
 
 
 def _mm(x: Tensor, packed: Tensor, scales: Tensor, isa: str, a8: bool) -> Tensor:
+    if x.device.type != "cpu" or packed.device.type != "cpu":  # C would read a device pointer as host memory
+        raise SpecDecodeError(f"the {isa} CPU kernel got tensors on {x.device} / {packed.device}; "
+                              "load the model on that device instead of moving a CPU-quantized one")  # fmt: skip
     M, K = x.shape
     N = packed.shape[0] * (8 if a8 else 32)
     y = torch.empty(M, N, dtype=torch.bfloat16)

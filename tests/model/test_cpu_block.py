@@ -164,6 +164,11 @@ def test_hidden_states_and_embeds_input(model):
     assert rel(h0.float(), r0.float()) < 0.02 * slack(model)
     assert rel(last.float(), rlast.float()) < 0.03 * slack(model)
     assert torch.equal(logits, model(toks, torch.arange(12)[None], model.new_cache(1, 32)))
+    # a dense view that is not row-major (the stream read as [N, H] by C): same logits
+    strided = embeds.transpose(1, 2).contiguous().transpose(1, 2)  # [1, T, H], column-major rows
+    assert not strided.is_contiguous()
+    again = model(None, torch.arange(12)[None], model.new_cache(1, 32), embeds=strided)
+    assert torch.equal(again, logits)
 
 
 @pytest.mark.parametrize("arch, dtype, quant", [

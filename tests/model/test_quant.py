@@ -129,6 +129,52 @@ def test_int4_a8_rows_do_not_depend_on_how_many_are_verified(kernel):
         assert torch.equal(lin(x[:m]), alone[:m])
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("a8", [False, True])
+def test_no_rows_give_an_empty_result(kernel, a8):
+    """A pass with no rows (logits at no position) is empty, not a crash: the AVX2 tiles had no
+    0-row entry and segfaulted, int4 and Q8_0 alike."""
+    from specdecode.model.quant import Q8Linear
+
+    if a8 and kernel == "stock":
+        pytest.skip("int8 activations run on our kernels only")
+    gen = torch.Generator().manual_seed(9)
+    lins = [Int4Linear.from_weight(torch.randn(40, 96, generator=gen), 32, kernel=kernel, a8=a8)]
+    if kernel != "stock":
+        q, d = torch.randint(-127, 128, (40, 96), generator=gen, dtype=torch.int8), torch.rand(40, 3, generator=gen)
+        lins.append(Q8Linear(q, d, 96, kernel=kernel, a8=a8))
+    for lin in lins:
+        assert lin(torch.randn(0, 96)).shape == (0, 40)
+        assert lin(torch.randn(2, 0, 96).bfloat16()).shape == (2, 0, 40)
+
+
+@pytest.mark.skipif(not OURS, reason="needs our CPU library")
+def test_our_kernel_refuses_tensors_off_the_cpu():
+    """A CPU-quantized linear moved to another device would hand C a device pointer."""
+    lin = Int4Linear.from_weight(torch.randn(32, 64), 32, kernel=OURS[0])
+    with pytest.raises(SpecDecodeError, match="CPU kernel got tensors on meta"):
+        lin._mm(torch.empty(1, 64, dtype=torch.bfloat16, device="meta"))
+
+
+def test_a_kernel_cache_that_cannot_be_written_falls_back_to_torch(tmp_path, monkeypatch):
+    """SPECDECODE_CACHE naming a file (or a read-only folder): "auto" takes torch's kernel with
+    a warning naming the folder, instead of an OSError on first use."""
+    if not OURS:
+        pytest.skip("needs our CPU library")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("SPECDECODE_CACHE", str(blocker))
+    cpu_lib.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="cannot be built or loaded"):
+            assert cpu_lib(OURS[0]) is None
+        assert Int4Linear.from_weight(torch.randn(32, 64), 32, kernel="auto").impl == "stock"
+    finally:
+        monkeypatch.undo()
+        cpu_lib.cache_clear()
+    assert cpu_lib(OURS[0]) is not None
+
+
 def test_int4_a8_needs_our_kernel():
     with pytest.raises(SpecDecodeError, match="int8 activations"):
         Int4Linear.from_weight(torch.randn(8, 32), 32, kernel="stock", a8=True)

@@ -304,6 +304,7 @@ static const tile_fn Q8_TILES[6] = {0, q8t1, q8t2, q8o3, q8o4, q8o5};
    split the columns evenly. xs: each row's group sums (int4's zeros), or NULL. */
 static void run_tiles(const tile_fn* tiles, int q8, const uint16_t* x, int M, int K, float* xs, const uint8_t* wp,
                       const uint16_t* sz, int N, uint16_t* y, int threads) {
+  if (M <= 0 || N <= 0) return; /* nothing to compute; the tile tables have no 0-row entry */
   const int G = K / 32, per_tile = M <= 2 ? 2 : 4, blocks = M <= 2 ? 1 : (M + 4) / 5;
   const size_t tile_bytes = (size_t)G * (q8 ? 1024 : 512), tile_scales = (size_t)G * (q8 ? 32 : 64);
   float* xf = malloc(sizeof(float) * (size_t)M * K);
