@@ -6,11 +6,15 @@ chat ``{"messages": [...]}`` rendered with the tokenizer's chat template), token
 with the target's tokenizer, the held-out split by document, and packing each side into
 windows of ``seq_len`` tokens. Files are read in a seeded shuffled order until
 ``max_tokens``, so a capped corpus is a sample of the whole and the split is deterministic.
+A training document that quotes a held-out one's long text, or is quoted by one (regenerate's
+``--passages`` turns earlier answers into texts to summarise), is dropped: the held-out figures
+would otherwise be measured on text the drafter was trained on.
 Does not own: batching or the order windows are trained in (trainer.py).
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import random
 from collections.abc import Iterator
@@ -66,10 +70,20 @@ def find_files(paths: tuple[str, ...]) -> list[Path]:
     return sorted(files)
 
 
-def _documents(file: Path, tokenizer: Any) -> Iterator[str]:
+QUOTE_CHARS = 300  # a part of a document this long found inside another one makes them one text
+
+
+@dataclass(frozen=True)
+class _Doc:
+    text: str  # what is tokenized
+    chat: bool  # rendered by the chat template, which writes its own special tokens (BOS)
+    parts: tuple[str, ...]  # the message contents (or the text): what another document may quote
+
+
+def _documents(file: Path, tokenizer: Any) -> Iterator[_Doc]:
     text = file.read_text(encoding="utf-8", errors="replace")
     if file.suffix != ".jsonl":
-        yield text
+        yield _Doc(text, False, (text,))
         return
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -79,14 +93,16 @@ def _documents(file: Path, tokenizer: Any) -> Iterator[str]:
         except json.JSONDecodeError as e:
             raise SpecDecodeError(f"{file}:{number} is not valid JSON: {e}") from None
         if isinstance(record, dict) and isinstance(record.get("text"), str):
-            yield record["text"]
+            yield _Doc(record["text"], False, (record["text"],))
         elif isinstance(record, dict) and isinstance(record.get("messages"), list):
             from jinja2 import TemplateError
 
             try:
-                yield tokenizer.apply_chat_template(record["messages"], tokenize=False)
+                rendered = tokenizer.apply_chat_template(record["messages"], tokenize=False)
             except (TemplateError, ValueError, TypeError, KeyError) as e:  # name the record, in one line
                 raise SpecDecodeError(f"{file}:{number}: cannot render messages: {str(e).splitlines()[0]}") from None
+            contents = tuple(m["content"] for m in record["messages"] if isinstance(m.get("content"), str))
+            yield _Doc(rendered, True, contents)
         else:
             raise SpecDecodeError(f'{file}:{number}: expected {{"text": ...}} or {{"messages": [...]}}')
 
@@ -105,22 +121,29 @@ def read_corpus(
     random.Random(seed).shuffle(files)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     docs: list[list[int]] = []
+    sources: list[_Doc] = []  # docs[i] came from sources[i]
     total, pending = 0, []
 
     def flush() -> None:
         nonlocal total
-        texts = [t for t in pending if t.strip()]
+        todo = [d for d in pending if d.text.strip()]
         pending.clear()
-        if texts:
-            for ids in tokenizer(texts, add_special_tokens=True, verbose=False)["input_ids"]:
-                docs.append(list(ids) + eos)
-                total += len(docs[-1])
+        ids: dict[int, list[int]] = {}
+        for chat in (False, True):  # as served: a chat template writes its own BOS, plain text gets the tokenizer's
+            group = [i for i, d in enumerate(todo) if d.chat == chat]
+            if group:
+                out = tokenizer([todo[i].text for i in group], add_special_tokens=not chat, verbose=False)
+                ids.update(zip(group, out["input_ids"]))
+        for i, d in enumerate(todo):  # in reading order: the split depends on it
+            docs.append(list(ids[i]) + eos)
+            sources.append(d)
+            total += len(docs[-1])
 
     num_files = 0
     for file in files:
         num_files += 1
-        for text in _documents(file, tokenizer):
-            pending.append(text)
+        for doc in _documents(file, tokenizer):
+            pending.append(doc)
             if len(pending) >= _TOKENIZE_CHUNK:
                 flush()
         if total >= max_tokens:
@@ -131,21 +154,58 @@ def read_corpus(
         raise SpecDecodeError(f"no text found in {', '.join(paths)}: the files are empty")
     kept, n = [], 0
     for d in docs:
-        if n >= max_tokens:
+        if n + len(d) > max_tokens:  # the cap: whole documents, a cut one only if it would be the only one
+            if not kept:
+                kept.append(d[:max_tokens])
             break
-        kept.append(d[: max_tokens - n])
-        n += len(kept[-1])
-    docs = kept
-    stream = [t for d in docs for t in d]
+        kept.append(d)
+        n += len(d)
+    docs, sources = kept, sources[: len(kept)]
     if len(docs) >= 2:
         held = min(max(1, round(heldout * len(docs))), len(docs) - 1)  # at least one document trains
-        cut = sum(len(d) for d in docs[:-held])
+        leaks = _quoting(sources[:-held], sources[-held:])
+        train = [t for i, d in enumerate(docs[:-held]) if i not in leaks for t in d]
+        test = [t for d in docs[-held:] for t in d]
+        if leaks and len(leaks) == len(docs) - held:
+            raise SpecDecodeError("every training document quotes a held-out one: lower --heldout or add text")
     else:
+        stream = docs[0]
         cut = len(stream) - max(1, round(heldout * len(stream)))
-    train, test = stream[:cut], stream[cut:]
+        train, test = stream[:cut], stream[cut:]
     if len(train) < 2 or len(test) < 2:
-        raise SpecDecodeError(f"corpus too small: {len(stream)} tokens (raise --max-tokens or add text)")
+        raise SpecDecodeError(f"corpus too small: {sum(map(len, docs))} tokens (raise --max-tokens or add text)")
     return Corpus(pack(train, seq_len), pack(test, seq_len), len(docs), num_files)
+
+
+def _quoting(train: list[_Doc], heldout: list[_Doc]) -> set[int]:
+    """Indices of training documents that contain a held-out document's part of at least
+    QUOTE_CHARS characters, or one of whose such parts a held-out document contains."""
+
+    def joined(docs: list[_Doc]) -> tuple[str, list[int]]:  # one string to search, and where each doc starts
+        starts, texts, at = [], [], 0
+        for d in docs:
+            starts.append(at)
+            texts.append("\x00".join(d.parts))
+            at += len(texts[-1]) + 1
+        return "\x00".join(texts), starts
+
+    def owners(needles: set[str], haystack: str, starts: list[int]) -> set[int]:
+        found = set()
+        for needle in needles:
+            at = haystack.find(needle)
+            while at >= 0:
+                found.add(bisect.bisect_right(starts, at) - 1)
+                at = haystack.find(needle, at + 1)
+        return found
+
+    long = lambda docs: {p.strip() for d in docs for p in d.parts if len(p.strip()) >= QUOTE_CHARS}  # noqa: E731
+    train_text, train_starts = joined(train)
+    held_text, _ = joined(heldout)
+    leaks = owners(long(heldout), train_text, train_starts)  # training text quoting a held-out answer
+    for i, d in enumerate(train):  # a held-out prompt quoting a training answer
+        if i not in leaks and any(p.strip() in held_text for p in d.parts if len(p.strip()) >= QUOTE_CHARS):
+            leaks.add(i)
+    return leaks
 
 
 def pack(ids: list[int], seq_len: int) -> Windows:

@@ -35,8 +35,69 @@ def test_documents_jsonl_chat_split_and_cap(tmp_path):
     assert torch.equal(again.heldout.tokens, c.heldout.tokens)
     other = read_corpus((str(tmp_path),), tok, seq_len=16, max_tokens=10_000, heldout=0.25, seed=1)
     assert not torch.equal(other.heldout.tokens, c.heldout.tokens)
-    capped = read_corpus((str(tmp_path),), tok, seq_len=16, max_tokens=50, heldout=0.25, seed=0)
-    assert capped.train.num_tokens + capped.heldout.num_tokens == 50
+    capped = read_corpus((str(tmp_path),), tok, seq_len=16, max_tokens=70, heldout=0.25, seed=0)
+    kept = torch.cat([capped.train.tokens[capped.train.mask], capped.heldout.tokens[capped.heldout.mask]])
+    assert len(kept) <= 70 and capped.num_documents >= 2
+    assert int((kept == eos).sum()) == capped.num_documents  # whole documents: the cap cuts none
+
+
+def test_the_cap_does_not_leave_a_scrap_held_out(tmp_path):
+    """The held-out side is the last documents: a cap that cut the last one left a few tokens
+    to evaluate on (3 of a corpus of 12k), or "corpus too small" one token earlier."""
+    for i in range(4):
+        (tmp_path / f"{i}.txt").write_text(f"document {i} " * 10)  # 110 characters + EOS each
+    tok = tiny_tokenizer()
+    for cap in (333, 334, 335, 400):  # 111 tokens a document
+        c = read_corpus((str(tmp_path),), tok, seq_len=16, max_tokens=cap, heldout=0.3, seed=0)
+        assert c.num_documents == 3 and c.heldout.num_tokens == 111 and c.train.num_tokens == 222
+
+
+def test_chat_records_get_the_special_tokens_of_inference(tmp_path):
+    """A chat template that writes BOS itself: the record starts with one BOS, as
+    `LLM.encode_chat` gives (the tokenizer added a second)."""
+    from tokenizers import processors
+
+    tok = tiny_tokenizer()
+    bos = tok.bos_token_id
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    tok.chat_template = "{{ bos_token }}" + tok.chat_template
+    record = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    (tmp_path / "chat.jsonl").write_text(json.dumps(record) + "\n")
+    (tmp_path / "plain.txt").write_text("plain text here")
+    c = read_corpus((str(tmp_path),), tok, seq_len=64, max_tokens=1000, heldout=0.5, seed=0)
+    ids = [c.train.tokens[c.train.mask].tolist(), c.heldout.tokens[c.heldout.mask].tolist()]
+    served = tok.apply_chat_template(record["messages"], tokenize=True)
+    served = list(served["input_ids"] if isinstance(served, dict) or hasattr(served, "keys") else served)
+    assert served[:2] != [bos, bos] and served[0] == bos
+    chat = next(d for d in ids if tok.decode(d).find("yo") >= 0)
+    assert chat == list(served) + [tok.eos_token_id]
+    plain = next(d for d in ids if d is not chat)
+    assert plain[0] == bos and plain[1] != bos  # plain text keeps the tokenizer's BOS
+
+
+def test_a_training_document_that_quotes_a_held_out_one_is_dropped(tmp_path):
+    """regenerate --passages quotes an earlier answer in a prompt ("Summarize ...:\n\n<answer>"):
+    whichever side of the split each lands on, the training side must not hold the other's text."""
+    tok = tiny_tokenizer()
+    answers = [f"answer {i}: " + " ".join(f"word{i}{j}" for j in range(60)) for i in range(6)]
+    chats = [
+        {"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": a}]}
+        for i, a in enumerate(answers)
+    ]
+    quotes = [
+        {"messages": [{"role": "user", "content": f"Summarize the following text:\n\n{a}"},
+                      {"role": "assistant", "content": f"short {i}"}]}
+        for i, a in enumerate(answers)
+    ]  # fmt: skip
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in chats) + "\n")
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps(r) for r in quotes) + "\n")
+    for seed in range(4):
+        c = read_corpus((str(tmp_path),), tok, seq_len=64, max_tokens=100_000, heldout=0.3, seed=seed)
+        train = tok.decode(c.train.tokens[c.train.mask].tolist())
+        held = tok.decode(c.heldout.tokens[c.heldout.mask].tolist())
+        shared = [a for a in answers if a in train and a in held]
+        assert not shared, f"seed {seed}: {len(shared)} answers on both sides"
+        assert c.train.num_tokens > 0 and any(a in held for a in answers)
 
 
 def test_single_document_holds_out_its_tail(tmp_path):
