@@ -162,7 +162,28 @@ def read_checkpoint(cfg: TrainConfig) -> dict[str, Any]:
         raise SpecDecodeError(f"--resume: {cfg.out} holds a {ckpt.get('method')!r} checkpoint, not {cfg.method!r}")
     if not {"net_config", "target", "step", "net", "optimizer", "rng", "cuda_rng", "log"} <= set(ckpt):
         raise SpecDecodeError(f"--resume: {path} is not a specdecode training checkpoint")
+    was = ckpt["log"].get("config", {}) if isinstance(ckpt["log"], dict) else {}
+    for name in RESUME_FIXED:  # the corpus, its split and the batches: a resumed run must be the same run
+        if name in was and _as_given(name, was[name]) != _as_given(name, getattr(cfg, name)):
+            flag = "--" + name.replace("_", "-")
+            raise SpecDecodeError(
+                f"--resume: {flag} was {was[name]!r} in {cfg.out}, now {getattr(cfg, name)!r}; "
+                "keep it as it was, or train into a new --out"
+            )
     return ckpt
+
+
+# What decides the data a run trains on, in which order, and what it is evaluated on; --steps,
+# --time-limit, the evaluation and checkpoint periods, threads and the cache may change.
+RESUME_FIXED = ("data", "max_tokens", "heldout", "seed", "seq_len", "batch_size", "init", "finetune")
+
+
+def _as_given(name: str, value: Any) -> Any:
+    if name == "data":  # two spellings of one folder are one corpus
+        return tuple(str(Path(p).resolve()) for p in value)
+    if name == "init" and value is not None:
+        return str(Path(value).resolve())
+    return value
 
 
 def restore(ckpt: dict[str, Any], net: torch.nn.Module, opt: torch.optim.Optimizer) -> None:

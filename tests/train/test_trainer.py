@@ -116,6 +116,20 @@ def test_resume_accepts_the_same_partial_net_config(tiny_target, corpus, tmp_pat
         train(replace(cfg, steps=8, resume=True, net_config={"draft_vocab": 5}))
 
 
+def test_resume_refuses_other_data_settings(tiny_target, corpus, tmp_path):
+    """--seed shuffles the files and so picks the held-out documents: resuming under another
+    one trained on the old held-out text and evaluated on trained text, without a word."""
+    cfg = config(tiny_target, corpus, tmp_path / "e", "medusa", steps=4, eval_every=0, save_every=2)
+    train(cfg)
+    (tmp_path / "more.txt").write_text("more text " * 50)
+    for change in ({"seed": 1}, {"batch_size": 3}, {"seq_len": 24}, {"max_tokens": 5000}, {"heldout": 0.2},
+                   {"data": (corpus, str(tmp_path / "more.txt"))}):  # fmt: skip
+        with pytest.raises(SpecDecodeError, match=f"--{next(iter(change)).replace('_', '-')} was"):
+            train(replace(cfg, steps=6, resume=True, **change))
+    log = train(replace(cfg, steps=6, resume=True, data=(corpus + "/.",), eval_every=3, threads=1))  # free to change
+    assert log["end"]["step"] == 6
+
+
 def test_time_limit_ends_the_run_and_its_schedule(tiny_target, corpus, tmp_path):
     cfg = config(tiny_target, corpus, tmp_path / "out", method="medusa", steps=10**6, time_limit=0.5)
     assert cfg.learning_rate(50, elapsed=0.0) > 0.99 * cfg.lr  # early on both counts: near the peak
