@@ -17,6 +17,8 @@ The folder records which target it was trained for, and loading refuses another 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -92,23 +94,43 @@ def target_fingerprint(target: "Transformer") -> dict[str, Any]:
 
 def save_net(net: "DraftNet", target: "Transformer", out_dir: str | Path, extra: dict[str, Any] | None = None) -> Path:
     """Write ``config.json`` (method, net config, target fingerprint, ``extra``) and weights."""
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     meta = {
         "specdecode_method": net.method,
         "net": asdict(net.config),
         "target": target_fingerprint(target),
         **(extra or {}),
     }
-    (out / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     # bf16 on disk: half the size, and a drafter's rounding cannot change the output (it is verified)
     state = {
         k: (v.to(torch.bfloat16) if v.is_floating_point() else v).detach().to("cpu").contiguous()
         for k, v in net.saved_state().items()
     }
-    save_file(state, str(out / WEIGHTS_FILE))
+    return write_folder(out, meta, state)
+
+
+def write_folder(
+    out: Path, config: dict[str, Any], state: dict[str, Tensor], more: Callable[[Path], None] | None = None
+) -> Path:
+    """Replace a trained folder's files so that it never holds one run's config beside another's
+    weights: the old config.json goes first, the weights (and ``more``'s files) are written
+    whole, and the new config.json, written last, marks the folder complete."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CONFIG_FILE).unlink(missing_ok=True)
+    part = out / f".{WEIGHTS_FILE}.{os.getpid()}.part"
+    try:
+        save_file(state, str(part))
+    except BaseException:
+        part.unlink(missing_ok=True)  # no half-written file left behind (disk full, Ctrl-C)
+        raise
+    os.replace(part, out / WEIGHTS_FILE)
+    if more is not None:
+        more(out)
+    part = out / f".{CONFIG_FILE}.{os.getpid()}.part"
+    part.write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(part, out / CONFIG_FILE)
     return out
 
 
@@ -117,9 +139,12 @@ def read_net_config(path: str | Path) -> dict[str, Any]:
     if not file.is_file():
         raise SpecDecodeError(f"{path} is not a trained drafter folder (no {CONFIG_FILE})")
     try:
-        return json.loads(file.read_text())
+        meta = json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise SpecDecodeError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(meta, dict):
+        raise SpecDecodeError(f"{file} must hold a JSON object, got {type(meta).__name__}")
+    return meta
 
 
 def net_config(cls: type, values: dict[str, Any]) -> Any:
@@ -146,7 +171,11 @@ def read_net(method: str, path: str | Path, target: "Transformer") -> tuple[dict
     want, got = target_fingerprint(target), meta.get("target")
     if got != want:
         raise SpecDecodeError(f"{path} was trained for a target with {got}, this target has {want}")
-    return meta, load_file(str(Path(path) / WEIGHTS_FILE))
+    try:
+        return meta, load_file(str(Path(path) / WEIGHTS_FILE))
+    except Exception as e:  # missing, truncated, not safetensors (SafetensorError is no OSError)
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        raise SpecDecodeError(f"{path}: cannot read {WEIGHTS_FILE}: {first}") from None
 
 
 def load_net(

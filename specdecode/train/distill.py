@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdecode.config import SpecDecodeError
-from specdecode.drafters.learned import CONFIG_FILE, WEIGHTS_FILE, TrainBatch, target_fingerprint
+from specdecode.drafters.learned import CONFIG_FILE, TrainBatch, target_fingerprint, write_folder
 from specdecode.kv_cache import NoCache
 from specdecode.model.transformer import ModelConfig, Transformer
 
@@ -109,10 +109,7 @@ class DistillNet(nn.Module):
     def save_pretrained(self, out_dir: str | Path, target: LoadedModel, extra: dict | None = None) -> Path:
         """An HF folder `load_model` reads: the target's config.json with this net's layer count
         (plus the specdecode keys `read_net_config` knows), safetensors, the target's tokenizer."""
-        from safetensors.torch import save_file
-
         out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
         source = Path(target.path) / CONFIG_FILE
         if not source.is_file():
             raise SpecDecodeError(f"target folder {target.path} has no {CONFIG_FILE} to derive the draft's from")
@@ -125,13 +122,10 @@ class DistillNet(nn.Module):
         hf.pop("torch_dtype", None)
         hf.update(specdecode_method=self.method, net=asdict(self.config), target=target_fingerprint(target.model))
         hf.update(extra or {})
-        (out / CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
-        state = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in self.saved_state().items()}
-        save_file(state, str(out / WEIGHTS_FILE))
         if target.tokenizer is None:
             raise SpecDecodeError(f"target {target.name} has no tokenizer to ship with the draft model")
-        target.tokenizer.save_pretrained(str(out))
-        return out
+        state = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in self.saved_state().items()}
+        return write_folder(out, hf, state, more=lambda folder: target.tokenizer.save_pretrained(str(folder)))
 
 
 def to_hf_names(cfg: ModelConfig, ours: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -101,6 +101,49 @@ def test_bad_folders_and_configs_get_one_line(target, tmp_path):
         FeatureNet.from_target(FeatureConfig(feature_layers=(7,)), model)
 
 
+def test_a_broken_folder_gets_one_line(target, tmp_path):
+    """What a write that died leaves (no or a truncated weights file) and a config that is JSON
+    but no object: one line naming the folder, not a traceback."""
+    path, model = target
+    folder = save_net(MtpNet.from_target(MtpNet.Config(), model), model, tmp_path / "mtp")
+    weights = folder / "model.safetensors"
+    whole = weights.read_bytes()
+    for broken, words in ((b"", "cannot read model.safetensors"), (whole[:100], "cannot read model.safetensors")):
+        weights.write_bytes(broken)
+        with pytest.raises(SpecDecodeError, match=words) as e:
+            LLM(model=path, speculative_config={"method": "mtp", "model": str(folder)}, dtype="float32", device="cpu")
+        assert "\n" not in str(e.value)
+    weights.unlink()
+    with pytest.raises(SpecDecodeError, match="cannot read model.safetensors"):
+        load_net(MtpNet, folder, model, torch.float32, torch.device("cpu"))
+    (folder / "config.json").write_text("[1, 2]")
+    with pytest.raises(SpecDecodeError, match="must hold a JSON object"):
+        load_net(MtpNet, folder, model, torch.float32, torch.device("cpu"))
+
+
+def test_a_folder_rewritten_by_a_run_that_dies_does_not_load(target, tmp_path, monkeypatch):
+    """Writing into a trained folder again: the new config.json comes last, so a write that
+    dies on the weights leaves no config beside the old weights (it loaded, silently mixed)."""
+    import specdecode.drafters.learned as learned
+
+    _, model = target
+    folder = save_net(MtpNet.from_target(MtpNet.Config(), model), model, tmp_path / "mtp")
+    old = (folder / "model.safetensors").read_bytes()
+
+    def disk_full(state, filename):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("safetensors.torch.save_file", disk_full)
+    with pytest.raises(OSError):
+        save_net(MtpNet.from_target(MtpNet.Config(), model), model, folder, extra={"trained": {"steps": 6}})
+    monkeypatch.undo()
+    assert not (folder / "config.json").exists() and (folder / "model.safetensors").read_bytes() == old
+    with pytest.raises(SpecDecodeError, match="not a trained drafter folder"):
+        load_net(MtpNet, folder, model, torch.float32, torch.device("cpu"))
+    assert learned.save_net(MtpNet.from_target(MtpNet.Config(), model), model, folder).is_dir()
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]  # no leftovers
+
+
 def test_confidence_head_learns_the_acceptance_chance(target, tmp_path):
     """Trained with the drafter on sum(min(p, q)), the chance rejection sampling accepts the
     token; saved and loaded with the net (the engine test checks the budget receives it)."""
