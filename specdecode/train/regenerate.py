@@ -67,11 +67,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--exclude", nargs="*", default=[], help="chat records whose instructions are not asked again")
     args = ap.parse_args(argv)
     try:
-        shard, num_shards = (int(x) for x in args.shard.split("/"))
-        assert 0 <= shard < num_shards
-    except (ValueError, AssertionError):
-        ap.error(f"--shard must be K/N with 0 <= K < N, got {args.shard!r}")
-    try:
+        for flag in ("num", "max_tokens", "batch", "max_prompt_tokens", "threads"):
+            value = getattr(args, flag)
+            if value is not None and value < 1:  # --num -5 sliced the pool from its end: thousands of prompts
+                raise SpecDecodeError(f"--{flag.replace('_', '-')} must be an integer >= 1, got {value}")
+        try:
+            shard, num_shards = (int(x) for x in args.shard.split("/"))
+            assert 0 <= shard < num_shards
+        except (ValueError, AssertionError):
+            raise SpecDecodeError(f"--shard must be K/N with 0 <= K < N, got {args.shard!r}") from None
         return answer(args, shard, num_shards)
     except SpecDecodeError as e:  # bad input: one line, as the CLI gives it
         print(f"error: {e}", file=sys.stderr)

@@ -80,3 +80,10 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
     assert main(["--out", out, "--target", str(tmp_path / "no_model"), "--num", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
+    for flags, words in ((["--num", "-5"], "--num must be an integer >= 1, got -5"),
+                         (["--threads", "0"], "--threads must be an integer >= 1, got 0"),
+                         (["--max-tokens", "0"], "--max-tokens must be"), (["--shard", "2/2"], "--shard must be K/N")):  # fmt: skip
+        assert main(["--out", out, *flags]) == 2  # before any model loads
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {words}") and err.count("\n") == 1, err
+
