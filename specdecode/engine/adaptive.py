@@ -152,6 +152,10 @@ class AdaptiveBudget:
         self.proposing_first = self.proposal_saved > self.proposal_cost
         return self.proposing_first or self.shadow_allowance >= 0
 
+    def forget(self, request_id: str) -> None:
+        self.acceptance.per_request.pop(request_id, None)  # its counts, state and any shadow in flight
+        self.probes.last.pop(request_id, None)
+
     def observe_prefill(self, seconds: float) -> None:
         self.step_prefill = seconds
         self.prefill_seconds += PREFILL_DECAY * (seconds - self.prefill_seconds)
@@ -345,9 +349,9 @@ class AdaptiveBudget:
 
     def observe(
         self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor, seconds: float, draft_seconds: float,
-        draft_depth: int = 1, proposal: torch.Tensor | None = None,
+        draft_depth: int = 1, proposal: torch.Tensor | None = None, positions: int | None = None,
     ) -> None:  # fmt: skip
-        self._observe_cost(len(reqs), num_draft.tolist(), seconds)
+        self._observe_cost(len(reqs), num_draft.tolist(), seconds, positions)
         tokens = len(reqs) + int(num_accepted.sum())  # each row's accepted drafts and its one new token
         self.tokens_per_step += PREFILL_DECAY * (tokens - self.tokens_per_step)
         drafted = int(num_draft.sum()) > 0
@@ -367,11 +371,15 @@ class AdaptiveBudget:
         rows = proposal.tolist() if proposal is not None else None
         self.acceptance.observe(reqs, num_accepted.tolist(), num_draft.tolist(), rows)
 
-    def _observe_cost(self, rows: int, num_draft: list[int], seconds: float) -> None:
+    def _observe_cost(self, rows: int, num_draft: list[int], seconds: float, positions: int | None = None) -> None:
         """Log the pass (positions, attention queries · context, whether it carried drafts, its
-        seconds) and refit the step time from the window of them (engine/cost.py `fit_passes`)."""
+        seconds) and refit the step time from the window of them (engine/cost.py `fit_passes`).
+        ``positions``: a tree pass's nodes (and aux branch); by default rows + drafts."""
         drafting, widest = sum(d > 0 for d in num_draft), max(num_draft, default=0)
-        positions = rows + sum(num_draft)
+        if positions is None:
+            positions = rows + sum(num_draft)
+        else:  # a tree: its rows are padded to their widest node count, at least this
+            widest = max(widest, -(-positions // max(1, rows)) - 1)
         padded = self._queries(rows, drafting, widest, positions) * self.context
         fit = self.passes.add((positions, padded, drafting > 0, seconds), self.attention_cost)
         if fit is None:  # no refit due

@@ -37,17 +37,23 @@ class BudgetPolicy(Protocol):
 
     def observe(
         self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor, seconds: float, draft_seconds: float,
-        draft_depth: int = 1, proposal: torch.Tensor | None = None,
+        draft_depth: int = 1, proposal: torch.Tensor | None = None, positions: int | None = None,
     ) -> None:  # fmt: skip
         """What the step's verification accepted, per row, how long its target pass took, and how
         long proposing ``draft_depth`` tokens deep took (0 seconds when the step did not draft).
         ``proposal`` [B, w]: the chains proposed before budgets cut them, -1 padded, with rows of
         NOT_SHADOWED where matching the generated tokens is not acceptance (a sampled row's
-        non-one-hot q); None when nothing was proposed or the proposal was a tree."""
+        non-one-hot q); None when nothing was proposed or the proposal was a tree. ``positions``:
+        what the pass verified where that is not the rows plus ``num_draft`` (a tree's nodes)."""
         ...
 
     def observe_prefill(self, seconds: float) -> None:
         """How long the step's prefill chunk took (0 when no prompt was being prefilled)."""
+        ...
+
+    def forget(self, request_id: str) -> None:
+        """A request of this id is new (ids may be reused once a request has ended): drop what
+        was learned about an earlier one."""
         ...
 
     def propose_first(self) -> bool:
@@ -81,11 +87,14 @@ class FixedBudget:
 
     def observe(
         self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor, seconds: float, draft_seconds: float,
-        draft_depth: int = 1, proposal: torch.Tensor | None = None,
+        draft_depth: int = 1, proposal: torch.Tensor | None = None, positions: int | None = None,
     ) -> None:  # fmt: skip
         pass
 
     def observe_prefill(self, seconds: float) -> None:
+        pass
+
+    def forget(self, request_id: str) -> None:
         pass
 
     def propose_first(self) -> bool:

@@ -263,7 +263,7 @@ def _fit(
     sizes, size = [], lo
     while size < hi:
         sizes.append(size)
-        size *= 1.5
+        size = size * 1.5 if size > 0 else size + 1  # a size of 0 (fit_line's caller's) would never grow
     return VerifyCost([(x, a + b * x + e * x * x) for x in [*sizes, hi]]), delta
 
 

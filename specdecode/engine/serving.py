@@ -175,6 +175,7 @@ class ServingEngine(Engine):
             )
         gamma = self._parse_override(spec_override)
         seq = Batch.new_sequence(request_id, prompt_ids, params, self.device)
+        self.budget.forget(request_id)  # an id an ended request had: nothing of it carries over
         self.waiting.append(_Request(request_id, seq, gamma, next(self._arrivals)))
 
     def _parse_override(self, override: dict | None) -> int:
@@ -354,7 +355,7 @@ class ServingEngine(Engine):
         step_events = self._append_tokens(self.batch, v.out, v.num_accepted, v.num_draft)
         if self.drafter is not None:
             self.drafter.on_verified(self.batch, v.num_accepted, v.aux_logits, v.hidden)
-        self.budget.observe(reqs, v.num_accepted, v.num_draft, seconds, draft_seconds, depth, shadow)
+        self.budget.observe(reqs, v.num_accepted, v.num_draft, seconds, draft_seconds, depth, shadow, v.num_positions)
         events = [self._event(self.running[e.request_id], e.new_token_ids) for e in step_events]
         self._remove_running([r.request_id for r in reqs if r.seq.finish_reason is not None])
         return events

@@ -44,6 +44,7 @@ class Verified:
     num_draft: torch.Tensor  # [B]
     aux_logits: torch.Tensor | None = None  # [B, A, V] at the proposal's aux branch
     hidden: torch.Tensor | None = None  # [B, w+1, F] target features at the committed tokens (root first)
+    num_positions: int | None = None  # positions the pass verified, where not rows + drafts (trees, aux branches)
 
 
 @dataclass
@@ -170,7 +171,7 @@ class Engine:
         commit_paths(cache, nodes, num_accepted)
         if hidden is not None:  # the accepted path's features, root first
             hidden = hidden.gather(1, nodes.clamp(min=0)[:, :, None].expand(-1, -1, hidden.shape[-1]))
-        return Verified(out, num_accepted, draft.num_tokens, aux_logits, hidden)
+        return Verified(out, num_accepted, draft.num_tokens, aux_logits, hidden, int(valid.sum()))
 
     def _append_tokens(
         self, batch: Batch, out: torch.Tensor, num_accepted: torch.Tensor, num_draft: torch.Tensor

@@ -21,6 +21,8 @@ def test_cost_curve_is_monotone_and_refits_from_real_passes():
     line = VerifyCost.fit_line([(p, 0.05 + 0.002 * p) for p in (10, 20, 40, 80)])
     assert line(30) == pytest.approx(0.11) and line(160) == pytest.approx(0.37)
     assert VerifyCost.fit_line([(10, 1.0), (10, 2.0)]) is None  # one size: no slope to fit
+    through_zero = VerifyCost.fit_line([(0, 0.1), (10, 0.2)])  # its grid started at 0 and never grew (a hang)
+    assert through_zero(0) == pytest.approx(0.1) and through_zero(5) == pytest.approx(0.15)
     policy = AdaptiveBudget(roofline(knee=64), max_gamma=4, attention_cost=1e-5)  # c as measured at load
     g = torch.Generator().manual_seed(3)
     # passes of 2-8 rows with random drafts and contexts: t = 50 ms + 2 ms·P + 10 µs·queries·context

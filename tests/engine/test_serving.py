@@ -264,3 +264,16 @@ def test_the_adaptive_budget_learns_how_much_prefill_a_step_carries(plain):
     while engine.has_unfinished():
         engine.step()
     assert 0 < engine.budget.prefill_seconds < after_prompt
+
+
+def test_a_reused_request_id_starts_with_nothing_learned(plain):
+    """Ids may be reused once a request has ended: an aborted request's counts, state and
+    shadow round in the adaptive budget must not plan (or be settled against) a new one."""
+    spec = SpecConfig.parse({**SPECS["ngram_adaptive"], "prompt_lookup_min": 1})
+    engine = ServingEngine(plain.target, spec, max_model_len=64, max_num_seqs=4, block_size=4)
+    engine.add_request("a", [2, 3] * 5, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    while "a" not in engine.budget.acceptance.per_request:
+        engine.step()
+    engine.abort("a")  # mid-way, with something learned
+    engine.add_request("a", [9, 8, 7], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    assert "a" not in engine.budget.acceptance.per_request and "a" not in engine.budget.probes.last

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from specdecode.config import SamplingParams, SpecConfig
 from specdecode.drafters.base import Draft
+from specdecode.engine.cost import VerifyCost
 from specdecode.engine.serving import ServingEngine
 from specdecode.model.loader import load_model
 from specdecode.tree import TreeBatch
@@ -116,3 +117,29 @@ def test_paths_through_later_siblings_are_exercised(setup):
     outs = serve_all(engine, PROMPTS, params)
     assert outs == [reference[tuple(p)] for p in PROMPTS]
     assert drafter.moved_paths > 5  # the accepted path often leaves nodes 0..k: the cache had to compact
+
+
+def test_the_adaptive_budget_prices_a_tree_pass_by_its_nodes(setup):
+    """The verify-cost curve is fitted on what each pass really verified: a tree pass's nodes
+    (it logged rows + depth, so tree passes read as smaller and cheaper than they were)."""
+    target, reference, params = setup
+    spec = SpecConfig.parse({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                             "prompt_lookup_max": 3, "max_matches": 3, "verify_budget": "adaptive"})  # fmt: skip
+    engine = ServingEngine(target, spec, max_model_len=256)
+    engine.budget.cost = VerifyCost([(1, 1.0), (512, 1.0)])  # passes cost alike: draft what may pay (not timing)
+    verified, logged = [], []
+    verify, add = engine._verify_round, engine.budget.passes.add
+
+    def spy_verify(batch, cache, draft):
+        if draft is not None and draft.tree is not None:
+            verified.append(int(draft.tree.valid.sum()))  # every row's root and nodes
+        else:
+            verified.append(len(batch) + (int(draft.num_tokens.sum()) if draft is not None else 0))
+        return verify(batch, cache, draft)
+
+    engine._verify_round = spy_verify
+    engine.budget.passes.add = lambda one, cost: (logged.append(one[0]), add(one, cost))[1]
+    copying = [[5, 6, 7, 5, 6, 8, 5, 6, 7, 5, 6, 8] * 2, [9, 10, 9, 11, 9, 10, 9, 11] * 2]
+    outputs = serve_all(engine, copying, params[:2])
+    assert logged == verified and any(n > len(copying) + 4 for n in verified)  # some pass was a wide tree
+    assert len(outputs) == 2
