@@ -190,3 +190,42 @@ def test_prompt_entries_are_fed_when_a_row_joins(setup, monkeypatch):
     assert_greedy_matches_plain(llm, plain, prompts, 8, "eagle")
     assert seen[0] == ([1], [6])  # the first prompt alone
     assert next(s for s in seen if len(s[0]) == 3) == ([1, 1, 1], [6, 2, 0])  # the three joining together
+
+
+def _fresh_features(model, tokens: list[int], layers: tuple[int, ...]) -> torch.Tensor:
+    """The target's features [1, T, F] at ``tokens``, computed in one pass."""
+    cache = model.new_cache(1, len(tokens))
+    _, hidden = model(torch.tensor([tokens]), torch.arange(len(tokens))[None], cache, hidden_layers=layers)
+    return torch.cat(hidden, dim=-1)
+
+
+@pytest.mark.parametrize("method", list(NETS))
+def test_draft_cache_equals_a_fresh_feed_after_rounds(setup, method):
+    """After rounds with rejections (greedy and sampled rows), what a row's draft cache holds
+    plus what it still owes gives the logits a fresh feed of its committed tokens gives: the
+    entries of rejected drafts were rolled back (a missing rollback passed every other test)."""
+    target, nets, _ = setup
+    spec = SpecConfig.parse({"method": method, "model": nets[method], "num_speculative_tokens": 3})
+    engine = ServingEngine(load_model(target, dtype=torch.float32, device="cpu"), spec, max_model_len=96)
+    params = [SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True),
+              SamplingParams(temperature=1.0, max_tokens=60, ignore_eos=True, seed=3),
+              SamplingParams(temperature=0.8, max_tokens=60, ignore_eos=True, seed=4)]  # fmt: skip
+    for i, (p, sp) in enumerate(zip(PROMPTS[1:], params)):
+        engine.add_request(str(i), p, sp)
+    for _ in range(10):
+        engine.step()
+    stats = [s.stats for s in engine.batch.seqs]
+    assert len(stats) == 3 and sum(s.num_accepted_tokens for s in stats) > 0
+    assert sum(s.num_draft_tokens - s.num_accepted_tokens for s in stats) > 0  # rejections to roll back
+    drafter = engine.drafter
+    net = drafter.net
+    live, _ = drafter._feed_pending(engine.batch)  # [B, Vd] at each row's newest entry
+    for b, seq in enumerate(engine.batch.seqs):
+        tokens = seq.token_ids
+        n = len(tokens) - 1  # entries (feature t, token t + 1) for t < n
+        assert int(drafter.cache.lengths[b]) == n
+        states = net.fuse(_fresh_features(engine.model, tokens[:-1], drafter.hidden_layers))
+        cache = net.body.new_cache(1, n + 2)
+        with torch.no_grad():
+            fresh, _ = net(states, torch.tensor([tokens[1:]]), torch.arange(n)[None], cache, logits_at=torch.tensor([[n - 1]]))
+        torch.testing.assert_close(live[b], fresh[0, 0], atol=1e-4, rtol=1e-4)
