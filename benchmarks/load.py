@@ -67,13 +67,21 @@ class Recording:
     def observe_prefill(self, seconds):
         self.inner.observe_prefill(seconds)
 
+    def forget(self, request_id):
+        self.inner.forget(request_id)
+
+    @property
+    def plan_caps_proposal(self) -> bool:
+        return self.inner.plan_caps_proposal
+
     def propose_first(self):
         return self.inner.propose_first()
 
     def lookahead(self):
         return self.inner.lookahead()
 
-    def observe(self, reqs, num_accepted, num_draft, seconds, draft_seconds, draft_depth=1, proposal=None):
+    def observe(self, reqs, num_accepted, num_draft, seconds, draft_seconds, draft_depth=1, proposal=None,
+                positions=None):  # fmt: skip
         drafting = len(self._budgets) == len(reqs) and (any(self._budgets) or int(num_draft.sum()) > 0)
         if isinstance(self.inner, AdaptiveBudget) and drafting and len(self.steps) % CALIBRATION_EVERY == 0:
             # the confidences the step was planned with (nothing has changed them since): read
@@ -85,7 +93,7 @@ class Recording:
             prior = acceptance.confidences(ids, own=False, evidence=evidence).tolist()  # batched calls
             online = acceptance.confidences(ids, evidence=evidence).tolist()
             self._planned = {r.request_id: (p, c) for r, p, c in zip(reqs, prior, online)}
-        self.passes.append((len(reqs) + int(num_draft.sum()), seconds))
+        self.passes.append((len(reqs) + int(num_draft.sum()) if positions is None else positions, seconds))
         acc, drafted = num_accepted.tolist(), num_draft.tolist()
         budget = sum(self._budgets) if len(self._budgets) == len(reqs) else 0
         self.steps.append(StepRecord(len(reqs), budget, sum(drafted), max(drafted, default=0), sum(acc)))
@@ -108,7 +116,7 @@ class Recording:
                     if k <= a:  # position k+1 was reached: tokens 1..k were accepted
                         pairs_c.append((conf[k], int(k < a)))
         self._planned, self._budgets = {}, []
-        self.inner.observe(reqs, num_accepted, num_draft, seconds, draft_seconds, draft_depth, proposal)
+        self.inner.observe(reqs, num_accepted, num_draft, seconds, draft_seconds, draft_depth, proposal, positions)
 
 
 def ece(pairs: list[tuple[float, int]], bins: int = 10) -> float:

@@ -157,6 +157,8 @@ class Engine:
             positions = torch.cat([positions, cache.lengths[:, None] + aux.offsets], dim=1)
             mask = torch.cat([torch.cat([tree.mask, tree.mask.new_zeros(B, N, A)], dim=2), aux.mask], dim=1)
             valid = torch.cat([valid, torch.ones_like(aux.tokens, dtype=torch.bool)], dim=1)
+        # what the pass computes: the padded layout with an aux branch, else the real nodes
+        num_positions = tokens.numel() if aux is not None else int(valid.sum())
         aux_logits = None
         if aux is not None:  # the aux branch's logits are read whole: the padded layout
             logits, hidden = self._target(tokens, positions, cache, block_mask=mask, valid=valid)
@@ -171,7 +173,7 @@ class Engine:
         commit_paths(cache, nodes, num_accepted)
         if hidden is not None:  # the accepted path's features, root first
             hidden = hidden.gather(1, nodes.clamp(min=0)[:, :, None].expand(-1, -1, hidden.shape[-1]))
-        return Verified(out, num_accepted, draft.num_tokens, aux_logits, hidden, int(valid.sum()))
+        return Verified(out, num_accepted, draft.num_tokens, aux_logits, hidden, num_positions)
 
     def _append_tokens(
         self, batch: Batch, out: torch.Tensor, num_accepted: torch.Tensor, num_draft: torch.Tensor
