@@ -119,19 +119,23 @@ def test_paths_through_later_siblings_are_exercised(setup):
     assert drafter.moved_paths > 5  # the accepted path often leaves nodes 0..k: the cache had to compact
 
 
-def test_the_adaptive_budget_prices_a_tree_pass_by_its_nodes(setup):
+@pytest.mark.parametrize("method", ["ngram", "lookahead"])
+def test_the_adaptive_budget_prices_a_tree_pass_by_its_nodes(setup, method):
     """The verify-cost curve is fitted on what each pass really verified: a tree pass's nodes
-    (it logged rows + depth, so tree passes read as smaller and cheaper than they were)."""
-    target, reference, params = setup
-    spec = SpecConfig.parse({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-                             "prompt_lookup_max": 3, "max_matches": 3, "verify_budget": "adaptive"})  # fmt: skip
+    (it logged rows + depth, so tree passes read as smaller and cheaper than they were), and
+    with lookahead's aux branch, the padded layout the pass computes."""
+    target, _, params = setup
+    options = {"ngram": {"prompt_lookup_min": 1, "prompt_lookup_max": 3, "max_matches": 3}, "lookahead": {}}[method]
+    spec = SpecConfig.parse({"method": method, "num_speculative_tokens": 4, **options, "verify_budget": "adaptive"})
     engine = ServingEngine(target, spec, max_model_len=256)
     engine.budget.cost = VerifyCost([(1, 1.0), (512, 1.0)])  # passes cost alike: draft what may pay (not timing)
     verified, logged = [], []
     verify, add = engine._verify_round, engine.budget.passes.add
 
     def spy_verify(batch, cache, draft):
-        if draft is not None and draft.tree is not None:
+        if draft is not None and draft.aux is not None:
+            verified.append(draft.tree.tokens.numel() + draft.aux.tokens.numel())  # [B, N + A], padded
+        elif draft is not None and draft.tree is not None:
             verified.append(int(draft.tree.valid.sum()))  # every row's root and nodes
         else:
             verified.append(len(batch) + (int(draft.num_tokens.sum()) if draft is not None else 0))
