@@ -119,19 +119,23 @@ def write_folder(
 
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_FILE).unlink(missing_ok=True)
-    part = out / f".{WEIGHTS_FILE}.{os.getpid()}.part"
-    try:
-        save_file(state, str(part))
-    except BaseException:
-        part.unlink(missing_ok=True)  # no half-written file left behind (disk full, Ctrl-C)
-        raise
-    os.replace(part, out / WEIGHTS_FILE)
+    _write_whole(out / WEIGHTS_FILE, lambda part: save_file(state, str(part)))
     if more is not None:
         more(out)
-    part = out / f".{CONFIG_FILE}.{os.getpid()}.part"
-    part.write_text(json.dumps(config, indent=2) + "\n")
-    os.replace(part, out / CONFIG_FILE)
+    _write_whole(out / CONFIG_FILE, lambda part: part.write_text(json.dumps(config, indent=2) + "\n"))
     return out
+
+
+def _write_whole(file: Path, write: Callable[[Path], Any]) -> None:
+    """``write`` to a temporary file beside ``file``, then rename it into place; nothing
+    half-written is left behind (disk full, Ctrl-C)."""
+    part = file.with_name(f".{file.name}.{os.getpid()}.part")
+    try:
+        write(part)
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
+    os.replace(part, file)
 
 
 def read_net_config(path: str | Path) -> dict[str, Any]:

@@ -106,13 +106,13 @@ def cpu_lib(isa: str | None = None) -> ctypes.CDLL | None:
                 done = subprocess.run(cmd, check=False, capture_output=True)
                 if done.returncode != 0:
                     first = (done.stderr.decode(errors="replace").strip().splitlines() or ["?"])[0]
-                    warnings.warn(f"specdecode: building the {isa} CPU kernels failed ({first}); using torch's")
+                    warnings.warn(f"specdecode: building the {isa} CPU kernels failed ({first}); they are unavailable")
                     return None
                 os.replace(out, target)
         lib = ctypes.CDLL(str(target))
     except OSError as e:  # a cache folder we cannot write or load from (read-only, noexec, a file)
         warnings.warn(f"specdecode: the {isa} CPU kernels cannot be built or loaded under {target.parent} ({e}); "
-                      "using torch's (set SPECDECODE_CACHE to a writable folder)")  # fmt: skip
+                      "they are unavailable (set SPECDECODE_CACHE to a writable folder)")  # fmt: skip
         return None
     lib.int4_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
     lib.int4_gemm.argtypes += [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]

@@ -50,8 +50,9 @@ class Windows:
 class Corpus:
     train: Windows
     heldout: Windows
-    num_documents: int
+    num_documents: int  # trained on or held out
     num_files: int  # files read (the cap may stop before the last)
+    num_dropped: int = 0  # training documents dropped for quoting held-out text, or being quoted by it
 
 
 def find_files(paths: tuple[str, ...]) -> list[Path]:
@@ -101,7 +102,11 @@ def _documents(file: Path, tokenizer: Any) -> Iterator[_Doc]:
                 rendered = tokenizer.apply_chat_template(record["messages"], tokenize=False)
             except (TemplateError, ValueError, TypeError, KeyError) as e:  # name the record, in one line
                 raise SpecDecodeError(f"{file}:{number}: cannot render messages: {str(e).splitlines()[0]}") from None
-            contents = tuple(m["content"] for m in record["messages"] if isinstance(m.get("content"), str))
+            # what a record may quote or be quoted by: its turns, not a system prompt shared by many
+            contents = tuple(
+                m["content"] for m in record["messages"]
+                if isinstance(m, dict) and m.get("role") in ("user", "assistant") and isinstance(m.get("content"), str)
+            )  # fmt: skip
             yield _Doc(rendered, True, contents)
         else:
             raise SpecDecodeError(f'{file}:{number}: expected {{"text": ...}} or {{"messages": [...]}}')
@@ -164,17 +169,19 @@ def read_corpus(
     if len(docs) >= 2:
         held = min(max(1, round(heldout * len(docs))), len(docs) - 1)  # at least one document trains
         leaks = _quoting(sources[:-held], sources[-held:])
+        dropped = len(leaks)
         train = [t for i, d in enumerate(docs[:-held]) if i not in leaks for t in d]
         test = [t for d in docs[-held:] for t in d]
         if leaks and len(leaks) == len(docs) - held:
             raise SpecDecodeError("every training document quotes a held-out one: lower --heldout or add text")
     else:
+        dropped = 0
         stream = docs[0]
         cut = len(stream) - max(1, round(heldout * len(stream)))
         train, test = stream[:cut], stream[cut:]
     if len(train) < 2 or len(test) < 2:
         raise SpecDecodeError(f"corpus too small: {sum(map(len, docs))} tokens (raise --max-tokens or add text)")
-    return Corpus(pack(train, seq_len), pack(test, seq_len), len(docs), num_files)
+    return Corpus(pack(train, seq_len), pack(test, seq_len), len(docs) - dropped, num_files, dropped)
 
 
 def _quoting(train: list[_Doc], heldout: list[_Doc]) -> set[int]:

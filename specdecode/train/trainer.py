@@ -254,6 +254,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if ckpt and ckpt["target"] != target_fingerprint(target):
         raise SpecDecodeError(f"--resume: {cfg.out} was trained for a target with {ckpt['target']}")
     corpus = read_corpus(cfg.data, loaded.tokenizer, cfg.seq_len, cfg.max_tokens, cfg.heldout, cfg.seed)
+    sizes = {"train_tokens": corpus.train.num_tokens, "heldout_tokens": corpus.heldout.num_tokens}
+    was = ckpt["log"].get("corpus", {}) if ckpt and isinstance(ckpt["log"], dict) else {}
+    if any(was.get(k, v) != v for k, v in sizes.items()):  # same flags, other text (or how it is read)
+        raise SpecDecodeError(f"--resume: the corpus now reads as {sizes}, the checkpoint's as "
+                              f"{ {k: was.get(k) for k in sizes} }; train into a new --out")  # fmt: skip
     torch.manual_seed(cfg.seed)
     net = cls.from_target(net_cfg, target).to(target.embed.weight.device)
     if ckpt and cfg.net_config:  # compared as the nets resolve them (eagle fills in its feature layers)
@@ -272,7 +277,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     log: dict[str, Any] = {
         "method": cfg.method, "target": loaded.name, "net": asdict(net_cfg), "config": asdict(cfg),
-        "corpus": {"files": corpus.num_files, "documents": corpus.num_documents,
+        "corpus": {"files": corpus.num_files, "documents": corpus.num_documents, "dropped_quoting": corpus.num_dropped,
                    "train_tokens": corpus.train.num_tokens, "heldout_tokens": corpus.heldout.num_tokens},
         "evals": [], "train_loss": [],
     }  # fmt: skip

@@ -80,12 +80,13 @@ def test_a_training_document_that_quotes_a_held_out_one_is_dropped(tmp_path):
     whichever side of the split each lands on, the training side must not hold the other's text."""
     tok = tiny_tokenizer()
     answers = [f"answer {i}: " + " ".join(f"word{i}{j}" for j in range(60)) for i in range(6)]
+    system = {"role": "system", "content": "You are a helpful assistant. " * 12}  # 348 characters, in every record
     chats = [
-        {"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": a}]}
+        {"messages": [system, {"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": a}]}
         for i, a in enumerate(answers)
     ]
     quotes = [
-        {"messages": [{"role": "user", "content": f"Summarize the following text:\n\n{a}"},
+        {"messages": [system, {"role": "user", "content": f"Summarize the following text:\n\n{a}"},
                       {"role": "assistant", "content": f"short {i}"}]}
         for i, a in enumerate(answers)
     ]  # fmt: skip
@@ -98,6 +99,7 @@ def test_a_training_document_that_quotes_a_held_out_one_is_dropped(tmp_path):
         shared = [a for a in answers if a in train and a in held]
         assert not shared, f"seed {seed}: {len(shared)} answers on both sides"
         assert c.train.num_tokens > 0 and any(a in held for a in answers)
+        assert 0 < c.num_dropped < 12 and c.num_documents == 12 - c.num_dropped  # a shared system prompt is no quote
 
 
 def test_single_document_holds_out_its_tail(tmp_path):

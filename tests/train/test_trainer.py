@@ -130,6 +130,19 @@ def test_resume_refuses_other_data_settings(tiny_target, corpus, tmp_path):
     assert log["end"]["step"] == 6
 
 
+def test_resume_refuses_a_corpus_that_now_reads_differently(tiny_target, corpus, tmp_path):
+    """The same flags over text that changed (or is read differently since): other windows."""
+    import shutil
+
+    mine = shutil.copytree(corpus, tmp_path / "corpus")
+    cfg = config(tiny_target, str(mine), tmp_path / "e", "medusa", steps=4, eval_every=0, save_every=2)
+    train(cfg)
+    first = sorted(p for p in mine.rglob("*") if p.is_file())[0]
+    first.write_text(first.read_text() + " and some more words at the end")
+    with pytest.raises(SpecDecodeError, match="the corpus now reads as"):
+        train(replace(cfg, steps=6, resume=True))
+
+
 def test_time_limit_ends_the_run_and_its_schedule(tiny_target, corpus, tmp_path):
     cfg = config(tiny_target, corpus, tmp_path / "out", method="medusa", steps=10**6, time_limit=0.5)
     assert cfg.learning_rate(50, elapsed=0.0) > 0.99 * cfg.lr  # early on both counts: near the peak
