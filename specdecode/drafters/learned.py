@@ -119,14 +119,14 @@ def write_folder(
 
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_FILE).unlink(missing_ok=True)
-    _write_whole(out / WEIGHTS_FILE, lambda part: save_file(state, str(part)))
+    write_whole(out / WEIGHTS_FILE, lambda part: save_file(state, str(part)))
     if more is not None:
         more(out)
-    _write_whole(out / CONFIG_FILE, lambda part: part.write_text(json.dumps(config, indent=2) + "\n"))
+    write_whole(out / CONFIG_FILE, lambda part: part.write_text(json.dumps(config, indent=2) + "\n"))
     return out
 
 
-def _write_whole(file: Path, write: Callable[[Path], Any]) -> None:
+def write_whole(file: Path, write: Callable[[Path], Any]) -> None:
     """``write`` to a temporary file beside ``file``, then rename it into place; nothing
     half-written is left behind (disk full, Ctrl-C)."""
     part = file.with_name(f".{file.name}.{os.getpid()}.part")

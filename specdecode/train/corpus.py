@@ -205,13 +205,13 @@ def _quoting(train: list[_Doc], heldout: list[_Doc]) -> set[int]:
                 at = haystack.find(needle, at + 1)
         return found
 
-    long = lambda docs: {p.strip() for d in docs for p in d.parts if len(p.strip()) >= QUOTE_CHARS}  # noqa: E731
+    def long_parts(d: _Doc) -> set[str]:  # what is long enough to count as a quote
+        return {p.strip() for p in d.parts if len(p.strip()) >= QUOTE_CHARS}
+
     train_text, train_starts = joined(train)
     held_text, _ = joined(heldout)
-    leaks = owners(long(heldout), train_text, train_starts)  # training text quoting a held-out answer
-    for i, d in enumerate(train):  # a held-out prompt quoting a training answer
-        if i not in leaks and any(p.strip() in held_text for p in d.parts if len(p.strip()) >= QUOTE_CHARS):
-            leaks.add(i)
+    leaks = owners(set().union(*map(long_parts, heldout)), train_text, train_starts)  # quoting a held-out answer
+    leaks |= {i for i, d in enumerate(train) if any(p in held_text for p in long_parts(d))}  # quoted by held-out
     return leaks
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pickle
 import time
 from dataclasses import asdict
@@ -34,7 +33,15 @@ import torch
 from torch import Tensor
 
 from specdecode.config import SpecDecodeError
-from specdecode.drafters.learned import TrainBatch, net_config, read_net, read_net_config, save_net, target_fingerprint
+from specdecode.drafters.learned import (
+    TrainBatch,
+    net_config,
+    read_net,
+    read_net_config,
+    save_net,
+    target_fingerprint,
+    write_whole,
+)
 from specdecode.kv_cache import NoCache
 from specdecode.model.transformer import Transformer
 from specdecode.train.config import TrainConfig
@@ -143,9 +150,7 @@ def save_checkpoint(
         "net": trainable_state(net), "optimizer": opt.state_dict(), "rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [], "log": log,
     }  # fmt: skip
-    tmp = out / f".{CHECKPOINT_FILE}.{os.getpid()}.part"
-    torch.save(state, tmp)
-    os.replace(tmp, out / CHECKPOINT_FILE)
+    write_whole(out / CHECKPOINT_FILE, lambda part: torch.save(state, part))
 
 
 def read_checkpoint(cfg: TrainConfig) -> dict[str, Any]:
