@@ -92,21 +92,29 @@ def randomize_(model: torch.nn.Module, seed: int, norm_center: float) -> None:
                 p.copy_(0.5 * noise)
 
 
-def make_tiny_model(arch: str = "llama", seed: int = 0, **overrides: Any):
-    """A randomized transformers model (fp32, eval mode) for ``arch``."""
+def make_tiny_model(arch: str = "llama", seed: int = 0, logit_scale: float = 1.0, **overrides: Any):
+    """A randomized transformers model (fp32, eval mode) for ``arch``; ``logit_scale`` multiplies
+    the final norm's gain, so every logit (before Gemma's soft-capping) scales by it."""
     from transformers import AutoModelForCausalLM
 
     config = tiny_hf_config(arch, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    randomize_(model, seed, norm_center=0.0 if arch == "gemma3" else 1.0)
+    center = 0.0 if arch == "gemma3" else 1.0
+    randomize_(model, seed, norm_center=center)
+    if logit_scale != 1.0:
+        with torch.no_grad():  # Gemma's norm multiplies by (1 + w)
+            gain = model.model.norm.weight
+            gain.copy_(logit_scale * (gain + 1 - center) - (1 - center))
     return model.eval()
 
 
-def make_tiny_checkpoint(path: str | Path, arch: str = "llama", seed: int = 0, **overrides: Any) -> Path:
+def make_tiny_checkpoint(
+    path: str | Path, arch: str = "llama", seed: int = 0, logit_scale: float = 1.0, **overrides: Any
+) -> Path:
     """Write an HF folder (config.json, model.safetensors, tokenizer) for ``arch`` at ``path``."""
     path = Path(path)
-    model = make_tiny_model(arch, seed, **overrides)
+    model = make_tiny_model(arch, seed, logit_scale, **overrides)
     model.save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path

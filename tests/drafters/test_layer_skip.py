@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from specdecode import LLM, SamplingParams
+from specdecode import LLM
 from specdecode.config import SpecDecodeError
-from tests.engine.checks import assert_greedy_matches_plain, assert_target_distribution, exact_joint, joint_chisquare
+from tests.engine.checks import assert_greedy_matches_plain, assert_samples_follow_target, sampling_target
 from tests.tiny import make_tiny_checkpoint
 
 PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4, 4, 6], [11], [2, 3, 2, 3, 2, 3, 2, 3, 2]]
@@ -26,18 +26,11 @@ def test_greedy_equals_plain(tmp_path, arch, shape):
     assert draft.layers[0] is llm.target.model.layers[0] and len(draft.layers) == shape.get("exit_layer", 1)
 
 
-def test_sampled_joint_distribution_matches_target(tmp_path):
-    V, n, samples, temperature = 6, 3, 3000, 1.0
-    path = str(make_tiny_checkpoint(tmp_path / "t", "llama", seed=0, vocab_size=V))
-    llm = LLM(model=path, speculative_config={"method": "layer_skip", "num_speculative_tokens": 2}, dtype="float32",
-              device="cpu")  # fmt: skip
-    prompt = [1, 2, 3, 4, 1, 5, 1, 2, 0, 1]
-    want = exact_joint(llm, prompt, n, temperature, 0)
-    params = [SamplingParams(temperature=temperature, max_tokens=n, seed=s, ignore_eos=True) for s in range(samples)]
-    outs = llm.generate([prompt] * samples, params)
-    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
-    test = joint_chisquare([o.token_ids for o in outs], want, V, n)
-    assert_target_distribution(test, llm, prompt, n, temperature, 0, want)
+@pytest.mark.parametrize("shape,temperature,top_p", [({}, 1.0, 1.0), ({"topk": 2}, 0.9, 0.9)])
+def test_sampled_joint_distribution_matches_target(tmp_path, shape, temperature, top_p):
+    spec = {"method": "layer_skip", "num_speculative_tokens": 2, **shape}
+    llm = LLM(model=str(sampling_target(tmp_path / "t")), speculative_config=spec, dtype="float32", device="cpu")
+    assert_samples_follow_target(llm, 3, temperature, 0, top_p=top_p)
 
 
 @pytest.mark.parametrize(

@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from scipy.stats import chisquare
 
 from specdecode import LLM, SamplingParams
 from specdecode.sampling import logits_to_probs
+from tests.tiny import make_tiny_checkpoint
 
 
-def exact_joint(llm: LLM, prompt: list[int], n: int, temperature: float, top_k: int) -> dict[tuple, float]:
+def exact_joint(
+    llm: LLM, prompt: list[int], n: int, temperature: float, top_k: int, top_p: float = 1.0
+) -> dict[tuple, float]:
     """The target's probability of every n-token continuation of ``prompt`` (tiny vocab)."""
     model = llm.target.model
     V = llm.target.config.vocab_size
@@ -26,7 +31,8 @@ def exact_joint(llm: LLM, prompt: list[int], n: int, temperature: float, top_k: 
         positions = torch.arange(tokens.shape[1]).expand_as(tokens)
         logits = model(tokens, positions, cache)[:, -1:]
         B = len(prefixes)
-        p = logits_to_probs(logits, torch.full((B,), temperature), torch.full((B,), top_k), torch.ones(B))[:, 0]
+        p = logits_to_probs(logits, torch.full((B,), temperature), torch.full((B,), top_k), torch.full((B,), top_p))
+        p = p[:, 0]
         probs = {pre + (t,): probs[pre] * float(p[i, t]) for i, pre in enumerate(prefixes) for t in range(V)}
     return probs
 
@@ -66,33 +72,44 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 def assert_target_distribution(test: JointChiSquare, llm: LLM, prompt: list[int], n: int, temperature: float,
-                               top_k: int, want: dict[tuple, float]) -> None:  # fmt: skip
+                               top_k: int, want: dict[tuple, float], top_p: float = 1.0) -> None:  # fmt: skip
     """The samples pass the test, and the test has power: a sampler slightly off (the target
     at 0.8x the temperature, or one that puts 10% of its mass uniformly over the
     continuations the target allows) would be rejected at the same size."""
     assert test.pvalue > 1e-3
-    colder = exact_joint(llm, prompt, n, 0.8 * temperature, top_k)
+    colder = exact_joint(llm, prompt, n, 0.8 * temperature, top_k, top_p)
     allowed = [k for k, v in want.items() if v > 0]
     for wrong in (colder, {k: 0.9 * want[k] + 0.1 / len(allowed) for k in allowed}):
         assert test.pvalue_if(wrong) < 1e-3
 
 
 SAMPLING_PROMPT = [1, 2, 3, 4, 1, 5, 1, 2, 0, 1]  # for V = 6: repeats, so every drafter finds something
+SAMPLING_VOCAB = 6
+# The sampled tests' target has its logits scaled down: at scale 1 one continuation of
+# SAMPLING_PROMPT had 92% of the mass, drafts were nearly always accepted, and a biased rule
+# (accepting with min(1, 1.1 p/q), a residual p - 0.9 q, a q that ignores top-k) passed.
+# At 0.3 the likeliest of 216 continuations has ~25% (46% at T = 0.7, top-k 4).
+SAMPLING_LOGIT_SCALE = 0.3
+
+
+def sampling_target(path: Path, seed: int = 0, **overrides: Any) -> Path:
+    """The sampled tests' tiny llama target (V = 6, spread next-token distributions) at ``path``."""
+    return make_tiny_checkpoint(path, "llama", seed, SAMPLING_LOGIT_SCALE, vocab_size=SAMPLING_VOCAB, **overrides)
 
 
 def assert_samples_follow_target(llm: LLM, n: int, temperature: float, top_k: int, samples: int = 3000,
-                                 prompt: list[int] = SAMPLING_PROMPT) -> list:  # fmt: skip
+                                 prompt: list[int] = SAMPLING_PROMPT, top_p: float = 1.0) -> list:  # fmt: skip
     """Sample ``samples`` continuations of n tokens (seeds 0..samples-1); some drafts must be
     accepted, and the joint distribution must pass the chi-square test with its power check.
     Returns the outputs."""
     V = llm.target.config.vocab_size
-    want = exact_joint(llm, prompt, n, temperature, top_k)
-    params = [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=n, seed=s, ignore_eos=True)
+    want = exact_joint(llm, prompt, n, temperature, top_k, top_p)
+    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=n, seed=s, ignore_eos=True)
               for s in range(samples)]  # fmt: skip
     outs = llm.generate([prompt] * samples, params)
     assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
     test = joint_chisquare([o.token_ids for o in outs], want, V, n)
-    assert_target_distribution(test, llm, prompt, n, temperature, top_k, want)
+    assert_target_distribution(test, llm, prompt, n, temperature, top_k, want, top_p)
     return outs
 
 

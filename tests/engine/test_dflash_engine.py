@@ -16,6 +16,7 @@ from tests.engine.checks import (
     assert_greedy_matches_plain,
     assert_samples_follow_target,
     greedy,
+    sampling_target,
 )
 from tests.tiny import make_tiny_checkpoint
 
@@ -83,13 +84,14 @@ def test_adaptive_budget_plans_on_the_blocks_draft_probabilities(ckpts, monkeypa
     assert all(bool(((c >= 1 / V - 1e-6) & (c <= 1 + 1e-6)).all()) for _, c in seen)
 
 
-@pytest.mark.parametrize("temperature,top_k,threshold", [(1.0, 0, 0.0), (0.8, 3, 0.0), (1.0, 0, 0.4)])
-def test_sampled_joint_distribution_matches_target(tmp_path, temperature, top_k, threshold):
-    V, n, samples = 6, 3, 3000
-    target = make_tiny_checkpoint(tmp_path / "t", "llama", seed=0, vocab_size=V, num_hidden_layers=4)
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p,threshold", [(1.0, 0, 1.0, 0.0), (0.8, 3, 0.9, 0.0), (1.0, 0, 1.0, 0.4)]
+)
+def test_sampled_joint_distribution_matches_target(tmp_path, temperature, top_k, top_p, threshold):
+    target = sampling_target(tmp_path / "t", num_hidden_layers=4)
     net = make_dflash(tmp_path / "net", target, seed=5, block_size=4)
     llm = LLM(model=str(target), speculative_config=dflash(net, 3, threshold), dtype="float32", device="cpu")
-    outs = assert_samples_follow_target(llm, n, temperature, top_k, samples)
+    outs = assert_samples_follow_target(llm, 3, temperature, top_k, top_p=top_p)
     if threshold:  # q(d) below it cut some blocks
         assert sum(o.metrics.num_draft_tokens for o in outs) < 3 * sum(o.metrics.num_drafts for o in outs)
 

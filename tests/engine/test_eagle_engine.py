@@ -18,6 +18,7 @@ from specdecode.model.loader import load_model
 from tests.engine.checks import (
     assert_greedy_matches_plain,
     assert_samples_follow_target,
+    sampling_target,
     serve_all,
 )
 from tests.learned import trained_folder
@@ -77,18 +78,18 @@ def test_defaults_to_one_token(setup, method):
 
 
 @pytest.mark.parametrize(
-    "method,shape,temperature,top_k",
-    [("eagle", {}, 1.0, 0), ("eagle3", {}, 0.8, 3), ("mtp", {"num_speculative_tokens": 2}, 1.0, 0),
-     ("eagle", {"topk": 2}, 0.9, 0), ("eagle", {"confidence_threshold": 0.5}, 1.0, 0)],
-)
-def test_sampled_joint_distribution_matches_target(tmp_path, method, shape, temperature, top_k):
-    V, n, samples = 6, 3, 3000
-    target = make_tiny_checkpoint(tmp_path / "t", "llama", seed=0, vocab_size=V)
+    "method,shape,temperature,top_k,top_p",
+    [("eagle", {}, 1.0, 0, 1.0), ("eagle3", {}, 0.8, 3, 1.0), ("mtp", {}, 1.0, 0, 0.85),
+     ("eagle", {"topk": 2}, 0.9, 0, 1.0), ("eagle3", {"topk": 2}, 1.0, 0, 0.9), ("mtp", {"topk": 2}, 0.8, 3, 1.0),
+     ("eagle", {"confidence_threshold": 0.5}, 1.0, 0, 1.0)],
+)  # fmt: skip
+def test_sampled_joint_distribution_matches_target(tmp_path, method, shape, temperature, top_k, top_p):
+    target = sampling_target(tmp_path / "t")
     model = load_model(str(target), dtype=torch.float32, device="cpu").model
     net = trained_folder(NETS[method], model, tmp_path / "net", steps=20, draft_vocab=5)  # q = 0 on one token
     spec = {"method": method, "model": str(net), "num_speculative_tokens": 2, **shape}
     llm = LLM(model=str(target), speculative_config=spec, dtype="float32", device="cpu")
-    outs = assert_samples_follow_target(llm, n, temperature, top_k, samples)
+    outs = assert_samples_follow_target(llm, 3, temperature, top_k, top_p=top_p)
     if "confidence_threshold" in shape:  # the stopped chains' path ran: q(d) below it stopped some
         assert sum(o.metrics.num_draft_tokens for o in outs) < 2 * sum(o.metrics.num_drafts for o in outs)
 

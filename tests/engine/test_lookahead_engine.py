@@ -18,6 +18,7 @@ from tests.engine.checks import (
     assert_greedy_matches_plain,
     assert_samples_follow_target,
     greedy,
+    sampling_target,
 )
 from tests.tiny import make_tiny_checkpoint
 
@@ -107,9 +108,7 @@ def test_jacobi_window_alone_drafts_accepted_tokens(target, plain):
     assert out.metrics.num_accepted_tokens > 0 and out.metrics.acceptance_rate > 0
 
 
-@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 4)])
-def test_sampled_joint_distribution_matches_target(tmp_path, temperature, top_k):
-    V, n, samples = 6, 3, 3000
-    target = make_tiny_checkpoint(tmp_path / "t", "llama", seed=0, vocab_size=V)
-    llm = lookahead(str(target), lookahead_window=2, lookahead_ngram=3, lookahead_guess=3)
-    assert_samples_follow_target(llm, n, temperature, top_k, samples)
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 4, 0.9)])
+def test_sampled_joint_distribution_matches_target(tmp_path, temperature, top_k, top_p):
+    llm = lookahead(str(sampling_target(tmp_path / "t")), lookahead_window=2, lookahead_ngram=3, lookahead_guess=3)
+    assert_samples_follow_target(llm, 3, temperature, top_k, top_p=top_p)

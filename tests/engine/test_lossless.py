@@ -14,7 +14,16 @@ import json
 import pytest
 
 from specdecode import LLM, SamplingParams
-from tests.engine.checks import assert_greedy_matches_plain, exact_joint, greedy, joint_chisquare
+from tests.engine.checks import (
+    SAMPLING_PROMPT,
+    SAMPLING_VOCAB,
+    assert_greedy_matches_plain,
+    assert_samples_follow_target,
+    exact_joint,
+    greedy,
+    joint_chisquare,
+    sampling_target,
+)
 from tests.tiny import make_tiny_checkpoint
 
 PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4, 4, 6], [11], [2, 3, 2, 3, 2, 3, 2, 3, 2]]
@@ -96,36 +105,34 @@ def test_greedy_stops_at_eos_like_plain(ckpts, plain, tmp_path, name):
 
 
 @pytest.mark.parametrize(
-    "method,temperature,top_k",
-    [("draft_model", 1.0, 0), ("draft_model", 0.8, 3), ("ngram_tree", 1.0, 0), ("ngram_tree", 0.7, 4),
-     ("draft_model_tree", 1.0, 0), ("draft_model_static_tree", 0.9, 0)],
+    "method,temperature,top_k,top_p",
+    [("draft_model", 1.0, 0, 1.0), ("draft_model", 0.8, 3, 0.9), ("ngram", 1.0, 0, 0.8), ("ngram_tree", 1.0, 0, 1.0),
+     ("ngram_tree", 0.7, 4, 1.0), ("draft_model_tree", 1.0, 0, 0.85), ("draft_model_static_tree", 0.9, 0, 1.0)],
 )
-def test_sampled_joint_distribution_matches_target(tmp_path, method, temperature, top_k):
-    V, n, samples = 6, 3, 3000
-    target = make_tiny_checkpoint(tmp_path / "t", "llama", seed=0, vocab_size=V)
-    draft = make_tiny_checkpoint(tmp_path / "d", "llama", seed=5, vocab_size=V)
+def test_sampled_joint_distribution_matches_target(tmp_path, method, temperature, top_k, top_p):
+    n = 3
+    target = sampling_target(tmp_path / "t")
+    draft = make_tiny_checkpoint(tmp_path / "d", "llama", seed=5, vocab_size=SAMPLING_VOCAB)  # peakier than the target
     spec = {
         "draft_model": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2},
+        # one-hot q, a chain: the residual is p with the draft token zeroed
+        "ngram": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 2},
         # one-hot q, several distinct children per node: multi-draft tree verification
         "ngram_tree": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
                        "prompt_lookup_max": 2, "max_matches": 3},
         "draft_model_tree": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2, "topk": 2},
         "draft_model_static_tree": {"method": "draft_model", "model": str(draft),
                                     "speculative_token_tree": [[0], [1], [0, 0], [0, 1], [2]]},
-    }[method]
+    }[method]  # fmt: skip
     llm = LLM(model=str(target), speculative_config=spec, dtype="float32", device="cpu")
-    prompt = [1, 2, 3, 4, 1, 5, 1, 2, 0, 1]  # many earlier matches of the last token
-    want = exact_joint(llm, prompt, n, temperature, top_k)
-
-    params = [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=n, seed=s, ignore_eos=True) for s in range(samples)]
-    outs = llm.generate([prompt] * samples, params)
-    assert sum(o.metrics.num_drafts for o in outs) > 0
-    test = joint_chisquare([o.token_ids for o in outs], want, V, n)
-    assert test.pvalue > 1e-3
+    outs = assert_samples_follow_target(llm, n, temperature, top_k, top_p=top_p)
+    assert sum(o.metrics.num_accepted_tokens for o in outs) < sum(o.metrics.num_draft_tokens for o in outs)
     # Power check: had the samples come from the draft's own distribution (drafts returned
     # unverified), the same test would reject them.
     draft_llm = LLM(model=str(draft), dtype="float32", device="cpu")
-    assert test.pvalue_if(exact_joint(draft_llm, prompt, n, temperature, top_k)) < 1e-3
+    test = joint_chisquare([o.token_ids for o in outs], exact_joint(llm, SAMPLING_PROMPT, n, temperature, top_k, top_p),
+                           SAMPLING_VOCAB, n)  # fmt: skip
+    assert test.pvalue_if(exact_joint(draft_llm, SAMPLING_PROMPT, n, temperature, top_k, top_p)) < 1e-3
 
 
 def test_plain_sampling_is_reproducible_and_batch_independent(ckpts, plain):

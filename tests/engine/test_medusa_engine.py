@@ -16,6 +16,7 @@ from tests.engine.checks import (
     assert_greedy_matches_plain,
     assert_samples_follow_target,
     greedy,
+    sampling_target,
     serve_all,
 )
 from tests.tiny import make_tiny_checkpoint
@@ -68,16 +69,17 @@ def test_served_concurrently_equals_alone(ckpts, plain, name):
     assert serve_all(engine, PROMPTS, [greedy(n) for n in lengths]) == alone
 
 
-@pytest.mark.parametrize("shape,temperature,top_k", [("chain", 1.0, 0), ("chain", 0.8, 3), ("tree", 0.9, 0)])
-def test_sampled_joint_distribution_matches_target(tmp_path, shape, temperature, top_k):
-    V, n, samples = 6, 3, 3000
-    target = make_tiny_checkpoint(tmp_path / "t", "llama", seed=0, vocab_size=V)
+@pytest.mark.parametrize(
+    "shape,temperature,top_k,top_p", [("chain", 1.0, 0, 1.0), ("chain", 0.8, 3, 0.9), ("tree", 0.9, 0, 1.0)]
+)
+def test_sampled_joint_distribution_matches_target(tmp_path, shape, temperature, top_k, top_p):
+    target = sampling_target(tmp_path / "t")
     folder = medusa_folder(target, tmp_path / "m", seed=3)
     spec = {"method": "medusa", "model": folder, "num_speculative_tokens": 2}
     if shape == "tree":
         spec["speculative_token_tree"] = [[0], [1], [0, 0], [0, 1], [2]]
     llm = LLM(model=str(target), speculative_config=spec, dtype="float32", device="cpu")
-    outs = assert_samples_follow_target(llm, n, temperature, top_k, samples)
+    outs = assert_samples_follow_target(llm, 3, temperature, top_k, top_p=top_p)
     assert not any(o.metrics.lossy for o in outs)
 
 

@@ -13,11 +13,13 @@ import pytest
 
 from specdecode import LLM, SamplingParams
 from tests.engine.checks import (
+    SAMPLING_VOCAB,
     assert_greedy_matches_plain,
     assert_target_distribution,
     exact_joint,
     greedy,
     joint_chisquare,
+    sampling_target,
 )
 from tests.tiny import make_tiny_checkpoint
 
@@ -60,19 +62,20 @@ def test_global_tree_drafts_a_repeated_prompt(target, plain):
     assert second.metrics.num_drafts < first.metrics.num_drafts or first.metrics.num_drafts == 0
 
 
-@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 4)])
-def test_sampled_joint_distribution_matches_target(tmp_path, temperature, top_k):
-    V, n, samples = 6, 3, 3000
-    target = make_tiny_checkpoint(tmp_path / "t", "llama", seed=0, vocab_size=V)
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 4, 0.9)])
+def test_sampled_joint_distribution_matches_target(tmp_path, temperature, top_k, top_p):
+    V, n, samples = SAMPLING_VOCAB, 3, 3000
+    target = sampling_target(tmp_path / "t")
     spec = {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_min_token_prob": 0.0,
             "suffix_decoding_max_spec_factor": 2.0}
     llm = LLM(model=str(target), speculative_config=spec, dtype="float32", device="cpu")
     drafter = llm.engine.drafter
     prompt = [1, 2, 3, 4, 1, 5, 1, 2, 0, 1]  # many earlier matches of the last tokens
-    want = exact_joint(llm, prompt, n, temperature, top_k)
+    want = exact_joint(llm, prompt, n, temperature, top_k, top_p)
 
     def params(seeds):
-        return [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=n, seed=s, ignore_eos=True) for s in seeds]
+        return [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=n, seed=s, ignore_eos=True)
+                for s in seeds]  # fmt: skip
 
     llm.generate([prompt] * 200, params(range(10**6, 10**6 + 200)))  # fills the global tree
     assert len(drafter.cache) > 0
@@ -91,4 +94,4 @@ def test_sampled_joint_distribution_matches_target(tmp_path, temperature, top_k)
     assert drafter.stats.global_ > global_before  # proposals came from earlier outputs too
     assert sum(o.metrics.num_drafts for o in outs) > 0
     test = joint_chisquare([o.token_ids for o in outs], want, V, n)
-    assert_target_distribution(test, llm, prompt, n, temperature, top_k, want)
+    assert_target_distribution(test, llm, prompt, n, temperature, top_k, want, top_p)
