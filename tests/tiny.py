@@ -120,6 +120,20 @@ def make_tiny_checkpoint(
     return path
 
 
+def early_exit_checkpoint(src: str | Path, path: str | Path, num_layers: int) -> Path:
+    """The HF folder ``src`` cut to its first ``num_layers`` layers (norm and head kept) at ``path``:
+    a draft that agrees with the target often, not always."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    model.model.layers = model.model.layers[:num_layers]
+    model.config.num_hidden_layers = num_layers
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(str(src)).save_pretrained(path)
+    return path
+
+
 # ---- GGUF in llama.cpp layout ---------------------------------------------------------
 
 GGUF_ARCH = {"llama": "llama", "llama_untied": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}

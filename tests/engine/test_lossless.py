@@ -24,17 +24,21 @@ from tests.engine.checks import (
     joint_chisquare,
     sampling_target,
 )
-from tests.tiny import make_tiny_checkpoint
+from tests.tiny import early_exit_checkpoint, make_tiny_checkpoint
 
 PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4, 4, 6], [11], [2, 3, 2, 3, 2, 3, 2, 3, 2]]
+# Untied: a tiny tied model's greedy output repeats its last token ([81] * 40), under which a
+# token taken from the wrong position (a bonus from p_γ instead of p_{γ+1}) goes unseen.
+TARGET = {"arch": "llama", "seed": 0, "tie_word_embeddings": False}
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("lossless")
+    target = make_tiny_checkpoint(root / "target", **TARGET)
     return {
-        "target": str(make_tiny_checkpoint(root / "target", "llama", seed=0)),
-        "draft": str(make_tiny_checkpoint(root / "draft", "llama", seed=1)),
+        "target": str(target),
+        "draft": str(early_exit_checkpoint(target, root / "draft", 2)),
     }
 
 
@@ -92,7 +96,7 @@ def test_greedy_stops_at_eos_like_plain(ckpts, plain, tmp_path, name):
     # Pick as EOS a token that plain greedy emits mid-way, so EOS lands inside a round.
     ref = plain.generate(PROMPTS, greedy(30))
     eos = ref[1].token_ids[7]
-    path = make_tiny_checkpoint(tmp_path / "eos", "llama", seed=0, eos_token_id=eos)
+    path = make_tiny_checkpoint(tmp_path / "eos", eos_token_id=eos, **TARGET)
     base = LLM(model=str(path), dtype="float32", device="cpu")
     spec = dict(spec_configs(ckpts)[name])
     llm = LLM(model=str(path), speculative_config=spec, dtype="float32", device="cpu")
@@ -112,7 +116,7 @@ def test_greedy_stops_at_eos_like_plain(ckpts, plain, tmp_path, name):
 def test_sampled_joint_distribution_matches_target(tmp_path, method, temperature, top_k, top_p):
     n = 3
     target = sampling_target(tmp_path / "t")
-    draft = make_tiny_checkpoint(tmp_path / "d", "llama", seed=5, vocab_size=SAMPLING_VOCAB)  # peakier than the target
+    draft = make_tiny_checkpoint(tmp_path / "d", "llama", seed=5, logit_scale=0.5, vocab_size=SAMPLING_VOCAB)
     spec = {
         "draft_model": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2},
         # one-hot q, a chain: the residual is p with the draft token zeroed
