@@ -100,7 +100,9 @@ class SamplingParams:
         if finished:
             return text
         text = text.rstrip("\ufffd")
-        held = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        held = 0  # the longest tail that begins a stop string; longest first, never past the text's length
+        for s in self.stop:  # (every k up to len(s) made a 1 MB stop string cost seconds per event)
+            held = next((k for k in range(min(len(s) - 1, len(text)), held, -1) if text.endswith(s[:k])), held)
         return text[: len(text) - held]
 
 

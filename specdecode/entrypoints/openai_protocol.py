@@ -24,7 +24,15 @@ from specdecode.entrypoints.llm import RequestMetrics
 UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "logit_bias", "presence_penalty",
                "frequency_penalty", "tools", "functions", "repetition_penalty", "response_format",
                "stop_token_ids", "min_tokens", "min_p", "tool_choice", "guided_json")  # fmt: skip
-NO_OPS = {"response_format": ({"type": "text"},), "tool_choice": ("none",)}  # their defaults: accepted
+# Values that ask for nothing (the fields' defaults, which some clients always send): accepted.
+# Compared with their types, so that completions' ``logprobs: 0`` (the chosen tokens' logprobs)
+# is not taken for chat's ``logprobs: false``.
+NO_OPS: dict[str, tuple] = {
+    "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "suffix": ("",), "logit_bias": ({},),
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+    "tools": ([],), "functions": ([],), "response_format": ({"type": "text"},), "stop_token_ids": ([],),
+    "min_tokens": (0,), "min_p": (0, 0.0), "tool_choice": ("none",),
+}  # fmt: skip
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "n")
 
 
@@ -65,7 +73,7 @@ class StreamOptions(BaseModel):
 class _Request(BaseModel):
     """Fields shared by both endpoints; ``top_k``, ``ignore_eos`` and ``speculative_config`` are extensions."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)  # as OpenAI: no true for 1, no "yes" for true
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -75,15 +83,15 @@ class _Request(BaseModel):
     best_of: int | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    stream: bool = False
+    stream: bool | None = None  # null: false, as OpenAI documents
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = None
     speculative_config: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         for name in UNSUPPORTED:
             value = (self.model_extra or {}).get(name)
-            if value and value not in NO_OPS.get(name, ()):
+            if value is not None and not any(type(value) is type(v) and value == v for v in NO_OPS.get(name, ())):
                 raise bad_request(f"{name} is not supported by this server", name)
         if self.n not in (None, 1):
             raise bad_request(f"only n = 1 is supported, got {self.n}", "n")
@@ -100,7 +108,7 @@ class _Request(BaseModel):
                 max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
                 seed=self.seed,
                 stop=stop,
-                ignore_eos=self.ignore_eos,
+                ignore_eos=bool(self.ignore_eos),
             )
         except SpecDecodeError as e:
             raise from_spec_error(e) from None
@@ -158,6 +166,12 @@ def parse_body(raw: bytes, model_cls: type[_Request]) -> Any:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise bad_request(f"request body is not valid JSON: {e.msg} at char {e.pos}") from None
+    except RecursionError:
+        raise bad_request("request body is nested too deeply") from None
+    try:  # a lone surrogate ("\\ud800") is a valid JSON escape but no text a tokenizer takes
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad_request(f"request body holds a lone UTF-16 surrogate ({e.object[e.start : e.end]!a})") from None
     if not isinstance(obj, dict):
         raise bad_request("request body must be a JSON object")
     try:

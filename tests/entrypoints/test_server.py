@@ -170,6 +170,11 @@ BAD = [
     ("unsupported stop_token_ids", {"stop_token_ids": [3]}, "stop_token_ids"),
     ("stop not strings", {"stop": [1]}, "stop"),
     ("missing prompt", {"prompt": None}, "prompt"),
+    ("nested too deeply", b'{"prompt": ' + b"[" * 3000 + b"]" * 3000 + b"}", None),  # was a 500 (RecursionError)
+    ("lone surrogate", b'{"prompt": "hi\\ud800", "max_tokens": 2}', None),  # was a 500 from the tokenizer
+    ("max_tokens true", {"max_tokens": True}, "max_tokens"),  # was taken for 1
+    ("ignore_eos not a boolean", {"ignore_eos": "yes"}, "ignore_eos"),  # was taken for true
+    ("logprobs 0", {"logprobs": 0}, "logprobs"),  # asks for the chosen tokens' logprobs: was silently ignored
 ]
 
 
@@ -197,10 +202,15 @@ def test_bad_chat_input_is_400(client):
             "ignore_eos": True}  # fmt: skip
     r = client.post("/v1/chat/completions", json=both)
     assert r.json()["usage"]["completion_tokens"] == 2  # the newer name wins
-    defaults = {"response_format": {"type": "text"}, "tool_choice": "none"}  # what they are when unset
+    defaults = {"response_format": {"type": "text"}, "tool_choice": "none", "stream": None, "logprobs": False,
+                "top_logprobs": 0, "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                "logit_bias": {}, "seed": None}  # what they are when unset; some clients always send them
     assert client.post("/v1/chat/completions", json={**both, **defaults}).status_code == 200
     r = client.post("/v1/chat/completions", json={**both, "response_format": {"type": "json_object"}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    surrogate = b'{"messages": [{"role": "user", "content": "hi\\ud800"}], "max_tokens": 2}'
+    r = client.post("/v1/chat/completions", content=surrogate, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], r.text
 
 
 def test_unset_max_tokens_stays_within_the_context(client):
