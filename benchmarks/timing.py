@@ -27,6 +27,8 @@ def paired_interval(ratios: list[float], level: float = 0.95) -> tuple[float, fl
     logs: a ratio of 0.5 is as far from 1 as one of 2). One ratio gives no interval."""
     from scipy.stats import t
 
+    if not ratios or min(ratios) <= 0 or not all(math.isfinite(r) for r in ratios):
+        raise ValueError(f"paired ratios must be positive and finite, got {ratios}")
     logs = [math.log(r) for r in ratios]
     mean = statistics.fmean(logs)
     half = 0.0

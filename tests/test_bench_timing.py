@@ -25,3 +25,6 @@ def test_paired_interval_is_the_t_interval_of_the_log_ratios():
     assert hi == pytest.approx(1.278901, abs=1e-5)
     assert paired_interval([1.05]) == pytest.approx((1.05, 1.05, 1.05))  # one ratio: no interval
     assert paired_interval([2.0, 0.5])[0] == pytest.approx(1.0)  # a halving is as far from 1 as a doubling
+    for bad in ([], [1.0, 0.0], [float("inf")]):  # a timing of 0 (a clock too coarse): one clear error
+        with pytest.raises(ValueError, match="positive and finite"):
+            paired_interval(bad)
