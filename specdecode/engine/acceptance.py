@@ -159,7 +159,7 @@ class AcceptanceStats:
                 drafted, accepted = self._extended(req, row, d, a)
                 self._record(mine, mine.state, self._evidence.get(rid), self._raw.get(rid), drafted, accepted)
                 mine.state, learned = AFTER_FULL if accepted == drafted else AFTER_MISS, True
-            elif row is not None and row[0] != NOT_SHADOWED:
+            elif row is not None and (not row or row[0] != NOT_SHADOWED):  # [] when no row found a draft
                 chain = row[: row.index(-1)] if -1 in row else row
                 if not chain:
                     mine.state = AFTER_NOTHING  # the drafter found nothing: a run of copied text, if any, ended

@@ -51,6 +51,16 @@ def test_greedy_equals_plain_across_calls(target, plain, options):
     assert 0 < len(drafter.cache) <= options.get("suffix_decoding_max_cached_requests", 10000)
 
 
+def test_adaptive_budget_when_no_row_finds_a_suffix(tmp_path):
+    """A round in which no row's context has a match proposes a chain of width 0; the adaptive
+    budget's shadow rounds read its rows (an IndexError on the first such round)."""
+    path = str(make_tiny_checkpoint(tmp_path / "t", "llama", seed=0, tie_word_embeddings=False))  # varied output
+    spec = {"method": "suffix", "num_speculative_tokens": 6, "verify_budget": "adaptive"}
+    llm = LLM(model=path, speculative_config=spec, dtype="float32", device="cpu")
+    plain = LLM(model=path, dtype="float32", device="cpu")
+    assert_greedy_matches_plain(llm, plain, [[5, 9, 3], *PROMPTS[1:]], 20, "suffix, adaptive")
+
+
 def test_global_tree_drafts_a_repeated_prompt(target, plain):
     llm = LLM(model=target, speculative_config={"method": "suffix"}, dtype="float32", device="cpu")
     prompt = [40, 41, 42, 43]
