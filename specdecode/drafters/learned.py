@@ -200,7 +200,10 @@ def load_net(
         raise SpecDecodeError(f"{path}: weights do not fit the net (missing {missing[:3]}, unexpected {extra[:3]})")
     check_shapes(state, net.state_dict(), str(path), f"the {cls.method} net its config.json describes")
     net.load_state_dict(state, strict=False)
-    net = quantize_linears_(net.to(device=device, dtype=dtype).eval().requires_grad_(False), quantization)
+    net = net.to(device=device)
+    for param in net.parameters():  # not net.to(dtype): that also rounds RoPE's frequency buffers, fp32 in the target
+        param.data = param.data.to(dtype)  # (bf16 ones are off by 2 radians at position 1000)
+    net = quantize_linears_(net.eval().requires_grad_(False), quantization)
     for body in (m for m in net.modules() if isinstance(m, Transformer)):
         body.use_cpu_blocks()  # a decoder body with final weights: the fused CPU block, where it applies
     return net

@@ -23,7 +23,6 @@ is engine/acceptance.py's.
 from __future__ import annotations
 
 import math
-import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -31,7 +30,7 @@ import torch
 from specdecode.config import BudgetOptions
 from specdecode.drafters.base import Draft
 from specdecode.engine.acceptance import AcceptanceStats
-from specdecode.engine.cost import PassLog, VerifyCost
+from specdecode.engine.cost import PassLog, VerifyCost, clock
 from specdecode.engine.probes import Probes
 from specdecode.model.masks import attention_queries
 
@@ -171,7 +170,7 @@ class AdaptiveBudget:
     def budgets(
         self, reqs: list[Any], limits: torch.Tensor, engine: ServingEngine, proposal: Draft | None = None
     ) -> torch.Tensor:
-        start = time.perf_counter()
+        start = clock(limits.device)
         B = len(reqs)
         if B == 0:
             return limits.new_zeros(0)
@@ -214,7 +213,7 @@ class AdaptiveBudget:
         if proposal is None:
             self.planned_first = True
         else:
-            self.plan_seconds = time.perf_counter() - start
+            self.plan_seconds = clock(limits.device) - start
             if not self.planned_first:  # proposed first: what planning on the proposal saved
                 saved = best.expected * plain - best.seconds  # 0 for no drafts
                 self.proposal_saved += PREFILL_DECAY * (saved - self.proposal_saved)

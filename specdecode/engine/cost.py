@@ -22,6 +22,14 @@ if TYPE_CHECKING:
     from specdecode.engine.serving import ServingEngine
 
 
+def clock(device: torch.device) -> float:
+    """``time.perf_counter()`` once ``device`` has run what was queued on it: CUDA runs
+    asynchronously, so without the sync a timer stops before the work it times."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def least_squares_line(samples: list[tuple[float, float]]) -> tuple[float, float]:
     """(a, b) of the least-squares line y = a + b·x through (x, y) samples spanning two x."""
     x = torch.tensor([p for p, _ in samples], dtype=torch.float64)
@@ -125,11 +133,9 @@ class VerifyCost:
                     positions = torch.arange(size, device=device)[None, :]
                     times = []
                     for _ in range(repeats + 1):
-                        start = time.perf_counter()
+                        start = clock(device)
                         model(tokens, positions, cache, batch_invariant=engine.batch_invariant)
-                        if device.type == "cuda":
-                            torch.cuda.synchronize(device)
-                        times.append(time.perf_counter() - start)
+                        times.append(clock(device) - start)
                     points.append((size, sorted(times)[len(times) // 2]))
         finally:
             cache.free_sequence(sid)
@@ -153,11 +159,9 @@ def measure_attention_cost(engine: ServingEngine, rows: int = 16, width: int = 9
         mask = torch.ones(rows, 1, G * T, context, dtype=torch.bool, device=device)
         times = []
         for _ in range(11):
-            start = time.perf_counter()
+            start = clock(device)
             F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - start)
+            times.append(clock(device) - start)
         return min(times[1:])
 
     extra = max(0.0, seconds(width) - seconds(1))

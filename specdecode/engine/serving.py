@@ -36,7 +36,7 @@ from specdecode.engine.acceptance import NOT_SHADOWED
 from specdecode.engine.adaptive import AdaptiveBudget
 from specdecode.engine.batch import Batch, Sequence, SpecStats
 from specdecode.engine.budget import BudgetPolicy, FixedBudget, apply_budgets
-from specdecode.engine.cost import VerifyCost, measure_attention_cost
+from specdecode.engine.cost import VerifyCost, clock, measure_attention_cost
 from specdecode.engine.step import Engine
 from specdecode.model.loader import LoadedModel
 from specdecode.paged_cache import PagedKVCache, new_paged_cache
@@ -223,9 +223,9 @@ class ServingEngine(Engine):
     def step(self) -> list[RequestEvent]:
         """Admit, prefill one chunk, run one round over the decode batch. Returns what changed."""
         self._admit()
-        start = time.perf_counter()
+        start = clock(self.device)  # (on CUDA each timer waits for the device: the budget prices what it timed)
         events = self._prefill_chunk()
-        self.budget.observe_prefill(time.perf_counter() - start)
+        self.budget.observe_prefill(clock(self.device) - start)
         if self.running:
             events += self._decode_round()
         return events
@@ -332,9 +332,9 @@ class ServingEngine(Engine):
             # drafts past a row's own plan come from scratch: its stream follows its own γ (Batch.draft_generators)
             capped = planned is not None and self.budget.plan_caps_proposal
             self.batch.draft_limits = planned.tolist() if capped else None
-            start = time.perf_counter()
+            start = clock(self.device)
             proposed = self.drafter.propose(self.batch, depth)
-            draft_seconds = time.perf_counter() - start
+            draft_seconds = clock(self.device) - start
             # Plan again over what was actually proposed: a row that found nothing costs nothing,
             # and the drafter's evidence and confidences refine the estimates. Also where it
             # proposed only for the budget's shadow rounds: a proposal found with strong
@@ -349,9 +349,9 @@ class ServingEngine(Engine):
                 draft = apply_budgets(proposed, budgets)
             shadow = self._shadow_chains(proposed)
             self._shadows = self._shadows and shadow is not None  # trees and typical acceptance give none
-        start = time.perf_counter()
+        start = clock(self.device)
         v = self._verify_round(self.batch, self.cache, draft)
-        seconds = time.perf_counter() - start
+        seconds = clock(self.device) - start
         step_events = self._append_tokens(self.batch, v.out, v.num_accepted, v.num_draft)
         if self.drafter is not None:
             self.drafter.on_verified(self.batch, v.num_accepted, v.aux_logits, v.hidden)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence, Union
 
@@ -148,6 +149,10 @@ class LLM:
         compile_mode = parse_compile(compile)
         self.target = load_model(model, dtype=dtype, device=device, quantization=quantization)
         self.kernels = describe_kernels(self.target.model)
+        if batch_invariant and self.target.model.embed.weight.device.type == "cuda":
+            warnings.warn("batch_invariant on CUDA computes attention position by position, but no CUDA "
+                          "linear is row-invariant (cuBLAS and torch's int4 kernel choose by row count): "
+                          "outputs stay lossless up to float rounding, not bit for bit", stacklevel=2)  # fmt: skip
         context = self.target.config.max_position_embeddings
         if max_model_len is not None and not 1 < max_model_len <= context:
             raise SpecDecodeError(f"max_model_len must be in [2, {context}], got {max_model_len}")

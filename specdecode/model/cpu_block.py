@@ -99,6 +99,8 @@ class CpuBlocks:
         """For a `Transformer` whose every block the kernel can run, through our library's ``isa``
         build (its int4 linears must use the same build; any other int4 kernel name, or None: the
         best this CPU runs); else None."""
+        if model.embed.weight.device.type != "cpu":
+            return None  # before cpu_isa(): a model on CUDA neither builds nor probes our C library
         isa = isa if isa in CPU_ISAS else cpu_isa()
         cfg = model.config
         plain = cfg.activation == "silu" and cfg.norm_offset == 0 and not cfg.sandwich_norm

@@ -130,6 +130,11 @@ class Int8Linear(nn.Module):
 
     def __init__(self, q: Tensor, scales: Tensor, bias: Tensor | None = None, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
+        if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_weight_int8pack_mm", q.device.type.upper()):
+            # torch had CPU kernels only before ~2.9: the first forward would fail instead
+            raise SpecDecodeError(
+                f"int8 weights have no kernel on {q.device.type} in torch {torch.__version__}: use int4 or none"
+            )
         self.out_features, self.in_features = q.shape
         self.k_pad = -self.in_features % 32  # the bf16 CPU kernel crashes on K % 16 != 0
         self.register_buffer("weight", F.pad(q.to(torch.int8), (0, self.k_pad)).contiguous())

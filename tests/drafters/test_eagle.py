@@ -75,6 +75,19 @@ def test_saved_folder_holds_only_the_nets_weights(target, tmp_path):
     assert model.embed.weight.dtype == torch.float32  # the borrowed target was not cast
 
 
+@pytest.mark.parametrize("cls", [FeatureNet, Eagle3Net, MtpNet])
+def test_loaded_in_bf16_the_rope_frequencies_stay_fp32(target, tmp_path, cls):
+    """As the target's (and as in training): a bf16 frequency table is off by 2 radians at
+    position 1000 (it was cast with the weights)."""
+    _, model = target
+    out = save_net(cls.from_target(net_config(cls, {}), model), model, tmp_path / "net")
+    loaded = load_net(cls, out, model, torch.bfloat16, torch.device("cpu"))
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    tables = {n: b for n, b in loaded.named_buffers() if "inv_freq" in n}
+    assert tables and all(b.dtype == torch.float32 for b in tables.values()), {n: b.dtype for n, b in tables.items()}
+    assert model.embed.weight.dtype == torch.float32  # the borrowed target was not cast
+
+
 def test_bad_folders_and_configs_get_one_line(target, tmp_path):
     path, model = target
     net = MtpNet.from_target(MtpNet.Config(), model)

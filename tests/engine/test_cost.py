@@ -127,3 +127,18 @@ def test_verify_cost_table_is_the_curve_at_every_whole_size(points):
     # before the first point, between points, at repeated sizes and past the last
     cost = VerifyCost(points)
     assert cost._table == pytest.approx([cost._interpolate(p) for p in range(len(cost._table))], abs=1e-12)
+
+
+def test_clock_waits_for_cuda_work(monkeypatch):
+    """The budget's timers (prefill, draft, verify, planning) read `clock`: on CUDA it first waits
+    for the queued work, else a timer stops before the pass it times."""
+    import torch
+
+    from specdecode.engine.cost import clock
+
+    waited = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
+    clock(torch.device("cpu"))
+    assert waited == []
+    clock(torch.device("cuda", 0))
+    assert waited == [torch.device("cuda", 0)]

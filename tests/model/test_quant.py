@@ -180,6 +180,16 @@ def test_int4_a8_needs_our_kernel():
         Int4Linear.from_weight(torch.randn(8, 32), 32, kernel="stock", a8=True)
 
 
+def test_int8_weights_where_torch_has_no_kernel_get_one_line(monkeypatch):
+    """torch's int8 GEMM had CPU kernels only before ~2.9: on CUDA the model loaded, then its first
+    pass failed. Stood in for by a torch without the CPU kernel."""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    monkeypatch.setattr(torch._C, "_dispatch_has_kernel_for_dispatch_key",
+                        lambda op, key: key != "CPU" and has(op, key))  # fmt: skip
+    with pytest.raises(SpecDecodeError, match="int8 weights have no kernel on cpu in torch"):
+        Int8Linear.from_weight(torch.randn(8, 32))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k", [(3, 96), (40, 200), (17, 160)])
 def test_int8_matches_dequantized_reference(dtype, n, k):

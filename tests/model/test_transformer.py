@@ -236,3 +236,19 @@ def test_packed_pass_equals_padded_pass(pair, drafts):
     for b in range(B):
         n = int(c0.lengths[b])
         torch.testing.assert_close(c1.k[:, b, :, :n], c0.k[:, b, :, :n], atol=ATOL, rtol=0)
+
+
+def test_a_model_off_the_cpu_does_not_probe_our_c_library(tmp_path, monkeypatch):
+    """A model on CUDA (here: meta) gets no fused CPU block, and does not compile or probe the
+    kernels for it (that ran gcc at every load on a GPU machine)."""
+    import specdecode.model.cpu_block as cpu_block
+    from specdecode.model.loader import load_model
+    from tests.tiny import make_tiny_checkpoint
+
+    model = load_model(str(make_tiny_checkpoint(tmp_path / "m", "llama")), dtype="bfloat16", device="cpu").model
+
+    def probe(*args):
+        raise AssertionError("probed the CPU's instruction sets for a model off the CPU")
+
+    monkeypatch.setattr(cpu_block, "cpu_isa", probe)
+    assert not model.to("meta").use_cpu_blocks()
