@@ -75,8 +75,8 @@ def grow_tree(
         logq, idx = torch.log_softmax(logits.float(), dim=-1).topk(min(topk, logits.shape[-1]), dim=-1)
         return logq, idx if vocab_ids is None else vocab_ids[idx]
 
-    logq, tok = best(root_logits)  # [B, k]
-    frontier = [[p.add(t, -1, s) for t, s in zip(tok[b].tolist(), logq[b].tolist())] for b, p in enumerate(pools)]
+    logq, tok = (t.tolist() for t in best(root_logits))  # [B][k], read once (not a device sync per row)
+    frontier = [[p.add(t, -1, s) for t, s in zip(tok[b], logq[b])] for b, p in enumerate(pools)]
     for _ in range(depth - 1):
         block = [sorted({n for f in fr for n in p.path(f)}) for p, fr in zip(pools, frontier)]
         T = max(len(nodes) for nodes in block)
@@ -95,14 +95,14 @@ def grow_tree(
                     parent_states[b, i] = p.states[p.parents[n]]
             at[b, : len(frontier[b])] = torch.tensor([where[f] for f in frontier[b]])
         logits, states = score(tokens.to(device), depths.to(device), mask.to(device), at.to(device), parent_states)
-        logq, tok = best(logits)  # [B, k, k]
+        logq, tok = (t.tolist() for t in best(logits))  # [B][k][k], read once per depth
         for b, p in enumerate(pools):
             if states is not None:
                 p.states.update({f: states[b, i] for i, f in enumerate(frontier[b])})
             fresh = [
                 p.add(t, f, p.scores[f] + s)
                 for i, f in enumerate(frontier[b])
-                for t, s in zip(tok[b, i].tolist(), logq[b, i].tolist())
+                for t, s in zip(tok[b][i], logq[b][i])
             ]
             frontier[b] = sorted(fresh, key=lambda n: -p.scores[n])[:topk]
     return _rerank(pools, root_tokens, budget, device)
