@@ -23,6 +23,12 @@ class SpecDecodeError(ValueError):
     """Bad input. Its message is one line that names the problem."""
 
 
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message, for a one-line error (its type's name if empty)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (vLLM's _SAMPLING_EPS)
 
 

@@ -199,6 +199,11 @@ def load_net(
         missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
         raise SpecDecodeError(f"{path}: weights do not fit the net (missing {missing[:3]}, unexpected {extra[:3]})")
     check_shapes(state, net.state_dict(), str(path), f"the {cls.method} net its config.json describes")
+    V = target.config.vocab_size
+    for name in (k for k in state if k.endswith("vocab_ids")):  # a draft vocabulary indexes the target's
+        ids = state[name]
+        if ids.is_floating_point() or ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < V:
+            raise SpecDecodeError(f"{path}: {name} must be token ids in [0, {V}) of the target's vocabulary")
     net.load_state_dict(state, strict=False)
     net = net.to(device=device)
     for param in net.parameters():  # not net.to(dtype): that also rounds RoPE's frequency buffers, fp32 in the target

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from specdecode.config import SpecDecodeError
+from specdecode.config import SpecDecodeError, first_line
 from specdecode.model.cpu_block import MAX_POSITIONS
 
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune-no-cudagraphs")
@@ -104,8 +104,7 @@ def uncompile_blocks(model: torch.nn.Module) -> None:
 def fall_back(model: torch.nn.Module, error: BaseException) -> None:
     """Eager blocks and a one-line warning naming why compilation failed."""
     uncompile_blocks(model)
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    warnings.warn(f"torch.compile failed, running eagerly: {type(error).__name__}: {first}", stacklevel=4)
+    warnings.warn(f"torch.compile failed, running eagerly: {type(error).__name__}: {first_line(error)}", stacklevel=4)
 
 
 def compile_target(model: torch.nn.Module, mode: str, make_engines: Callable[[], Sequence], progress: bool = True) -> str | None:

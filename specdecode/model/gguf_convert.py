@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from specdecode.config import SpecDecodeError
+from specdecode.config import SpecDecodeError, first_line
 
 CONVERTER_VERSION = 2  # bump when the conversion output changes (2: GGUF RoPE scaling read)
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
@@ -150,10 +150,13 @@ def convert_gguf(gguf_path: Path, out: Path, progress: bool = True) -> None:
     try:
         reader = GGUFReader(str(gguf_path))
     except (ValueError, OSError) as e:
-        raise SpecDecodeError(f"not a readable GGUF file: {gguf_path} ({str(e).splitlines()[0]})") from None
+        raise SpecDecodeError(f"not a readable GGUF file: {gguf_path} ({first_line(e)})") from None
     arch = gguf_architecture(reader)
     folder, file = str(gguf_path.parent), gguf_path.name
-    hf_config = AutoConfig.from_pretrained(folder, gguf_file=file)
+    try:
+        hf_config = AutoConfig.from_pretrained(folder, gguf_file=file)
+    except (KeyError, ValueError, OSError, TypeError) as e:  # transformers' GGUF reader on missing metadata
+        raise SpecDecodeError(f"cannot read a model config from {gguf_path}'s metadata: {_message(e)}") from None
     key_length = reader.fields.get(f"{arch}.attention.key_length")
     if key_length is not None:  # transformers drops it for some architectures (qwen3)
         hf_config.head_dim = int(key_length.contents())
@@ -164,9 +167,18 @@ def convert_gguf(gguf_path: Path, out: Path, progress: bool = True) -> None:
     hf_config.tie_word_embeddings = "lm_head.weight" not in state
     hf_config.save_pretrained(out)
     if "tokenizer.ggml.model" in reader.fields:
-        AutoTokenizer.from_pretrained(folder, gguf_file=file).save_pretrained(out)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+        except (KeyError, ValueError, OSError, TypeError) as e:  # e.g. no merges, no tokens, a "bert" vocabulary
+            raise SpecDecodeError(f"cannot build the tokenizer from {gguf_path}'s metadata: {_message(e)}") from None
+        tokenizer.save_pretrained(out)
     save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "source.json").write_text(json.dumps({"gguf": str(gguf_path.resolve()), "version": CONVERTER_VERSION}))
+
+
+def _message(e: BaseException) -> str:
+    """The first line of an exception's text; a KeyError's is just the missing key."""
+    return f"missing {e}" if isinstance(e, KeyError) else first_line(e)
 
 
 def _rope_scaling(reader: Any, arch: str, hf_config: Any) -> None:

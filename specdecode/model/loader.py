@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdecode.config import SpecDecodeError
+from specdecode.config import SpecDecodeError, first_line
 from specdecode.model.cpu_int4 import CPU_ISAS, cpu_lib, pick_cpu_kernel
 from specdecode.model.gguf_convert import Int4Groups, cache_root, converted_folder, gguf_int4_weights, gguf_keeps_blocks
 from specdecode.model.quant import Int4Linear, Q8Linear, parse_quantization, quantize_model_, set_submodule
@@ -176,7 +177,7 @@ def load_model(
     try:
         hf_config = AutoConfig.from_pretrained(str(folder))
     except (ValueError, OSError, KeyError) as e:
-        raise SpecDecodeError(f"cannot read {folder / 'config.json'}: {str(e).splitlines()[0]}") from None
+        raise SpecDecodeError(f"cannot read {folder / 'config.json'}: {first_line(e)}") from None
     config = ModelConfig.from_hf(hf_config)  # an unsupported config fails before the weights are read
     hf_state = read_safetensors(folder)
     config = _tied_as_transformers(config, hf_state)
@@ -243,18 +244,40 @@ def load_tokenizer(folder: Path) -> transformers.PreTrainedTokenizerBase | None:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(folder))
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:  # a malformed tokenizer.json, or one that needs sentencepiece / tiktoken
+        raise SpecDecodeError(f"cannot load the tokenizer in {folder}: {first_line(e)}") from None
 
 
 def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    """The weights as transformers finds them: the shards ``model.safetensors.index.json`` lists,
+    else ``model.safetensors``, else every ``*.safetensors`` (another file beside the HF weights,
+    e.g. Mistral's consolidated.safetensors or an adapter, is not read where an index names them)."""
     from safetensors.torch import load_file
 
-    files = sorted(folder.glob("*.safetensors"))
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise SpecDecodeError(f"{index} is not a safetensors index: {first_line(e)}") from None
+        files = [folder / n for n in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise SpecDecodeError(f"{index} lists {len(missing)} missing shard(s), e.g. {missing[0]}")
+    elif (folder / "model.safetensors").is_file():
+        files = [folder / "model.safetensors"]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise SpecDecodeError(f"no *.safetensors weights in model folder {folder}")
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(load_file(str(f)))
+        try:
+            state.update(load_file(str(f)))
+        except Exception as e:  # safetensors' own error: truncated, empty, not a safetensors file
+            raise SpecDecodeError(f"cannot read {f}: {first_line(e)}") from None
     return state
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from specdecode.config import SpecDecodeError
+from specdecode.config import SpecDecodeError, first_line
 
 SUFFIXES = (".txt", ".md", ".py", ".rst", ".jsonl")
 _TOKENIZE_CHUNK = 32  # documents per tokenizer call
@@ -101,7 +101,7 @@ def _documents(file: Path, tokenizer: Any) -> Iterator[_Doc]:
             try:
                 rendered = tokenizer.apply_chat_template(record["messages"], tokenize=False)
             except (TemplateError, ValueError, TypeError, KeyError) as e:  # name the record, in one line
-                raise SpecDecodeError(f"{file}:{number}: cannot render messages: {str(e).splitlines()[0]}") from None
+                raise SpecDecodeError(f"{file}:{number}: cannot render messages: {first_line(e)}") from None
             # what a record may quote or be quoted by: its turns, not a system prompt shared by many
             contents = tuple(
                 m["content"] for m in record["messages"]

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from specdecode.config import SpecDecodeError
+from specdecode.config import SpecDecodeError, first_line
 from specdecode.drafters.learned import (
     TrainBatch,
     net_config,
@@ -160,7 +160,7 @@ def read_checkpoint(cfg: TrainConfig) -> dict[str, Any]:
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:  # truncated or foreign
-        raise SpecDecodeError(f"--resume: cannot read {path}: {str(e).splitlines()[0]}") from None
+        raise SpecDecodeError(f"--resume: cannot read {path}: {first_line(e)}") from None
     if not isinstance(ckpt, dict):
         raise SpecDecodeError(f"--resume: {path} is not a specdecode training checkpoint")
     if ckpt.get("method") != cfg.method:

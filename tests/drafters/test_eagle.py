@@ -114,6 +114,20 @@ def test_bad_folders_and_configs_get_one_line(target, tmp_path):
         FeatureNet.from_target(FeatureConfig(feature_layers=(7,)), model)
 
 
+def test_a_draft_vocabulary_outside_the_targets_gets_one_line(target, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _, model = target
+    net = FeatureNet.from_target(FeatureConfig(draft_vocab=50), model)
+    net.prepare(torch.arange(model.config.vocab_size))
+    folder = save_net(net, model, tmp_path / "eagle")
+    state = load_file(str(folder / "model.safetensors"))
+    state["body.lm_head.vocab_ids"][5] = model.config.vocab_size + 7  # was an IndexError while loading
+    save_file(state, str(folder / "model.safetensors"))
+    with pytest.raises(SpecDecodeError, match=r"vocab_ids must be token ids in \[0, 128\)"):
+        load_net(FeatureNet, folder, model, torch.float32, torch.device("cpu"))
+
+
 def test_a_broken_folder_gets_one_line(target, tmp_path):
     """What a write that died leaves (no or a truncated weights file) and a config that is JSON
     but no object: one line naming the folder, not a traceback."""

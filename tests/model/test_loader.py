@@ -77,6 +77,55 @@ def test_folder_without_weights_raises(tmp_path):
         load_model(str(folder), dtype="float32", device="cpu")
 
 
+@pytest.mark.parametrize("damage", ["truncated", "empty", "garbage"])
+def test_damaged_weights_raise_one_line(tmp_path, damage):
+    folder = make_tiny_checkpoint(tmp_path / "m", "llama")
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes({"truncated": data[: len(data) // 2], "empty": b"", "garbage": b"\xff" * 64}[damage])
+    with pytest.raises(SpecDecodeError, match="cannot read .*model.safetensors: ") as err:  # was safetensors' error
+        load_model(str(folder), dtype="float32", device="cpu")
+    assert "\n" not in str(err.value)
+
+
+def test_weights_are_read_as_transformers_reads_them(tmp_path):
+    """The shards the index lists (a Mistral repo also holds consolidated.safetensors, with other
+    names: every *.safetensors was read, and the folder refused); a missing shard is named."""
+    from safetensors.torch import load_file, save_file
+
+    from transformers import AutoModelForCausalLM
+
+    folder = make_tiny_checkpoint(tmp_path / "m", "llama")
+    want = load_model(str(folder), dtype="float32", device="cpu").model.state_dict()
+    AutoModelForCausalLM.from_pretrained(str(folder)).save_pretrained(str(folder), max_shard_size="100KB")
+    (folder / "model.safetensors").unlink(missing_ok=True)
+    shards = sorted(folder.glob("model-*.safetensors"))
+    assert len(shards) > 1 and all(load_file(str(f)) for f in shards)
+    save_file({"layers.0.attention.wq.weight": torch.zeros(2, 2)}, str(folder / "consolidated.safetensors"))
+    got = load_model(str(folder), dtype="float32", device="cpu").model.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    shards[-1].unlink()
+    with pytest.raises(SpecDecodeError, match=f"lists 1 missing shard.*{shards[-1].name}"):
+        load_model(str(folder), dtype="float32", device="cpu")
+
+
+def test_a_bad_tokenizer_raises_one_line(tmp_path):
+    folder = make_tiny_checkpoint(tmp_path / "m", "llama")
+    (folder / "tokenizer.json").write_text("{garbage")
+    with pytest.raises(SpecDecodeError, match="cannot load the tokenizer in ") as err:  # was a JSONDecodeError
+        load_model(str(folder), dtype="float32", device="cpu")
+    assert "\n" not in str(err.value)
+
+
+def test_gguf_tokenizer_metadata_that_transformers_cannot_read_raises_one_line(tmp_path, monkeypatch):
+    import gguf
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_token_merges", lambda *args, **kwargs: None)
+    path, _ = make_tiny_gguf(tmp_path / "no_merges.gguf", "llama")
+    with pytest.raises(SpecDecodeError, match="cannot build the tokenizer from .*no_merges.gguf's metadata"):
+        load_model(str(path), device="cpu", progress=False)  # was a KeyError from transformers
+
+
 def test_unsupported_architecture_raises(tmp_path):
     from transformers import GPT2Config
 
