@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import torch
 from torch import Tensor
 
-from specdecode.config import SpecDecodeError
+from specdecode.config import SpecDecodeError, first_line
 
 if TYPE_CHECKING:
     from specdecode.model.loader import LoadedModel
@@ -178,8 +178,7 @@ def read_net(method: str, path: str | Path, target: "Transformer") -> tuple[dict
     try:
         return meta, load_file(str(Path(path) / WEIGHTS_FILE))
     except Exception as e:  # missing, truncated, not safetensors (SafetensorError is no OSError)
-        first = (str(e).splitlines() or [type(e).__name__])[0]
-        raise SpecDecodeError(f"{path}: cannot read {WEIGHTS_FILE}: {first}") from None
+        raise SpecDecodeError(f"{path}: cannot read {WEIGHTS_FILE}: {first_line(e)}") from None
 
 
 def load_net(

@@ -22,10 +22,10 @@ if TYPE_CHECKING:
     from specdecode.engine.serving import ServingEngine
 
 
-def clock(device: torch.device) -> float:
-    """``time.perf_counter()`` once ``device`` has run what was queued on it: CUDA runs
+def clock(device: torch.device, wait: bool = True) -> float:
+    """``time.perf_counter()`` once ``device`` has run what was queued on it (``wait``): CUDA runs
     asynchronously, so without the sync a timer stops before the work it times."""
-    if device.type == "cuda":
+    if wait and device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
 

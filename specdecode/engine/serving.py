@@ -223,12 +223,17 @@ class ServingEngine(Engine):
     def step(self) -> list[RequestEvent]:
         """Admit, prefill one chunk, run one round over the decode batch. Returns what changed."""
         self._admit()
-        start = clock(self.device)  # (on CUDA each timer waits for the device: the budget prices what it timed)
+        wait = self._timed()
+        start = clock(self.device, wait)
         events = self._prefill_chunk()
-        self.budget.observe_prefill(clock(self.device) - start)
+        self.budget.observe_prefill(clock(self.device, wait) - start)
         if self.running:
             events += self._decode_round()
         return events
+
+    def _timed(self) -> bool:
+        """Whether the budget reads step times (a fixed one does not): on CUDA a timer then waits."""
+        return not isinstance(self.budget, FixedBudget)
 
     def _admit(self) -> None:
         pool = self.cache.pool
@@ -332,9 +337,9 @@ class ServingEngine(Engine):
             # drafts past a row's own plan come from scratch: its stream follows its own γ (Batch.draft_generators)
             capped = planned is not None and self.budget.plan_caps_proposal
             self.batch.draft_limits = planned.tolist() if capped else None
-            start = clock(self.device)
+            start = clock(self.device, self._timed())
             proposed = self.drafter.propose(self.batch, depth)
-            draft_seconds = clock(self.device) - start
+            draft_seconds = clock(self.device, self._timed()) - start
             # Plan again over what was actually proposed: a row that found nothing costs nothing,
             # and the drafter's evidence and confidences refine the estimates. Also where it
             # proposed only for the budget's shadow rounds: a proposal found with strong
@@ -349,9 +354,9 @@ class ServingEngine(Engine):
                 draft = apply_budgets(proposed, budgets)
             shadow = self._shadow_chains(proposed)
             self._shadows = self._shadows and shadow is not None  # trees and typical acceptance give none
-        start = clock(self.device)
+        start = clock(self.device, self._timed())
         v = self._verify_round(self.batch, self.cache, draft)
-        seconds = clock(self.device) - start
+        seconds = clock(self.device, self._timed()) - start
         step_events = self._append_tokens(self.batch, v.out, v.num_accepted, v.num_draft)
         if self.drafter is not None:
             self.drafter.on_verified(self.batch, v.num_accepted, v.aux_logits, v.hidden)

@@ -66,7 +66,7 @@ def from_spec_error(e: SpecDecodeError) -> APIError:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
 
 

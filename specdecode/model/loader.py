@@ -251,13 +251,15 @@ def load_tokenizer(folder: Path) -> transformers.PreTrainedTokenizerBase | None:
 
 
 def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    """The weights as transformers finds them: the shards ``model.safetensors.index.json`` lists,
-    else ``model.safetensors``, else every ``*.safetensors`` (another file beside the HF weights,
-    e.g. Mistral's consolidated.safetensors or an adapter, is not read where an index names them)."""
+    """The weights as transformers finds them: ``model.safetensors``, else the shards
+    ``model.safetensors.index.json`` lists, else every ``*.safetensors`` (another file beside the
+    HF weights, e.g. Mistral's consolidated.safetensors or an adapter, is then not read)."""
     from safetensors.torch import load_file
 
     index = folder / "model.safetensors.index.json"
-    if index.is_file():
+    if (folder / "model.safetensors").is_file():
+        files = [folder / "model.safetensors"]
+    elif index.is_file():
         try:
             names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
@@ -266,8 +268,6 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise SpecDecodeError(f"{index} lists {len(missing)} missing shard(s), e.g. {missing[0]}")
-    elif (folder / "model.safetensors").is_file():
-        files = [folder / "model.safetensors"]
     else:
         files = sorted(folder.glob("*.safetensors"))
     if not files:

@@ -130,7 +130,8 @@ class Int8Linear(nn.Module):
 
     def __init__(self, q: Tensor, scales: Tensor, bias: Tensor | None = None, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
-        if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_weight_int8pack_mm", q.device.type.upper()):
+        key = {"meta": "Meta", "privateuseone": "PrivateUse1"}.get(q.device.type, q.device.type.upper())
+        if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_weight_int8pack_mm", key):
             # torch had CPU kernels only before ~2.9: the first forward would fail instead
             raise SpecDecodeError(
                 f"int8 weights have no kernel on {q.device.type} in torch {torch.__version__}: use int4 or none"

@@ -142,3 +142,5 @@ def test_clock_waits_for_cuda_work(monkeypatch):
     assert waited == []
     clock(torch.device("cuda", 0))
     assert waited == [torch.device("cuda", 0)]
+    clock(torch.device("cuda", 0), wait=False)  # a fixed budget reads no times: no sync
+    assert len(waited) == 1

@@ -28,8 +28,10 @@ from tests.tiny import early_exit_checkpoint, make_tiny_checkpoint
 
 PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4, 4, 6], [11], [2, 3, 2, 3, 2, 3, 2, 3, 2]]
 # Untied: a tiny tied model's greedy output repeats its last token ([81] * 40), under which a
-# token taken from the wrong position (a bonus from p_γ instead of p_{γ+1}) goes unseen.
-TARGET = {"arch": "llama", "seed": 0, "tie_word_embeddings": False}
+# token taken from the wrong position (a bonus from p_γ instead of p_{γ+1}) goes unseen. Seed 2:
+# on PROMPTS' greedy paths the top two logits differ by >= 7e-3 (seed 0 had a 1e-5 near-tie,
+# which another CPU's float rounding could flip between a 1-token and a 4-token pass).
+TARGET = {"arch": "llama", "seed": 2, "tie_word_embeddings": False}
 
 
 @pytest.fixture(scope="module")

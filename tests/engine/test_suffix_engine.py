@@ -54,7 +54,7 @@ def test_greedy_equals_plain_across_calls(target, plain, options):
 def test_adaptive_budget_when_no_row_finds_a_suffix(tmp_path):
     """A round in which no row's context has a match proposes a chain of width 0; the adaptive
     budget's shadow rounds read its rows (an IndexError on the first such round)."""
-    path = str(make_tiny_checkpoint(tmp_path / "t", "llama", seed=0, tie_word_embeddings=False))  # varied output
+    path = str(make_tiny_checkpoint(tmp_path / "t", "llama", seed=2, tie_word_embeddings=False))  # varied, no near-ties
     spec = {"method": "suffix", "num_speculative_tokens": 6, "verify_budget": "adaptive"}
     llm = LLM(model=path, speculative_config=spec, dtype="float32", device="cpu")
     plain = LLM(model=path, dtype="float32", device="cpu")

@@ -107,6 +107,10 @@ def test_weights_are_read_as_transformers_reads_them(tmp_path):
     shards[-1].unlink()
     with pytest.raises(SpecDecodeError, match=f"lists 1 missing shard.*{shards[-1].name}"):
         load_model(str(folder), dtype="float32", device="cpu")
+    # model.safetensors comes first, as in transformers: a stale index beside it is not read
+    make_tiny_checkpoint(folder, "llama")
+    got = load_model(str(folder), dtype="float32", device="cpu").model.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_a_bad_tokenizer_raises_one_line(tmp_path):

@@ -188,6 +188,8 @@ def test_int8_weights_where_torch_has_no_kernel_get_one_line(monkeypatch):
                         lambda op, key: key != "CPU" and has(op, key))  # fmt: skip
     with pytest.raises(SpecDecodeError, match="int8 weights have no kernel on cpu in torch"):
         Int8Linear.from_weight(torch.randn(8, 32))
+    monkeypatch.undo()
+    assert Int8Linear.from_weight(torch.randn(8, 32, device="meta")).weight.is_meta  # its key is "Meta", not "META"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
