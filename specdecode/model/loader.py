@@ -252,8 +252,8 @@ def load_tokenizer(folder: Path) -> transformers.PreTrainedTokenizerBase | None:
 
 def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     """The weights as transformers finds them: ``model.safetensors``, else the shards
-    ``model.safetensors.index.json`` lists, else every ``*.safetensors`` (another file beside the
-    HF weights, e.g. Mistral's consolidated.safetensors or an adapter, is then not read)."""
+    ``model.safetensors.index.json`` lists, else every ``*.safetensors``. So another file beside
+    the HF weights (Mistral's consolidated.safetensors, an adapter) is read only in the last case."""
     from safetensors.torch import load_file
 
     index = folder / "model.safetensors.index.json"
