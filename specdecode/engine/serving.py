@@ -322,6 +322,7 @@ class ServingEngine(Engine):
         reqs = list(self.running.values())
         draft: Draft | None = None
         draft_seconds, depth = 0.0, 0
+        wait = self._timed()  # on CUDA the timers below wait for the device only if the budget reads them
         gammas = torch.tensor([r.gamma for r in reqs], device=self.device)
         # Propose only if the budget would use drafts at all, were every row to find its γ, and no
         # deeper than the longest budget. Where proposing is cheap (the budget looks past its
@@ -337,9 +338,9 @@ class ServingEngine(Engine):
             # drafts past a row's own plan come from scratch: its stream follows its own γ (Batch.draft_generators)
             capped = planned is not None and self.budget.plan_caps_proposal
             self.batch.draft_limits = planned.tolist() if capped else None
-            start = clock(self.device, self._timed())
+            start = clock(self.device, wait)
             proposed = self.drafter.propose(self.batch, depth)
-            draft_seconds = clock(self.device, self._timed()) - start
+            draft_seconds = clock(self.device, wait) - start
             # Plan again over what was actually proposed: a row that found nothing costs nothing,
             # and the drafter's evidence and confidences refine the estimates. Also where it
             # proposed only for the budget's shadow rounds: a proposal found with strong
@@ -354,9 +355,9 @@ class ServingEngine(Engine):
                 draft = apply_budgets(proposed, budgets)
             shadow = self._shadow_chains(proposed)
             self._shadows = self._shadows and shadow is not None  # trees and typical acceptance give none
-        start = clock(self.device, self._timed())
+        start = clock(self.device, wait)
         v = self._verify_round(self.batch, self.cache, draft)
-        seconds = clock(self.device, self._timed()) - start
+        seconds = clock(self.device, wait) - start
         step_events = self._append_tokens(self.batch, v.out, v.num_accepted, v.num_draft)
         if self.drafter is not None:
             self.drafter.on_verified(self.batch, v.num_accepted, v.aux_logits, v.hidden)

@@ -20,18 +20,15 @@ from specdecode.config import SamplingParams, SpecDecodeError
 from specdecode.engine.batch import SpecStats
 from specdecode.entrypoints.llm import RequestMetrics
 
-# OpenAI fields we do not implement: a request that sets one gets a 400 rather than silence.
-UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "suffix", "logit_bias", "presence_penalty",
-               "frequency_penalty", "tools", "functions", "repetition_penalty", "response_format",
-               "stop_token_ids", "min_tokens", "min_p", "tool_choice", "guided_json")  # fmt: skip
-# Values that ask for nothing (the fields' defaults, which some clients always send): accepted.
-# Compared with their types, so that completions' ``logprobs: 0`` (the chosen tokens' logprobs)
-# is not taken for chat's ``logprobs: false``.
-NO_OPS: dict[str, tuple] = {
+# OpenAI fields we do not implement: a request that sets one gets a 400 rather than silence,
+# except at the values that ask for nothing (their defaults, which some clients always send).
+# Those are compared with their types, so that completions' ``logprobs: 0`` (the chosen tokens'
+# logprobs) is not taken for chat's ``logprobs: false``.
+UNSUPPORTED: dict[str, tuple] = {
     "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "suffix": ("",), "logit_bias": ({},),
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-    "tools": ([],), "functions": ([],), "response_format": ({"type": "text"},), "stop_token_ids": ([],),
-    "min_tokens": (0,), "min_p": (0, 0.0), "tool_choice": ("none",),
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "tools": ([],), "functions": ([],),
+    "repetition_penalty": (1, 1.0), "response_format": ({"type": "text"},), "stop_token_ids": ([],),
+    "min_tokens": (0,), "min_p": (0, 0.0), "tool_choice": ("none",), "guided_json": (),
 }  # fmt: skip
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "n")
 
@@ -89,9 +86,9 @@ class _Request(BaseModel):
     speculative_config: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
-        for name in UNSUPPORTED:
+        for name, no_ops in UNSUPPORTED.items():
             value = (self.model_extra or {}).get(name)
-            if value is not None and not any(type(value) is type(v) and value == v for v in NO_OPS.get(name, ())):
+            if value is not None and not any(type(value) is type(v) and value == v for v in no_ops):
                 raise bad_request(f"{name} is not supported by this server", name)
         if self.n not in (None, 1):
             raise bad_request(f"only n = 1 is supported, got {self.n}", "n")
