@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = the target's greedy answers")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--dtype", default="auto", help="auto (bfloat16), float32, bfloat16, float16")
+    ap.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    ap.add_argument("--quantization", default="auto", help="as `specdecode generate --quantization`")
     ap.add_argument("--batch", type=int, default=16, help="instructions answered together (the engine's max_num_seqs)")
     ap.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer instructions")
     ap.add_argument("--shard", default="0/1", help="K/N: answer every N-th instruction from the K-th (parallel runs)")
@@ -95,8 +98,10 @@ def answer(args: argparse.Namespace, shard: int, num_shards: int) -> int:
     prompts = new_instructions(args.num, args.seed, read_passages(args.passages), answered)[shard::num_shards]
     # sequences end within max_model_len; KV for a whole batch of them, so nothing is preempted
     max_len = args.max_prompt_tokens + args.max_tokens
-    llm = LLM(model=args.target, max_model_len=max_len, max_num_seqs=args.batch,
-              num_blocks=args.batch * -(-(max_len + 32) // 16))  # fmt: skip
+    # the answers are the model's as it is loaded here: on a GPU (bf16) they may differ from the GGUF
+    # model's that CPU serving runs; --device cpu --quantization gguf gives those
+    llm = LLM(model=args.target, dtype=args.dtype, device=args.device, quantization=args.quantization,
+              max_model_len=max_len, max_num_seqs=args.batch, num_blocks=args.batch * -(-(max_len + 32) // 16))  # fmt: skip
     limit = args.max_prompt_tokens
     encoded = [(p, llm.encode_chat(p)) for p in prompts]  # the chat template rendered once per instruction
     fits = [(p, ids) for p, ids in encoded if len(ids) <= limit]

@@ -18,7 +18,8 @@ def test_instructions_are_seeded_and_mixed():
 def test_answers_are_written_as_chat_records(tmp_path):
     target = make_tiny_checkpoint(tmp_path / "t", "llama", seed=0, max_position_embeddings=4096)
     out = tmp_path / "data.jsonl"
-    common = ["--target", str(target), "--num", "3", "--max-tokens", "4", "--batch", "2", "--max-prompt-tokens", "2000"]
+    common = ["--target", str(target), "--num", "3", "--max-tokens", "4", "--batch", "2", "--max-prompt-tokens", "2000",
+              "--device", "cpu", "--dtype", "float32"]  # fmt: skip
     assert main([*common, "--out", str(out)]) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 3
@@ -30,6 +31,15 @@ def test_answers_are_written_as_chat_records(tmp_path):
         halves += [json.loads(line) for line in (tmp_path / f"s{k}.jsonl").read_text().splitlines()]
     prompts = sorted(r["messages"][0]["content"] for r in records)
     assert sorted(r["messages"][0]["content"] for r in halves) == prompts
+
+
+def test_a_bad_dtype_or_device_is_one_line(tmp_path, capsys):
+    target = make_tiny_checkpoint(tmp_path / "t", "llama", seed=0)
+    capsys.readouterr()  # the checkpoint writer's progress bar
+    for flag, value in (("--dtype", "float64"), ("--device", "tpu")):
+        assert main(["--target", str(target), "--num", "1", "--out", str(tmp_path / "o.jsonl"), flag, value]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error:") and "\n" not in err and value in err
 
 
 def test_instructions_keep_clear_of_the_benchmark_prompts():
