@@ -9,7 +9,6 @@ Does not own what the costs are spent on (engine/adaptive.py).
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import time
 from collections import Counter
@@ -76,22 +75,11 @@ class VerifyCost:
     def __call__(self, positions: int) -> float:
         if isinstance(positions, int) and 0 <= positions < TABLE_POSITIONS:
             return self._table[positions]
-        return self._interpolate(positions)
-
-    def _interpolate(self, positions: float) -> float:
-        pts = self.points
-        i = bisect.bisect_left(self._sizes, positions)  # the first point at or past ``positions``
-        if i == 0:
-            return pts[0][1]
-        if i < len(pts):
-            (p0, t0), (p1, t1) = pts[i - 1], pts[i]
-            return t0 + (t1 - t0) * (positions - p0) / (p1 - p0)
-        (p0, t0), (p1, t1) = pts[-2:] if len(pts) > 1 else (pts[0], (pts[0][0] + 1, pts[0][1]))
-        slope = (t1 - t0) / (p1 - p0)  # sizes are distinct; a fitted curve's last gap may be under 1
-        return t1 + slope * (positions - p1)  # extrapolate the last slope
+        return float(self._interpolate_all(torch.tensor([float(positions)], dtype=torch.float64))[0])
 
     def _interpolate_all(self, x: torch.Tensor) -> torch.Tensor:
-        """`_interpolate` at every size in ``x`` [N] at once."""
+        """The curve at every size in ``x`` [N]: linear between points, flat before the first,
+        the last slope extrapolated past the last."""
         if len(self.points) == 1:
             return torch.full_like(x, self.points[0][1])
         p = torch.tensor(self._sizes, dtype=torch.float64)  # [n]

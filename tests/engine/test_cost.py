@@ -3,6 +3,8 @@ refitted from the engine's own passes, and attention's cost measured at load."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -110,7 +112,7 @@ def test_verify_cost_interpolates_and_extrapolates():
     assert cost(13) == pytest.approx(6.0)
     # a refitted curve's grid ends close to its last size: past it, the line's own slope
     line = VerifyCost.fit_line([(3, 1.3), (7, 1.7)] * 4)  # t = 1 + 0.1 P exactly
-    assert line(20) == pytest.approx(3.0) and line._interpolate(15.5) == pytest.approx(2.55)
+    assert line(20) == pytest.approx(3.0) and line(15.5) == pytest.approx(2.55)
 
 
 @pytest.mark.parametrize(
@@ -126,7 +128,19 @@ def test_verify_cost_table_is_the_curve_at_every_whole_size(points):
     # the table is built in one go; it must hold what interpolating each size alone gives,
     # before the first point, between points, at repeated sizes and past the last
     cost = VerifyCost(points)
-    assert cost._table == pytest.approx([cost._interpolate(p) for p in range(len(cost._table))], abs=1e-12)
+    assert cost._table == pytest.approx([_reference(cost.points, p) for p in range(len(cost._table))], abs=1e-12)
+    assert cost(2000.5) == pytest.approx(_reference(cost.points, 2000.5))  # past the table
+
+
+def _reference(pts: list[tuple[float, float]], x: float) -> float:
+    """The curve at one size, the plain way: flat before the first point, linear between
+    points, the last segment's slope past the last."""
+    if x <= pts[0][0] or len(pts) == 1:
+        return pts[0][1]
+    for (p0, t0), (p1, t1) in itertools.pairwise(pts):
+        if x <= p1:
+            return t0 + (t1 - t0) * (x - p0) / (p1 - p0)
+    return t1 + (t1 - t0) / (p1 - p0) * (x - p1)
 
 
 def test_clock_waits_for_cuda_work(monkeypatch):
