@@ -40,7 +40,7 @@ from specdecode.engine.cost import VerifyCost, clock, measure_attention_cost
 from specdecode.engine.step import Engine
 from specdecode.model.loader import LoadedModel
 from specdecode.paged_cache import PagedKVCache, new_paged_cache
-from specdecode.sampling import logits_to_probs, sample
+from specdecode.sampling import logits_to_probs, sample, sampling_tensors
 
 DEFAULT_KV_BYTES = 256 << 20  # KV pool size when num_blocks is not given (at least one full sequence)
 
@@ -307,11 +307,11 @@ class ServingEngine(Engine):
         return features[: len(req.seq.token_ids) - 1]
 
     def _sample_first(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        rows = Batch(seqs, capacity=self.max_model_len, device=self.device)
-        if rows.all_greedy:
+        params = [s.params for s in seqs]
+        if all(p.greedy for p in params):
             return logits.argmax(dim=-1).tolist()
-        p = logits_to_probs(logits[:, None], rows.temperature, rows.top_k, rows.top_p)[:, 0]  # [B, V]
-        return sample(p, rows.generators).tolist()
+        p = logits_to_probs(logits[:, None], *sampling_tensors(params, self.device))[:, 0]  # [B, V]
+        return sample(p, [s.generator for s in seqs]).tolist()
 
     def _decode_round(self) -> list[RequestEvent]:
         ids = list(self.running)
