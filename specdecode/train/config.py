@@ -78,6 +78,8 @@ class TrainConfig:
         if not self.data:
             raise SpecDecodeError("--data needs at least one file or folder")
         for path in self.data:
+            if not path.strip():  # Path("") is ".": the current folder
+                raise SpecDecodeError("--data has an empty path")
             if not Path(path).exists():
                 raise SpecDecodeError(f"data path not found: {path}")
         if self.init is not None and not (Path(self.init) / "config.json").is_file():

@@ -58,10 +58,16 @@ class Corpus:
 def find_files(paths: tuple[str, ...]) -> list[Path]:
     """Every corpus file under ``paths``, sorted; a missing path or no file at all is an error."""
     files: set[Path] = set()  # resolved: a file named twice (two spellings, a link) is read once
-    for p in map(Path, paths):
+    for given in paths:
+        p = Path(given)
+        if not given.strip():  # Path("") is "." : the current folder, read whole
+            raise SpecDecodeError("--data has an empty path")
         if not p.exists():
             raise SpecDecodeError(f"data path not found: {p}")
         if p.is_file():
+            with p.open("rb") as f:
+                if b"\0" in f.read(4096):  # a file named outright is read whatever its suffix: not weights
+                    raise SpecDecodeError(f"{p} is not a text file")
             files.add(p.resolve())
         else:
             files.update(f.resolve() for f in p.rglob("*") if f.suffix in SUFFIXES and f.is_file())
@@ -180,7 +186,9 @@ def read_corpus(
         cut = len(stream) - max(1, round(heldout * len(stream)))
         train, test = stream[:cut], stream[cut:]
     if len(train) < 2 or len(test) < 2:
-        raise SpecDecodeError(f"corpus too small: {sum(map(len, docs))} tokens (raise --max-tokens or add text)")
+        capped = total > max_tokens  # the cap cut text off: raising it helps; else only more text does
+        raise SpecDecodeError(f"corpus too small: {sum(map(len, docs))} tokens "
+                              f"({'raise --max-tokens or add text' if capped else 'add text'})")  # fmt: skip
     return Corpus(pack(train, seq_len), pack(test, seq_len), len(docs) - dropped, num_files, dropped)
 
 

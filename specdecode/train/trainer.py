@@ -51,19 +51,22 @@ from specdecode.train.distill import DistillNet
 CHECKPOINT_FILE, LOG_FILE = "checkpoint.pt", "train_log.json"
 
 
+TRAINABLE = ("medusa", "eagle", "eagle3", "mtp", "dflash", "draft_model")  # the methods whose drafter has a Net
+
+
 def net_class(method: str) -> type:
     """The ``Net`` of ``method``'s drafter class, or a one-line error."""
-    from specdecode.drafters.registry import drafter_class
+    from specdecode.drafters.registry import drafter_class, method_names
 
+    if method not in method_names():
+        raise SpecDecodeError(f"unknown method {method!r} to train; trainable: {', '.join(TRAINABLE)}")
     try:
         cls = drafter_class(method)
     except ImportError as e:
         raise SpecDecodeError(f"method {method!r} is not available: {e}") from None
     net = getattr(cls, "Net", None)  # only learned drafters declare one
     if net is None or net.method != method:  # (layer_skip inherits draft_model's, untrained)
-        raise SpecDecodeError(
-            f"method {method!r} has no network to train; train medusa, eagle, eagle3, mtp, dflash or draft_model"
-        )
+        raise SpecDecodeError(f"method {method!r} has no network to train; trainable: {', '.join(TRAINABLE)}")
     return net
 
 
@@ -178,15 +181,16 @@ def read_checkpoint(cfg: TrainConfig) -> dict[str, Any]:
     return ckpt
 
 
-# What decides the data a run trains on, in which order, and what it is evaluated on; --steps,
-# --time-limit, the evaluation and checkpoint periods, threads and the cache may change.
-RESUME_FIXED = ("data", "max_tokens", "heldout", "seed", "seq_len", "batch_size", "init", "finetune")
+# What decides the data a run trains on, in which order, what it is evaluated on, and the target
+# it learns (another of the same shape passes the fingerprint); --steps, --time-limit, the
+# evaluation and checkpoint periods, threads and the cache may change.
+RESUME_FIXED = ("target", "data", "max_tokens", "heldout", "seed", "seq_len", "batch_size", "init", "finetune")
 
 
 def _as_given(name: str, value: Any) -> Any:
     if name == "data":  # two spellings of one folder are one corpus
         return tuple(str(Path(p).resolve()) for p in value)
-    if name == "init" and value is not None:
+    if name in ("init", "target") and value is not None and Path(value).exists():  # (a target may be an alias)
         return str(Path(value).resolve())
     return value
 
@@ -251,7 +255,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     cls = net_class(cfg.method)
     ckpt = read_checkpoint(cfg) if cfg.resume else None
     # --init: the folder's net config, with --net-config's keys on top (e.g. a new head)
-    given = {**read_net_config(cfg.init).get("net", {}), **cfg.net_config} if cfg.init else cfg.net_config
+    given = cfg.net_config
+    if cfg.init:
+        folder = read_net_config(cfg.init)
+        if folder.get("specdecode_method") != cfg.method:  # before its keys meet this method's net
+            raise SpecDecodeError(f"--init {cfg.init} holds a {folder.get('specdecode_method')!r} drafter, "
+                                  f"not {cfg.method!r}")  # fmt: skip
+        given = {**folder.get("net", {}), **cfg.net_config}
     net_cfg = net_config(cls, ckpt["net_config"] if ckpt else given)
     find_files(cfg.data)  # a bad corpus path fails before the target loads
     loaded = load_model(cfg.target, dtype=cfg.dtype, device=cfg.device, progress=cfg.progress)

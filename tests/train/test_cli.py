@@ -34,18 +34,21 @@ def folders(tmp_path, tiny_target, corpus):
     bad_jsonl = tmp_path / "bad.jsonl"
     bad_jsonl.write_text('{"text": "fine"}\n{"neither": 1}\n')
     return {"target": tiny_target, "corpus": corpus, "empty_text": str(empty_text), "no_text": str(no_text),
+            "blank": "", "bin_file": str(no_text / "data.bin"),
             "other": str(other), "partial": str(partial), "bad_jsonl": str(bad_jsonl),
             "out": str(tmp_path / "out")}  # fmt: skip
 
 
 # per case: the flags it changes (None = left out) and what the error line must say
 CASES = {
-    "unknown method": ({"--method": "nope"}, "unknown speculative method 'nope'"),
+    "unknown method": ({"--method": "nope"}, "unknown method 'nope' to train; trainable: medusa, eagle, eagle3, mtp"),
     "method without a net": ({"--method": "ngram"}, "has no network to train"),
     "method inheriting a net": ({"--method": "layer_skip"}, "has no network to train"),
     "missing method": ({"--method": None}, "--method is required"),
     "missing data": ({"--data": None}, "--data needs at least one"),
     "data path not found": ({"--data": "/no/such/path"}, "data path not found: /no/such/path"),
+    "empty data path": ({"--data": "@blank"}, "--data has an empty path"),  # Path("") is the current folder
+    "binary file named": ({"--data": "@bin_file"}, "data.bin is not a text file"),
     "no text files": ({"--data": "@no_text"}, "no text found"),
     "only blank text": ({"--data": "@empty_text"}, "no text found"),
     "bad jsonl record": ({"--data": "@bad_jsonl"}, 'bad.jsonl:2: expected {"text"'),
@@ -95,3 +98,15 @@ def test_init_refuses_a_net_config_that_reshapes_its_tensors(capsys, folders, tm
     code, err = run_train(capsys, *common, "--out", str(tmp_path / "second"), "--init", first,
                           "--net-config", '{"draft_vocab": 32}')  # fmt: skip
     assert code == 2 and err.count("\n") == 1 and "drop the --net-config keys" in err, err
+    # a folder of another method is named as such (its net keys are not this method's)
+    eagle = [*common[:1], "eagle", *common[2:]]
+    code, err = run_train(capsys, *eagle, "--out", str(tmp_path / "third"), "--init", first)
+    assert code == 2 and err.count("\n") == 1 and "holds a 'medusa' drafter, not 'eagle'" in err, err
+
+
+def test_the_trainable_methods_are_those_with_a_net():
+    from specdecode.drafters.registry import drafter_class, method_names
+    from specdecode.train.trainer import TRAINABLE
+
+    with_net = {m for m in method_names() if getattr(getattr(drafter_class(m), "Net", None), "method", None) == m}
+    assert set(TRAINABLE) == with_net

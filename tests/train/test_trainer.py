@@ -17,6 +17,7 @@ from specdecode.model.loader import load_model
 from specdecode.train import trainer
 from specdecode.train.config import TrainConfig
 from specdecode.train.trainer import CHECKPOINT_FILE, LOG_FILE, train
+from tests.tiny import make_tiny_checkpoint
 
 # the smallest net of each method for the tiny target (vocabulary 128, 3 layers)
 TINY_NETS = {
@@ -122,11 +123,13 @@ def test_resume_refuses_other_data_settings(tiny_target, corpus, tmp_path):
     cfg = config(tiny_target, corpus, tmp_path / "e", "medusa", steps=4, eval_every=0, save_every=2)
     train(cfg)
     (tmp_path / "more.txt").write_text("more text " * 50)
+    twin = str(make_tiny_checkpoint(tmp_path / "twin", "llama", seed=1))  # the same shape: the same fingerprint
     for change in ({"seed": 1}, {"batch_size": 3}, {"seq_len": 24}, {"max_tokens": 5000}, {"heldout": 0.2},
-                   {"data": (corpus, str(tmp_path / "more.txt"))}):  # fmt: skip
+                   {"data": (corpus, str(tmp_path / "more.txt"))}, {"target": twin}):  # fmt: skip
         with pytest.raises(SpecDecodeError, match=f"--{next(iter(change)).replace('_', '-')} was"):
             train(replace(cfg, steps=6, resume=True, **change))
-    log = train(replace(cfg, steps=6, resume=True, data=(corpus + "/.",), eval_every=3, threads=1))  # free to change
+    log = train(replace(cfg, steps=6, resume=True, data=(corpus + "/.",), target=tiny_target + "/.", eval_every=3,
+                        threads=1))  # free to change  # fmt: skip
     assert log["end"]["step"] == 6
 
 
