@@ -31,12 +31,17 @@ def read_messages(paths: list[str], role: str) -> list[str]:
     for path in paths:
         if not Path(path).is_file():
             raise SpecDecodeError(f"chat records not found: {path}")
-        for line in Path(path).read_text(encoding="utf-8").splitlines():
+        # as the trainer reads text: a stray non-UTF-8 byte is replaced, not fatal
+        for n, line in enumerate(Path(path).read_text(encoding="utf-8", errors="replace").splitlines(), 1):
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:  # blank, or the last line of a run stopped mid-write
                 continue
-            texts += [m["content"] for m in record.get("messages", []) if m.get("role") == role]
+            messages = record.get("messages") if isinstance(record, dict) else None
+            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+                raise SpecDecodeError(f'{path}:{n}: expected a chat record {{"messages": [{{"role": ..., '
+                                      '"content": ...}, ...]}')  # fmt: skip
+            texts += [m["content"] for m in messages if m.get("role") == role and isinstance(m.get("content"), str)]
     return texts
 
 
@@ -79,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
             assert 0 <= shard < num_shards
         except (ValueError, AssertionError):
             raise SpecDecodeError(f"--shard must be K/N with 0 <= K < N, got {args.shard!r}") from None
+        if Path(args.out).is_dir():
+            raise SpecDecodeError(f"--out {args.out} is a folder; name the file to write")
         return answer(args, shard, num_shards)
     except SpecDecodeError as e:  # bad input: one line, as the CLI gives it
         print(f"error: {e}", file=sys.stderr)
@@ -100,8 +107,13 @@ def answer(args: argparse.Namespace, shard: int, num_shards: int) -> int:
     max_len = args.max_prompt_tokens + args.max_tokens
     # the answers are the model's as it is loaded here: on a GPU (bf16) they may differ from the GGUF
     # model's that CPU serving runs; --device cpu --quantization gguf gives those
-    llm = LLM(model=args.target, dtype=args.dtype, device=args.device, quantization=args.quantization,
-              max_model_len=max_len, max_num_seqs=args.batch, num_blocks=args.batch * -(-(max_len + 32) // 16))  # fmt: skip
+    try:
+        llm = LLM(model=args.target, dtype=args.dtype, device=args.device, quantization=args.quantization,
+                  max_model_len=max_len, max_num_seqs=args.batch, num_blocks=args.batch * -(-(max_len + 32) // 16))  # fmt: skip
+    except SpecDecodeError as e:  # the engine's limit, named by the flags that set it here
+        if not str(e).startswith("max_model_len"):
+            raise
+        raise SpecDecodeError(f"--max-prompt-tokens + --max-tokens = {max_len} does not fit the target: {e}") from None
     limit = args.max_prompt_tokens
     encoded = [(p, llm.encode_chat(p)) for p in prompts]  # the chat template rendered once per instruction
     fits = [(p, ids) for p, ids in encoded if len(ids) <= limit]
@@ -110,6 +122,10 @@ def answer(args: argparse.Namespace, shard: int, num_shards: int) -> int:
     prompts, token_lists = [p for p, _ in fits], [ids for _, ids in fits]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if not prompts:  # a shard past the last instruction, or every one too long: nothing to answer
+        out.write_text("")
+        print(f"wrote 0 chat records to {out}: no instruction to answer", file=sys.stderr)
+        return 0
     params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed + i)
               for i in range(len(prompts))]  # fmt: skip
     answers: dict[int, list[int]] = {}

@@ -97,3 +97,32 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith(f"error: {words}") and err.count("\n") == 1, err
 
+
+
+def test_bad_records_and_outputs_are_one_line(tmp_path, capsys):
+    out = str(tmp_path / "data.jsonl")
+    (tmp_path / "list.jsonl").write_text("[1, 2]\n")
+    (tmp_path / "strings.jsonl").write_text('{"messages": ["hi"]}\n')
+    for name in ("list.jsonl", "strings.jsonl"):
+        assert main(["--out", out, "--exclude", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {tmp_path / name}:1: expected a chat record") and err.count("\n") == 1, err
+    assert main(["--out", str(tmp_path), "--num", "1"]) == 2  # a folder, refused before the model loads
+    assert capsys.readouterr().err == f"error: --out {tmp_path} is a folder; name the file to write\n"
+
+
+def test_odd_bytes_empty_shards_and_long_limits(tmp_path, capsys):
+    from specdecode.train.regenerate import read_passages
+
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b'{"messages": [{"role": "assistant", "content": "caf\xe9 au lait"}]}\n')
+    assert read_passages([str(latin1)]) == ["caf\ufffd au lait"]  # replaced, as the trainer reads text
+    target = str(make_tiny_checkpoint(tmp_path / "t", "llama", seed=0, max_position_embeddings=4096))
+    capsys.readouterr()
+    out = tmp_path / "s.jsonl"
+    common = ["--target", target, "--max-tokens", "2", "--device", "cpu", "--dtype", "float32"]
+    assert main([*common, "--num", "1", "--shard", "1/2", "--out", str(out)]) == 0  # nothing in this shard
+    assert out.read_text() == "" and "wrote 0 chat records" in capsys.readouterr().err
+    assert main([*common, "--num", "1", "--max-prompt-tokens", "5000", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --max-prompt-tokens + --max-tokens = 5002 does not fit") and err.count("\n") == 1
