@@ -115,7 +115,9 @@ class SamplingParams:
 @dataclass(frozen=True)
 class BudgetOptions:
     """``speculative_config`` keys: ``verify_budget`` "fixed" (γ per request, the default) or
-    "adaptive"; ``max_verify_tokens`` bounds the positions one step verifies (B rows + drafts);
+    "adaptive"; ``max_verify_tokens`` bounds the positions one step verifies (B rows + drafts,
+    split evenly; a tree row's share is a depth, however wide its levels, and lookahead's
+    Jacobi branch is not counted);
     ``throughput_floor`` (adaptive only, in (0, 1], default 1): the share of the throughput
     optimum's predicted throughput the budgets keep (1: plan for throughput alone); below 1
     they trade throughput for per-user speed."""

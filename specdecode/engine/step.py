@@ -132,9 +132,11 @@ class Engine:
         positions = cache.lengths[:, None] + torch.arange(1 + width, device=self.device)
         valid = torch.arange(1 + width, device=self.device)[None, :] <= num_draft[:, None]  # a row pays for its own drafts
         logits, hidden = self._target(tokens, positions, cache, valid=valid, packed=True)  # [N, V], [B, 1 + w, F]
-        if draft.typical is not None:  # LOSSY opt-in (Medusa's typical acceptance): flag the requests
-            for seq in batch.seqs:
-                seq.stats.lossy = True
+        if draft.typical is not None:  # LOSSY opt-in (Medusa's typical acceptance): flag the requests it bent
+            # a greedy row's p is one-hot, where typical acceptance is greedy verification (exact), and
+            # a row without drafts samples from p alone
+            for seq, n in zip(batch.seqs, num_draft.tolist()):
+                seq.stats.lossy |= n > 0 and not seq.params.greedy
         if batch.all_greedy:
             out, num_accepted = greedy_verify(_argmax_at(logits, valid), draft_tokens)
         elif draft.typical is not None:

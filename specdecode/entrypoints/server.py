@@ -176,13 +176,13 @@ class _Server:
         if req.include_usage:
             base["usage"] = None  # OpenAI: null on every chunk but the last
 
-        def chunk(text: str | None, finish: str | None = None, role: bool = False) -> str:
+        def chunk(text: str | None, finish: str | None = None, role: bool = False, lossy: bool = False) -> str:
             choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
             if chat:
                 choice["delta"] = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
             else:
                 choice["text"] = text or ""
-            return _sse_line({**base, "choices": [choice]})
+            return _sse_line({**base, "choices": [choice], **({"lossy": True} if lossy else {})})
 
         try:
             if chat:
@@ -196,7 +196,8 @@ class _Server:
                 if delta:
                     yield chunk(delta)
             if out.finish not in (None, "error"):
-                yield chunk(None, out.finish)
+                # lossy (typical acceptance) said where every client sees it, not only in usage
+                yield chunk(None, out.finish, lossy=out.last.stats.lossy)
                 if req.include_usage:
                     yield _sse_line({**base, "choices": [], "usage": out.usage()})
             yield "data: [DONE]\n\n"

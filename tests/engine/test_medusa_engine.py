@@ -89,11 +89,19 @@ def test_typical_acceptance_is_flagged_lossy(ckpts, plain, capsys):
     outs = llm.generate(PROMPTS, sampled)
     assert all(o.metrics.lossy and o.metrics.to_dict()["lossy"] for o in outs)
     assert all(len(o.token_ids) == 12 for o in outs)
-    # greedy typical acceptance is greedy verification (still flagged: the option is lossy)
+    # greedy typical acceptance is greedy verification: exact, not flagged; nor is a sampled
+    # request that drafts nothing (γ = 0), sampled from p alone
     ref = plain.generate(PROMPTS, greedy(17))
     got = llm.generate(PROMPTS, greedy(17))
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
-    assert all(o.metrics.lossy for o in got)
+    assert not any(o.metrics.lossy for o in got)
+    engine = llm.engine
+    engine.add_request("bent", llm.tokenize(PROMPTS[0]), sampled[0])
+    engine.add_request("plain", llm.tokenize(PROMPTS[1]), sampled[1], spec_override={"num_speculative_tokens": 0})
+    last = {}
+    while engine.has_unfinished():
+        last.update({e.request_id: e.stats for e in engine.step()})
+    assert last["bent"].lossy and not last["plain"].lossy and last["plain"].num_draft_tokens == 0
     # the CLI's report says so; an exact run's does not
     _print_stats({"metrics": outs[0].metrics.to_dict(), "tokens_per_s": 1.0, "kernels": "-"}, speculative=True)
     exact = LLM(model=ckpts["target"], speculative_config=specs(ckpts)["chain"], dtype="float32", device="cpu")

@@ -87,10 +87,11 @@ class SlowEngine:
 
 
 class ScriptedEngine:
-    """The engine's interface, emitting the same fixed token ids to every request, one a step."""
+    """The engine's interface, emitting the same fixed token ids to every request, one a step
+    (flagged ``lossy`` as typical acceptance flags them, if asked)."""
 
-    def __init__(self, script: list[int]) -> None:
-        self.script, self.requests = script, {}
+    def __init__(self, script: list[int], lossy: bool = False) -> None:
+        self.script, self.requests, self.lossy = script, {}, lossy
 
     def add_request(self, request_id: str, prompt: list[int], params: Any, spec_override: Any = None) -> None:
         self.requests[request_id] = [len(prompt), 0, params.max_tokens]
@@ -113,7 +114,7 @@ class ScriptedEngine:
             if finish:
                 del self.requests[request_id]
             new = self.script[done : done + 1]
-            events.append(RequestEvent(request_id, new, finish, SpecStats(), num_prompt, done + 1))
+            events.append(RequestEvent(request_id, new, finish, SpecStats(lossy=self.lossy), num_prompt, done + 1))
         return events
 
 

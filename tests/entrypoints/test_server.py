@@ -250,3 +250,19 @@ def test_characters_a_byte_fallback_tokenizer_spells_in_bytes_arrive_whole():
         with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
             deltas = [e["choices"][0]["text"] for e in sse_events(r.iter_lines()) if e != "[DONE]"]
     assert "".join(deltas) == want and not any("\ufffd" in d for d in deltas)
+
+
+@pytest.mark.parametrize("lossy", [False, True])
+def test_a_lossy_stream_says_so_without_asking_for_usage(lossy):
+    """Typical acceptance (opt-in) flags a request lossy: usage says it, and so does a stream's
+    last chunk, which every client reads (usage comes only with stream_options.include_usage)."""
+    tok = byte_fallback_tokenizer()
+    app = create_app(ScriptedEngine(tok("abc", add_special_tokens=False)["input_ids"], lossy=lossy), tok, "tiny",
+                     max_model_len=64, vocab_size=len(tok))  # fmt: skip
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        body = {"prompt": "a", "max_tokens": 50}
+        assert c.post("/v1/completions", json=body).json()["usage"]["lossy"] is lossy
+        with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            chunks = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert [c.get("lossy") for c in chunks] == [None] * (len(chunks) - 1) + [True if lossy else None]
