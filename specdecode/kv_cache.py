@@ -46,6 +46,11 @@ class KVCache(ABC):
     def batch_size(self) -> int:
         return int(self.lengths.shape[0])
 
+    def max_length(self) -> int:
+        """The longest row's length (0 without rows): a host sync here, none where the cache
+        keeps its lengths on the host too (the paged cache)."""
+        return int(self.lengths.max()) if self.batch_size else 0
+
     @abstractmethod
     def append(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, kv_len: int

@@ -284,6 +284,9 @@ class PagedKVCache(KVCache):
         self._batch = seq_ids
         self._sync_lengths()
 
+    def max_length(self) -> int:
+        return max((self._seqs[s].length for s in self._batch), default=0)  # from the host: no device sync
+
     def _sync_lengths(self) -> None:
         host = [self._seqs[s].length for s in self._batch]
         self.lengths = torch.tensor(host, dtype=torch.long, device=self.device)

@@ -201,6 +201,7 @@ def test_select_rows_and_truncate(llama):
     paged.truncate(torch.tensor([3, 100]))
     twin.ref.truncate(torch.tensor([3, 100]))
     assert paged.lengths.tolist() == [3, 10] and paged.pool.num_used == 1 + 3
+    assert paged.max_length() == twin.ref.max_length() == 10  # the host's copy, the device's
     check_tight(paged)
     twin.run(toks(2, 2, seed=15))  # the rolled-back slots are written afresh
     twin.commit([2, 2])

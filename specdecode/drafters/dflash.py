@@ -88,7 +88,7 @@ class DFlashDrafter:
         context, and commit them. Padding features write past the row's length (scratch)."""
         N = features.shape[1]
         slots = cache.lengths[:, None] + torch.arange(N, device=features.device)  # [B, N] = positions
-        kv_len = int(cache.lengths.max()) + N
+        kv_len = cache.max_length() + N
         for layer, (k, v) in enumerate(self.net.context_kv(features, slots)):
             cache.append(layer, k, v, slots, kv_len)
         cache.commit(counts)

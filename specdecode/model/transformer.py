@@ -277,7 +277,7 @@ class Transformer(nn.Module):
         B, T = positions.shape
         if packed and logits_at is not None:
             raise ValueError("packed and logits_at are exclusive")
-        kv_len = int(cache.lengths.max()) + T  # the one host sync of the pass
+        kv_len = cache.max_length() + T  # a host sync, unless the cache keeps lengths on the host
         slots = cache.lengths[:, None] + torch.arange(T, device=positions.device)
         step = _Step(cache, slots, kv_len)
         if valid is not None and B * T > 1 and not bool(valid.all()):
