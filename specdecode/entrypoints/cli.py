@@ -33,8 +33,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--speculative-config", default=None, help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens; 0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set of tokens with this much mass; 1 = off")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
@@ -96,7 +96,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     add_train_arguments(sub.add_parser("train", help="train a learned drafter on a frozen target (self-distillation)"))
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """argparse's own errors keep the CLI's contract: one line ``error: ...``, exit code 2
     (its subcommands' parsers are of this class too)."""
 
@@ -105,7 +105,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="specdecode", description="Lossless speculative decoding.")
+    parser = OneLineParser(prog="specdecode", description="Lossless speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_theory(sub)

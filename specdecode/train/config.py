@@ -48,6 +48,7 @@ class TrainConfig:
     finetune: bool = False  # with init: its weights train too (a warm start on new data)
     time_limit: float | None = None  # seconds of training; the run ends at --steps or here, whichever
     #   comes first, and the schedule follows whichever is further along
+    overwrite: bool = False  # replace a drafter or checkpoint already in `out` (else refused without --resume)
 
 
     def __post_init__(self) -> None:
@@ -92,6 +93,13 @@ class TrainConfig:
             raise SpecDecodeError("--out is required: the folder to write the drafter to")
         if Path(self.out).exists() and not Path(self.out).is_dir():
             raise SpecDecodeError(f"--out {self.out} exists and is not a folder")
+        # what a run writes there (trainer.CHECKPOINT_FILE, learned.CONFIG_FILE): another run's, kept unless asked
+        held = [f for f in ("checkpoint.pt", "config.json") if (Path(self.out) / f).is_file()]
+        if held and not (self.resume or self.overwrite):
+            raise SpecDecodeError(f"--out {self.out} already holds a trained drafter ({', '.join(held)}); "
+                                  "--resume continues it, --overwrite replaces it, or choose a new --out")  # fmt: skip
+        if not (isinstance(self.seed, int) and 0 <= self.seed < 2**32):  # as numpy's; batches derive int64 seeds
+            raise SpecDecodeError(f"--seed must be an integer in [0, 2**32), got {self.seed!r}")
         if not isinstance(self.net_config, dict):
             raise SpecDecodeError(f"--net-config must be a JSON object, got {self.net_config!r}")
 
@@ -123,7 +131,7 @@ class TrainConfig:
             save_every=args.save_every, max_tokens=args.max_tokens, heldout=args.heldout, seed=args.seed,
             threads=args.threads, dtype=args.dtype, device=args.device, resume=args.resume,
             progress=not args.quiet, cache_topk=args.cache_topk, time_limit=args.time_limit, init=args.init,
-            finetune=args.finetune,
+            finetune=args.finetune, overwrite=args.overwrite,
         )  # fmt: skip
 
 
@@ -155,9 +163,11 @@ def add_train_arguments(t: argparse.ArgumentParser) -> None:
     t.add_argument("--heldout", type=float, default=d.heldout, help="fraction of documents held out")
     t.add_argument("--seed", type=int, default=d.seed)
     t.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
-    t.add_argument("--dtype", default=d.dtype, help="the target's dtype: auto (bfloat16), float32, bfloat16")
+    t.add_argument("--dtype", default=d.dtype, help="the target's dtype: auto (bfloat16), float32, bfloat16, float16")
     t.add_argument("--device", default=d.device, help="auto, cpu, cuda")
     t.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    t.add_argument("--overwrite", action="store_true",
+                   help="replace a drafter or checkpoint already in --out (else refused, as HF's output_dir)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.add_argument("--init", default=None,
                    help="start from this trained folder (same method and target) with its weights frozen: only "

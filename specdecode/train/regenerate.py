@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from specdecode.config import SpecDecodeError
+from specdecode.config import SamplingParams, SpecDecodeError
 from specdecode.train.instructions import instructions
 
 
@@ -57,7 +57,9 @@ def new_instructions(num: int, seed: int, passages: list[str], answered: set[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    from specdecode.entrypoints.cli import OneLineParser  # argparse's errors as one line, exit 2
+
+    ap = OneLineParser(prog="python -m specdecode.train.regenerate", description=__doc__.split("\n")[0])
     ap.add_argument("--target", default=None, help="model path or alias (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--num", type=int, default=600, help="instructions to answer")
@@ -73,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shard", default="0/1", help="K/N: answer every N-th instruction from the K-th (parallel runs)")
     ap.add_argument("--passages", nargs="*", default=[], help="chat records whose answers become texts to summarise")
     ap.add_argument("--exclude", nargs="*", default=[], help="chat records whose instructions are not asked again")
+    ap.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (else refused)")
     args = ap.parse_args(argv)
     try:
         for flag in ("num", "max_tokens", "batch", "max_prompt_tokens", "threads"):
@@ -86,10 +89,17 @@ def main(argv: list[str] | None = None) -> int:
             raise SpecDecodeError(f"--shard must be K/N with 0 <= K < N, got {args.shard!r}") from None
         if Path(args.out).is_dir():
             raise SpecDecodeError(f"--out {args.out} is a folder; name the file to write")
+        if Path(args.out).is_file() and Path(args.out).stat().st_size and not args.overwrite:
+            raise SpecDecodeError(f"--out {args.out} holds records already; --overwrite replaces them, or write "
+                                  f"a new file with --exclude {args.out} (its instructions are not asked again)")  # fmt: skip
+        SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)  # bad values before the model loads
         return answer(args, shard, num_shards)
     except SpecDecodeError as e:  # bad input: one line, as the CLI gives it
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the records written so far are whole lines (flushed one by one)
+        print(file=sys.stderr)
+        return 130
 
 
 def answer(args: argparse.Namespace, shard: int, num_shards: int) -> int:
@@ -97,7 +107,7 @@ def answer(args: argparse.Namespace, shard: int, num_shards: int) -> int:
     import torch
     from tqdm import tqdm
 
-    from specdecode import LLM, SamplingParams
+    from specdecode import LLM
 
     if args.threads:
         torch.set_num_threads(args.threads)

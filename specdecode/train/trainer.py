@@ -162,7 +162,9 @@ def read_checkpoint(cfg: TrainConfig) -> dict[str, Any]:
         raise SpecDecodeError(f"--resume: no {CHECKPOINT_FILE} in {cfg.out}")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:  # truncated or foreign
+    except pickle.UnpicklingError:  # torch's advice (load it unsafely) is wrong for a foreign file
+        raise SpecDecodeError(f"--resume: {path} is not a specdecode training checkpoint") from None
+    except (RuntimeError, EOFError, OSError) as e:  # truncated
         raise SpecDecodeError(f"--resume: cannot read {path}: {first_line(e)}") from None
     if not isinstance(ckpt, dict):
         raise SpecDecodeError(f"--resume: {path} is not a specdecode training checkpoint")
@@ -264,6 +266,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         given = {**folder.get("net", {}), **cfg.net_config}
     net_cfg = net_config(cls, ckpt["net_config"] if ckpt else given)
     find_files(cfg.data)  # a bad corpus path fails before the target loads
+    try:  # so does an --out that cannot be made (under a file, no permission), not at the first save
+        Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SpecDecodeError(f"--out {cfg.out} cannot be made: {e.strerror}") from None
     loaded = load_model(cfg.target, dtype=cfg.dtype, device=cfg.device, progress=cfg.progress)
     target = loaded.model
     if ckpt and ckpt["target"] != target_fingerprint(target):

@@ -31,10 +31,14 @@ def folders(tmp_path, tiny_target, corpus):
     partial = tmp_path / "partial"
     partial.mkdir()
     torch.save({"method": "draft_model", "step": 3}, partial / CHECKPOINT_FILE)  # a foreign file of that name
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    torch.save({"method": "draft_model", "log": object()}, pickled / CHECKPOINT_FILE)  # weights_only refuses it
     bad_jsonl = tmp_path / "bad.jsonl"
     bad_jsonl.write_text('{"text": "fine"}\n{"neither": 1}\n')
     return {"target": tiny_target, "corpus": corpus, "empty_text": str(empty_text), "no_text": str(no_text),
-            "blank": "", "bin_file": str(no_text / "data.bin"),
+            "blank": "", "bin_file": str(no_text / "data.bin"), "pickled": str(pickled),
+            "under_file": str(no_text / "data.bin" / "out"),
             "other": str(other), "partial": str(partial), "bad_jsonl": str(bad_jsonl),
             "out": str(tmp_path / "out")}  # fmt: skip
 
@@ -58,6 +62,11 @@ CASES = {
     "resume another method": ({"--out": "@other", "--resume": ""}, "holds a 'eagle' checkpoint, not 'draft_model'"),
     "resume without checkpoint": ({"--resume": ""}, "--resume: no checkpoint.pt"),
     "resume a foreign checkpoint": ({"--out": "@partial", "--resume": ""}, "is not a specdecode training checkpoint"),
+    "resume a pickle": ({"--out": "@pickled", "--resume": ""}, "pickled/checkpoint.pt is not a specdecode training"),
+    "out holds a drafter": ({"--out": "@other"}, "already holds a trained drafter (checkpoint.pt); --resume continues"),
+    "out under a file": ({"--out": "@under_file"}, "cannot be made: Not a directory"),
+    "seed past 2**32": ({"--seed": str(2**32)}, "--seed must be an integer in [0, 2**32)"),
+    "negative seed": ({"--seed": "-1"}, "--seed must be an integer in [0, 2**32)"),
 }
 
 
@@ -110,3 +119,14 @@ def test_the_trainable_methods_are_those_with_a_net():
 
     with_net = {m for m in method_names() if getattr(getattr(drafter_class(m), "Net", None), "method", None) == m}
     assert set(TRAINABLE) == with_net
+
+
+def test_overwrite_replaces_what_out_holds(capsys, folders):
+    common = ["--method", "medusa", "--target", folders["target"], "--data", folders["corpus"], "--steps", "1",
+              "--batch-size", "2", "--seq-len", "32", "--eval-batches", "1", "--dtype", "float32", "--device", "cpu",
+              "--quiet", "--out", folders["out"]]  # fmt: skip
+    assert main(["train", *common]) == 0
+    capsys.readouterr()
+    code, err = run_train(capsys, *common)  # a second run into the same folder is refused...
+    assert code == 2 and "already holds a trained drafter (checkpoint.pt, config.json)" in err, err
+    assert main(["train", *common, "--overwrite"]) == 0  # ...unless asked

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from specdecode.train.regenerate import instructions, main
 from tests.tiny import make_tiny_checkpoint
 
@@ -126,3 +128,21 @@ def test_odd_bytes_empty_shards_and_long_limits(tmp_path, capsys):
     assert main([*common, "--num", "1", "--max-prompt-tokens", "5000", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --max-prompt-tokens + --max-tokens = 5002 does not fit") and err.count("\n") == 1
+
+
+def test_an_answered_file_is_kept_and_flags_are_one_line(tmp_path, capsys):
+    out = tmp_path / "answers.jsonl"
+    out.write_text('{"messages": [{"role": "user", "content": "precious"}]}\n')
+    assert main(["--out", str(out), "--num", "1"]) == 2  # before any model loads
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --out {out} holds records already; --overwrite") and err.count("\n") == 1, err
+    assert "precious" in out.read_text()
+    new = ["--out", str(tmp_path / "new.jsonl")]
+    assert main([*new, "--temperature", "nan"]) == 2  # before any model loads
+    err = capsys.readouterr().err
+    assert err.startswith("error: temperature") and err.count("\n") == 1, err
+    for flags in (["--num", "abc"], ["--bogus"]):  # argparse's own errors: one line too
+        with pytest.raises(SystemExit) as stop:
+            main([*new, *flags])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
