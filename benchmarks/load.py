@@ -159,11 +159,15 @@ class ClosedLoop:
             self.submit[rid] = self.clock + time.perf_counter() - t0
             self.next_req += 1
             self.in_flight += 1
+        start = self.clock
         events = self.engine.step()
         self.clock += time.perf_counter() - t0
         for e in events:
             if e.new_token_ids and e.request_id not in self.first:
-                self.first[e.request_id] = self.clock
+                # when the event was made (e.at), on this loop's clock: a request's first token comes
+                # out of the prefill, before the same step's decode round, whose tokens its decode
+                # rate counts (timing it at the step's end credited that round to the prefill)
+                self.first[e.request_id] = start + (e.at - t0)
             if e.finish_reason is not None:
                 self.finish[e.request_id], self.n_out[e.request_id] = self.clock, e.num_output_tokens
                 self.stats[e.request_id] = e.stats

@@ -36,3 +36,33 @@ def test_recording_wraps_a_serving_engine_through_to_the_end(tmp_path, budget):
         engine.step()
     assert recording.steps and len(recording.passes) == len(recording.steps)
     assert all(positions >= rows.rows for (positions, _), rows in zip(recording.passes, recording.steps))
+
+
+def test_a_first_token_is_timed_when_the_prefill_made_it():
+    """A request's first token comes out of the prefill; the same step's decode round then runs.
+    Timed at the step's end, TTFT took that round in and the decode rate left it out."""
+    import time
+    from types import SimpleNamespace
+
+    from specdecode.engine.batch import SpecStats
+    from specdecode.engine.serving import RequestEvent
+
+    class Stub:  # one request: its first token, then a slow decode round in the same step
+        budget = SimpleNamespace(steps=[], passes=[])
+        pending: list[str] = []
+
+        def add_request(self, rid, prompt, params):
+            self.pending.append(rid)
+
+        def has_unfinished(self):
+            return bool(self.pending)
+
+        def step(self):
+            rid = self.pending.pop()
+            first = RequestEvent(rid, [1], None, SpecStats(), 3, 1)
+            time.sleep(0.05)  # the decode round
+            return [first, RequestEvent(rid, [2, 3], "length", SpecStats(), 3, 3)]
+
+    loop = _load().ClosedLoop(Stub(), [("chat", [1, 2, 3])], clients=1, num_requests=1, max_tokens=3)
+    loop.advance()
+    assert loop.done() and loop.first["r0"] <= loop.clock - 0.05
