@@ -4,8 +4,10 @@ Default model, CPU, batch 1, greedy, 128 new tokens, over the prompts in prompts
   1. our plain decoding against Hugging Face transformers `generate` (same model, dtype);
   2. `ngram` against our plain decoding on prompts whose answer reuses the input;
   3. `ngram` against transformers `prompt_lookup_num_tokens` on those prompts;
-  4. the measured speedup against Leviathan's formula, from the measured α and c. The
-     formula models decode rounds only, so it is compared with the decode speedup
+  4. the measured speedup against Leviathan's formula, from the measured α and c, and the
+     share f of rounds in which the lookup found a draft (the others emit one token:
+     `theory.expected_speedup(..., drafting=f)`; on chat prompts most rounds find none).
+     The formula models decode rounds only, so it is compared with the decode speedup
      (time after the first token; prefill is the same work with or without drafts).
 It also reports the token match rate of speculative against plain greedy (in bf16,
 rounding may differ between a 1-token and a (γ+1)-token pass).
@@ -104,6 +106,7 @@ def main() -> None:
             depth = m.num_draft_tokens / m.num_drafts if m.num_drafts else args.gamma
             c = timer.seconds / max(m.num_draft_tokens, 1) / step_s
             alpha = m.acceptance_rate  # accepted / reached: the formula's α
+            drafting = m.num_drafts / max(timer.calls, 1)  # rounds whose lookup found a draft
             rows.append({
                 "kind": kind,
                 "prompt": text[:40].replace("\n", " "),
@@ -117,7 +120,8 @@ def main() -> None:
                 "tokens_per_round": (len(spec_out.token_ids) - 1) / max(timer.calls, 1),  # the first is prefill's
                 "accepted_per_position": [n / max(m.num_drafts, 1) for n in m.accepted_per_position],
                 "c": c,
-                "predicted_speedup": expected_speedup(alpha, depth, c),
+                "drafting": drafting,
+                "predicted_speedup": expected_speedup(alpha, depth, c, drafting),
                 "match_vs_plain": prefix_match(spec_out.token_ids, base.token_ids),
                 "match_ours_vs_hf": prefix_match(base.token_ids, hf_ids),
                 "n_tokens": len(spec_out.token_ids),
@@ -135,14 +139,15 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     print(f"\n### dtype={args.dtype}, γ={args.gamma}, {args.max_tokens} new tokens, greedy, batch 1, "
           f"threads={torch.get_num_threads()}\n")
     print("| kind | prompt | ours plain tok/s | HF plain tok/s | ours/HF | ngram tok/s | ngram/ours plain | HF lookup tok/s "
-          "| ngram/HF lookup | α | τ | c | formula | decode speedup | decode/formula | match vs plain |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| ngram/HF lookup | α | τ | c | rounds drafting | formula | decode speedup | decode/formula | match vs plain |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         sp = r["ours_ngram_tps"] / r["ours_plain_tps"]
         print(f"| {r['kind']} | {r['prompt']} | {r['ours_plain_tps']:.1f} | {r['hf_plain_tps']:.1f} | "
               f"{r['ours_plain_tps'] / r['hf_plain_tps']:.2f}x | {r['ours_ngram_tps']:.1f} | {sp:.2f}x | "
               f"{r['hf_lookup_tps']:.1f} | {r['ours_ngram_tps'] / r['hf_lookup_tps']:.2f}x | {r['alpha']:.2f} | "
-              f"{r['tau']:.2f} | {r['c']:.3f} | {r['predicted_speedup']:.2f}x | {r['decode_speedup']:.2f}x | "
+              f"{r['tau']:.2f} | {r['c']:.3f} | {r['drafting']:.2f} | {r['predicted_speedup']:.2f}x | "
+              f"{r['decode_speedup']:.2f}x | "
               f"{r['decode_speedup'] / r['predicted_speedup']:.2f} | {r['match_vs_plain']:.2f} |")
     for kind in sorted({r["kind"] for r in rows}):
         sel = [r for r in rows if r["kind"] == kind]

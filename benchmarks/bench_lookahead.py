@@ -13,7 +13,7 @@ ratios) is far steadier, since time spent waiting for a core is not counted. Eac
 
 The formula. Leviathan's (1 − α^(γ+1)) / ((1 − α)(γc + 1)) with γ = N − 1 (a guess's
 depth), α = accepted / reached draft tokens over rounds that had a guess, and c = the
-drafter's host time per round (propose + on_verified) / γ / one plain decode step. It
+drafter's CPU time per round (propose + on_verified) / γ / one plain decode step's CPU time. It
 assumes a verify pass costs one plain step and that every round drafts. The *costed*
 prediction drops both assumptions with measured quantities: the formula's tokens per
 drafted round, weighted by f (the fraction of rounds whose root had a pool guess; the
@@ -77,7 +77,9 @@ def main() -> None:
     llms = {text: LLM(model=args.model, speculative_config=parse_config(text), dtype=args.dtype, device="cpu", quantization=args.quantization)
             for text in args.configs}  # fmt: skip
     engines = {text: llm.engine for text, llm in llms.items()}
-    timers = {text: [Timer(e.drafter, "propose"), Timer(e.drafter, "on_verified")] for text, e in engines.items()}
+    # CPU seconds, as the runs and plain steps they are set against (wall time is half that at 2 threads)
+    timers = {text: [Timer(e.drafter, m, clock=time.process_time) for m in ("propose", "on_verified")]
+              for text, e in engines.items()}  # fmt: skip
     first = llms[args.configs[0]]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
 
@@ -144,7 +146,8 @@ def summarize(kind: str, text: str, name: str, plain_runs: list, spec_runs: list
         "spec_tps": statistics.median(s.metrics.decode_tokens_per_s for s, _ in spec_runs),
         "speedup": statistics.median(decode_ratio), "speedup_min": min(decode_ratio), "speedup_max": max(decode_ratio),
         "e2e_speedup": statistics.median(e2e_ratio), "cpu_speedup": statistics.median(cpu_ratio),
-        "alpha": alpha, "tau": m.mean_accepted_length, "guess_rate": f, "tokens_per_round": len(out.token_ids) / max(rounds, 1),
+        "alpha": alpha, "tau": m.mean_accepted_length, "guess_rate": f,
+        "tokens_per_round": (len(out.token_ids) - 1) / max(rounds, 1),  # the first comes from prefill
         "c": c, "verify_cost": v, "formula": expected_speedup(alpha, gamma, c),
         "formula_costed": tokens_per_round / (gamma * c + v),
         "draft_ms": draft_round_s * 1e3,

@@ -4,11 +4,12 @@ Default model, CPU, batch 1, greedy: 20 short chat prompts, run 5 times over. Ea
 prompt is decoded plainly and with ``suffix`` back to back (so both see the same CPU
 load), and one `LLM` -- hence one drafter and one global tree -- serves every
 repetition, so from the second repetition on earlier answers are drafted from.
-Per repetition it prints acceptance α, τ (tokens per drafting round), tokens/s for
-both, the speedup, and the drafter's own time (propose + on_verified) per round as a
-percentage of a plain target step, and Leviathan's formula at the measured α with γ =
-the mean drafted depth per drafting round ((τ − 1) / α) and γc = the drafter's time per
-round over a plain step. The CPU may be shared: timings are noisy, ratios less so.
+Per repetition it prints acceptance α (accepted / reached draft tokens), τ (tokens per
+drafting round), tokens/s for both, the speedup, and the drafter's own time (propose +
+on_verified) per round as a percentage of a plain target step, and Leviathan's formula at
+the measured α with γ = the mean drafted depth per drafting round, over the share of
+rounds that found a suffix (the others emit one token), with the drafter's time paid every
+round. The CPU may be shared: timings are noisy, ratios less so.
 
     python benchmarks/bench_suffix.py [--reps 5] [--max-tokens 128] [--gamma 24] [--threads 1] [--json out.json]
 
@@ -29,7 +30,7 @@ import torch
 from timing import Timer
 
 from specdecode import LLM, SamplingParams
-from specdecode.theory import expected_tokens_per_round
+from specdecode.theory import expected_speedup
 
 PROMPTS = [
     "What is the capital of France?",
@@ -83,7 +84,7 @@ def main() -> None:
     reps = []
     for rep in range(1, args.reps + 1):
         r = dict(rep=rep, plain_s=0.0, plain_tokens=0, plain_decode_s=0.0, spec_s=0.0, spec_tokens=0,
-                 drafts=0, draft_tokens=0, accepted=0, draft_s=0.0, rounds=0, same=0)  # fmt: skip
+                 drafts=0, draft_tokens=0, reached=0, accepted=0, draft_s=0.0, rounds=0, same=0)  # fmt: skip
         global_before = drafter.stats.global_
         for ids in prompts:
             base = llm.generate([ids], params, speculative=False)[0]
@@ -98,6 +99,7 @@ def main() -> None:
             r["spec_tokens"] += m.num_generated_tokens
             r["drafts"] += m.num_drafts
             r["draft_tokens"] += m.num_draft_tokens
+            r["reached"] += m.num_reached_tokens
             r["accepted"] += m.num_accepted_tokens
             r["draft_s"] += sum(t.seconds for t in timers)
             r["rounds"] += timers[0].calls
@@ -120,22 +122,26 @@ def main() -> None:
 
 
 def table_cells(r: dict, n: int) -> list:
-    alpha = r["accepted"] / r["draft_tokens"] if r["draft_tokens"] else 0.0
+    alpha = r["accepted"] / r["reached"] if r["reached"] else 0.0  # accepted / reached, as everywhere
     tau = 1 + r["accepted"] / r["drafts"] if r["drafts"] else 1.0
     plain_tps, spec_tps = r["plain_tokens"] / r["plain_s"], r["spec_tokens"] / r["spec_s"]
     step_s = r["plain_decode_s"] / max(r["plain_tokens"] - n, 1)  # one plain decode step
     draft_round_s = r["draft_s"] / max(r["rounds"], 1)
     return [r["rep"], f"{alpha:.2f}", f"{tau:.2f}", f"{plain_tps:.1f}", f"{spec_tps:.1f}", f"{spec_tps / plain_tps:.2f}x",
-            f"{formula(alpha, tau, draft_round_s / step_s):.2f}x", f"{draft_round_s * 1e3:.2f}", f"{100 * draft_round_s / step_s:.1f}%",
-            f"{r['global_rounds']}/{r['rounds']}", f"{r['same']}/{n}"]
+            f"{formula(r, alpha, draft_round_s / step_s):.2f}x", f"{draft_round_s * 1e3:.2f}",
+            f"{100 * draft_round_s / step_s:.1f}%", f"{r['global_rounds']}/{r['rounds']}", f"{r['same']}/{n}"]
 
 
-def formula(alpha: float, tau: float, draft_cost: float) -> float:
-    """Leviathan's speedup with γ = the mean drafted depth (τ − 1) / α and γc = ``draft_cost``
-    (the drafter's time per round over a plain step); a verify pass is taken to cost one step."""
-    if alpha == 0.0:
+def formula(r: dict, alpha: float, draft_cost: float) -> float:
+    """Leviathan's speedup at γ = the mean drafted depth, over the share of rounds that found a
+    suffix (the others emit one token), with the drafter's time per round (``draft_cost``, in
+    plain steps) paid in every round; a verify pass is taken to cost one step."""
+    rounds = max(r["rounds"], 1)
+    if not r["drafts"]:
         return 1.0 / (1.0 + draft_cost)
-    return expected_tokens_per_round(alpha, (tau - 1) / alpha) / (1.0 + draft_cost)
+    depth, drafting = r["draft_tokens"] / r["drafts"], r["drafts"] / rounds
+    c = draft_cost * rounds / r["drafts"] / depth  # per drafted token: γc·f = the draft time per round
+    return expected_speedup(alpha, depth, c, drafting)
 
 
 def fmt_row(r: dict, n: int) -> str:

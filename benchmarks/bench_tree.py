@@ -5,9 +5,11 @@ most ``--positions`` positions per round (root included): the chain has γ = pos
 tokens; the tree merges up to ``--matches`` n-gram matches, ``positions−1`` nodes in all,
 depth up to ``--depth``. Reports τ (mean accepted length), tokens per round, tokens/s
 and the speedup over plain decoding, and Leviathan's formula for each: α = accepted /
-drafted depth, γ = the mean drafted depth per drafting round (for a tree, the depth of
-its deepest path), c = 0 (n-gram drafting costs under 1% of a step). For a tree the
-formula is an analogy: α is then the acceptance per level along the accepted path.
+reached draft tokens, γ = the mean drafted depth per drafting round (for a tree, the depth
+of its deepest path), c = the measured lookup time (`propose`) per drafted token over a
+plain step, and f = the share of rounds that found a draft (the others emit one token:
+`theory.expected_speedup(..., drafting=f)`). For a tree the formula is an analogy: α is
+then the acceptance per level along the accepted path.
 
     python benchmarks/bench_tree.py [--positions 9] [--matches 4] [--depth 8] [--max-tokens 128]
 """
@@ -18,6 +20,8 @@ import argparse
 import json
 import statistics
 from pathlib import Path
+
+from timing import Timer
 
 from specdecode import LLM, SamplingParams
 from specdecode.theory import expected_speedup
@@ -41,6 +45,7 @@ def main() -> None:
                 speculative_config={"method": "ngram", "num_speculative_tokens": n})  # fmt: skip
     tree = LLM(model=args.model, dtype=args.dtype, device="cpu", quantization=args.quantization, speculative_config={
         "method": "ngram", "num_speculative_tokens": args.depth, "max_matches": args.matches, "num_draft_tokens": n})  # fmt: skip
+    timers = {llm: Timer(llm.engine.drafter, "propose") for llm in (chain, tree)}  # the lookups' cost, for c
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     warm = chain.encode_chat("Hi")
     for llm in (chain, tree):
@@ -55,12 +60,16 @@ def main() -> None:
         for text in texts:
             ids = chain.encode_chat(text)
             base = chain.generate([ids], params, speculative=False)[0].metrics
-            c = chain.generate([ids], params)[0].metrics
-            t = tree.generate([ids], params)[0].metrics
+            step_s = 1.0 / max(base.decode_tokens_per_s, 1e-9)  # one plain decode step
+            spec = {}
+            for llm in (chain, tree):
+                timers[llm].seconds, timers[llm].calls = 0.0, 0
+                spec[llm] = llm.generate([ids], params)[0].metrics
+            c, t = spec[chain], spec[tree]
             r = {"kind": kind, "plain": base.decode_tokens_per_s, "chain_tau": c.mean_accepted_length,
                  "chain_tps": c.decode_tokens_per_s, "tree_tau": t.mean_accepted_length, "tree_tps": t.decode_tokens_per_s,
                  "chain_alpha": c.acceptance_rate, "tree_alpha": t.acceptance_rate,
-                 "chain_formula": formula(c), "tree_formula": formula(t)}  # fmt: skip
+                 "chain_formula": formula(c, timers[chain], step_s), "tree_formula": formula(t, timers[tree], step_s)}  # fmt: skip
             rows.append(r)
             print(f"| {kind} | {text[:32]!r} | {r['plain']:.1f} | {r['chain_alpha']:.2f} | {r['chain_tau']:.2f} | "
                   f"{r['chain_tps']:.1f} | {r['chain_tps'] / r['plain']:.2f}x | {r['chain_formula']:.2f}x | "
@@ -74,11 +83,14 @@ def main() -> None:
               f"formula: chain {g(lambda r: r['chain_formula']):.2f}x, tree {g(lambda r: r['tree_formula']):.2f}x")
 
 
-def formula(m) -> float:
-    """Leviathan's speedup at the run's α, with γ = its mean drafted depth and c = 0."""
+def formula(m, timer: Timer, step_s: float) -> float:
+    """Leviathan's speedup at the run's α, γ = its mean drafted depth, c = its lookups' time per
+    drafted token over a plain step, over the share of rounds that drafted."""
+    rounds = max(timer.calls, 1)
     if not m.num_drafts:
-        return 1.0
-    return expected_speedup(m.acceptance_rate, m.num_draft_tokens / m.num_drafts, 0.0)
+        return 1.0 / (1.0 + timer.seconds / rounds / step_s)  # every round one token, lookups paid
+    c = timer.seconds / m.num_draft_tokens / step_s
+    return expected_speedup(m.acceptance_rate, m.num_draft_tokens / m.num_drafts, c, m.num_drafts / rounds)
 
 
 if __name__ == "__main__":

@@ -28,10 +28,16 @@ def expected_tokens_per_round(alpha: float, gamma: int) -> float:
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
-def expected_speedup(alpha: float, gamma: int, c: float = 0.05) -> float:
-    """Speedup = (1 − α^{γ+1}) / ((1 − α)(γc + 1)), assuming verifying γ+1 positions costs one step."""
+def expected_speedup(alpha: float, gamma: int, c: float = 0.05, drafting: float = 1.0) -> float:
+    """Speedup = (1 − α^{γ+1}) / ((1 − α)(γc + 1)), assuming verifying γ+1 positions costs one step.
+
+    ``drafting`` < 1: only that share f of rounds has a draft (an n-gram or suffix lookup that
+    finds no match drafts nothing); the others emit one token and pay no draft, so
+    (f·E[tokens] + 1 − f) / (f·γc + 1). Measured α, γ and c are then those of drafting rounds."""
     _check(alpha, gamma, c)
-    return expected_tokens_per_round(alpha, gamma) / (gamma * c + 1.0)
+    if not 0.0 <= drafting <= 1.0:
+        raise SpecDecodeError(f"drafting must be in [0, 1], got {drafting}")
+    return (drafting * expected_tokens_per_round(alpha, gamma) + 1.0 - drafting) / (drafting * gamma * c + 1.0)
 
 
 def optimal_gamma(alpha: float, c: float = 0.05, max_gamma: int = MAX_SPECULATIVE_TOKENS) -> int:
