@@ -10,24 +10,26 @@ over plain's, and the summary is the geometric mean.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import torch
+from args import decode_tokens, positive_int, run
 
 from specdecode import LLM, SamplingParams
+from specdecode.entrypoints.cli import OneLineParser
 
 HERE = Path(__file__).resolve().parent
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main() -> int:
+    ap = OneLineParser(description=__doc__.split("\n")[0])
     ap.add_argument("--method", default="eagle")
-    ap.add_argument("--gammas", nargs="+", type=int, default=[2, 3])
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--gammas", nargs="+", type=positive_int, default=[2, 3])
+    ap.add_argument("--max-tokens", type=decode_tokens, default=128)
+    ap.add_argument("--threads", type=positive_int, default=None)
     ap.add_argument("--quantization", default="none", help="weights: none (the documented runs: bf16), gguf, int8, int4, auto")
     ap.add_argument("--prompts", choices=("learned", "reuse"), default="learned")
     args = ap.parse_args()
@@ -39,7 +41,8 @@ def main() -> None:
         prompts = json.loads((HERE / "prompts_learned.json").read_text())
     configs = {f"γ={g}": {"method": args.method, "num_speculative_tokens": g} for g in args.gammas}
     configs["auto"] = {"method": args.method, "num_speculative_tokens": "auto"}
-    llms = {name: LLM(speculative_config=spec, dtype="bfloat16", quantization=args.quantization) for name, spec in configs.items()}
+    llms = {name: LLM(speculative_config=spec, dtype="bfloat16", device="cpu", quantization=args.quantization)
+            for name, spec in configs.items()}  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     for llm in llms.values():  # untimed: the first passes of a process are cold (allocator, kernels, graphs)
         warm = llm.encode_chat("Hi")
@@ -57,7 +60,8 @@ def main() -> None:
     print(f"\n{args.method}, geometric mean decode speedup over {len(ratios['auto'])} prompts:")
     for name, r in ratios.items():
         print(f"  {name:5s} {statistics.geometric_mean(r):.3f}x")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main))

@@ -17,12 +17,14 @@ with no fused path.
 
 from __future__ import annotations
 
-import argparse
 import statistics
+import sys
 import time
 
 import torch
+from args import positive_int, run
 
+from specdecode.entrypoints.cli import OneLineParser
 from specdecode.model.compiled import compile_blocks, parse_compile
 from specdecode.model.cpu_block import MAX_POSITIONS
 from specdecode.model.loader import load_model
@@ -50,13 +52,13 @@ def one_pass(model, B: int, T: int, prompt: int) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main() -> int:
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modes", nargs="+", default=["none", "gguf"], help="quantization: none (bf16 weights), gguf")
     ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
-    ap.add_argument("--device", default="cpu", help="cpu or cuda (where the fused block does not run)")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: the fused block does not run")
+    ap.add_argument("--threads", type=positive_int, default=2)
+    ap.add_argument("--rounds", type=positive_int, default=9)
     ap.add_argument("--compiled", nargs="?", const="auto", default=None,
                     help="also the torch blocks under torch.compile, in this mode (auto = default; reduce-overhead: CUDA graphs)")
     args = ap.parse_args()
@@ -92,7 +94,8 @@ def main() -> None:
                 ratios = " | ".join(f"{m / med[0]:.2f}x" for m in med[1:])
                 print(f"| {w} | {kind}{note} | {B} x {T} | {' | '.join(f'{m:.1f}' for m in med)} | {ratios} |", flush=True)
         del model
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main))

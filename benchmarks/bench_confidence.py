@@ -14,27 +14,31 @@ decoding (geometric mean over the prompts) and the draft tokens verified per rou
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import torch
+from args import decode_tokens, nonneg_float, positive_int, run, unit_float
 
 from specdecode import LLM, SamplingParams
+from specdecode.config import SpecDecodeError
+from specdecode.entrypoints.cli import OneLineParser
 
 HERE = Path(__file__).resolve().parent
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main() -> int:
+    ap = OneLineParser(description=__doc__.split("\n")[0])
     ap.add_argument("--method", default="eagle", choices=["eagle", "eagle3", "mtp", "dflash"])
     ap.add_argument("--head", default=None, help="an eagle folder with a confidence head: also compare the head")
-    ap.add_argument("--confidence-threshold", type=float, default=0.0, help="the drafter's stop (0: none)")
-    ap.add_argument("--fixed", type=int, nargs="*", default=[], help="also these fixed γ (no adaptive budget)")
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--confidence-threshold", type=unit_float, default=0.0, help="the drafter's stop (0: none)")
+    ap.add_argument("--fixed", type=positive_int, nargs="*", default=[],
+                    help="also these fixed γ (no adaptive budget)")
+    ap.add_argument("--temperature", type=nonneg_float, default=0.0)
+    ap.add_argument("--max-tokens", type=decode_tokens, default=128)
+    ap.add_argument("--threads", type=positive_int, default=None)
     ap.add_argument("--quantization", default="none", help="weights: none (bf16), gguf, int8, int4, auto")
     args = ap.parse_args()
     if args.threads:
@@ -45,7 +49,7 @@ def main() -> None:
         spec["confidence_threshold"] = args.confidence_threshold
 
     def load(s: dict) -> LLM:
-        return LLM(speculative_config=s, dtype="bfloat16", quantization=args.quantization)
+        return LLM(speculative_config=s, dtype="bfloat16", device="cpu", quantization=args.quantization)
 
     online, own = load(spec), load(spec)
     online.engine.drafter.report_confidence = False  # ablation: the same drafts, budgeted on online counts
@@ -53,7 +57,7 @@ def main() -> None:
     if args.head:
         head = load({**spec, "model": args.head})
         if head.engine.drafter.net.confidence is None:
-            raise SystemExit("that folder has no confidence head (train one with --init and confidence_head)")
+            raise SpecDecodeError(f"{args.head} has no confidence head (train one with --init and confidence_head)")
         variants.append(("confidence head", head))
     variants += [(f"fixed γ = {g}", load({**spec, "num_speculative_tokens": g})) for g in args.fixed]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
@@ -81,7 +85,8 @@ def main() -> None:
             ece = f"ECE before STS {before:.3f}  after {after:.3f}  ({len(acceptance.records)} rounds)  "
         print(f"{name:17s} {ece:48s}drafts/round {statistics.mean(drafts[name]):.2f}  "
               f"decode speedup {statistics.geometric_mean(ratios[name]):.3f}x", flush=True)  # fmt: skip
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main))

@@ -20,14 +20,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
-
+from args import decode_tokens, out_path, positive_int, run
 from timing import Timer
 
 from specdecode import LLM, SamplingParams
+from specdecode.entrypoints.cli import OneLineParser
 from specdecode.theory import expected_speedup
 
 HERE = Path(__file__).parent
@@ -63,15 +65,15 @@ def prefix_match(a: list[int], b: list[int]) -> float:
     return n / max(len(a), len(b), 1)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main() -> int:
+    ap = OneLineParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quantization", default="none", help="weights: none (the documented runs: bf16), gguf, int8, int4, auto")
-    ap.add_argument("--gamma", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--json", default=None, help="also write the raw results here")
+    ap.add_argument("--gamma", type=positive_int, default=8)
+    ap.add_argument("--max-tokens", type=decode_tokens, default=128)
+    ap.add_argument("--threads", type=positive_int, default=None)
+    ap.add_argument("--json", type=out_path, default=None, help="also write the raw results here")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -133,6 +135,7 @@ def main() -> None:
     print_table(rows, args)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    return 0
 
 
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
@@ -160,4 +163,4 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main))

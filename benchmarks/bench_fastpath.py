@@ -25,17 +25,18 @@ format (the fastest of ``--specs`` on that kind), and checks the issue's targets
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
-
+from args import out_path, positive_int, run
 from bench_core import load_hf, time_hf
 
 from specdecode import LLM, SamplingParams
+from specdecode.entrypoints.cli import OneLineParser
 from specdecode.model.loader import default_model_path
 
 HERE = Path(__file__).parent
@@ -88,13 +89,13 @@ def time_llama(llm, ids: list[int], max_tokens: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--max-tokens", type=int, default=128)
+def main() -> int:
+    ap = OneLineParser()
+    ap.add_argument("--threads", type=positive_int, default=2)
+    ap.add_argument("--max-tokens", type=positive_int, default=128)
     ap.add_argument("--modes", nargs="+", default=list(QUANT), choices=list(QUANT))
     ap.add_argument("--specs", nargs="+", default=["ngram", "eagle", "mtp"], choices=list(SPECS))
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", type=out_path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     prompts = load_prompts()
@@ -143,6 +144,7 @@ def main() -> None:
     report(rows, prompts, args)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "prompts": prompts, "tokens_per_s": rows}, indent=1))
+    return 0
 
 
 def report(rows: dict[str, list[float]], prompts: list[tuple[str, str]], args) -> None:
@@ -186,4 +188,4 @@ def report(rows: dict[str, list[float]], prompts: list[tuple[str, str]], args) -
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main))

@@ -16,11 +16,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import subprocess
+import sys
 import time
 from ctypes import CDLL
 
 import torch
+from args import positive_int, run
 
+from specdecode.entrypoints.cli import OneLineParser
 from specdecode.model import cpu_int4
 from specdecode.model.quant import Int4Linear
 
@@ -43,6 +46,14 @@ def build(isa: str, rev: str | None) -> CDLL:
     return lib
 
 
+def rev_arg(rev: str) -> str:
+    """--rev's type: a commit of the repository here."""
+    found = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], capture_output=True)
+    if found.returncode:
+        raise argparse.ArgumentTypeError(f"{rev!r} is not a commit of the git repository here")
+    return rev
+
+
 def time_gemm(lib: CDLL, lins: list[Int4Linear], rows: int, threads: int, reps: int = 40) -> float:
     """Median seconds of one int4_gemm over every shape at ``rows`` rows."""
     xs = [torch.randn(rows, k).bfloat16() for _, k in SHAPES]
@@ -58,13 +69,13 @@ def time_gemm(lib: CDLL, lins: list[Int4Linear], rows: int, threads: int, reps: 
     return statistics.median(times)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rev", default="HEAD", help="the revision to compare the working tree with")
+def main() -> int:
+    ap = OneLineParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rev", type=rev_arg, default="HEAD", help="the revision to compare the working tree with")
     ap.add_argument("--isa", default="avx2", choices=sorted(cpu_int4.CPU_ISAS))
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5])
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", type=positive_int, nargs="+", default=[1, 2, 3, 4, 5])
+    ap.add_argument("--rounds", type=positive_int, default=7)
+    ap.add_argument("--threads", type=positive_int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     libs = {args.rev: build(args.isa, args.rev), "working tree": build(args.isa, None)}
@@ -81,7 +92,8 @@ def main() -> None:
     for rows in args.rows:
         a, b = (statistics.median(runs[name, rows]) * 1e6 for name in libs)
         print(f"| {rows} | {a:.0f} | {b:.0f} | {b / a:.3f} |")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main))

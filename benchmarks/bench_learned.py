@@ -22,12 +22,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 import torch
+from args import decode_tokens, nonneg_float, out_path, positive_int, run
 from timing import Timer, paired_interval
 
 from specdecode import LLM, SamplingParams
+from specdecode.config import SpecConfig, SpecDecodeError
+from specdecode.entrypoints.cli import OneLineParser
 from specdecode.entrypoints.llm import RequestOutput
 from specdecode.theory import expected_speedup
 
@@ -48,10 +52,26 @@ METHODS = {
 def parse_method(arg: str) -> tuple[str, dict]:
     if "=" in arg:
         name, spec = arg.split("=", 1)
-        return name, json.loads(spec)
+        try:
+            spec = json.loads(spec)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{arg!r}: the speculative_config after '=' is not JSON ({e})") from None
+        if not name or not isinstance(spec, dict):
+            raise argparse.ArgumentTypeError(f"{arg!r}: give NAME=JSON with a name and a JSON object")
+        try:
+            SpecConfig.parse(spec)  # its errors before any model loads
+        except SpecDecodeError as e:
+            raise argparse.ArgumentTypeError(f"{arg!r}: {e}") from None
+        return name, spec
     if arg not in METHODS:
-        raise SystemExit(f"unknown method {arg!r}; give NAME=JSON or one of {', '.join(METHODS)}")
+        raise argparse.ArgumentTypeError(f"unknown method {arg!r}; give NAME=JSON or one of {', '.join(METHODS)}")
     return arg, METHODS[arg]
+
+
+def method_arg(arg: str) -> str:
+    """--methods' type: ``arg`` as given, once `parse_method` takes it."""
+    parse_method(arg)
+    return arg
 
 
 def geomean(xs: list[float]) -> float:
@@ -59,27 +79,29 @@ def geomean(xs: list[float]) -> float:
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else 0.0
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main() -> int:
+    ap = OneLineParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quantization", default=None, help="none, int8, int4, gguf: the target's and the nets' weights")
-    ap.add_argument("--methods", nargs="+",
+    ap.add_argument("--methods", nargs="+", type=method_arg,
                     default=["layer_skip", "eagle", "eagle_tree", "eagle_g8", "eagle3", "mtp", "medusa", "dflash"])
-    ap.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 0.7])
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--temperatures", nargs="+", type=nonneg_float, default=[0.0, 0.7])
+    ap.add_argument("--max-tokens", type=decode_tokens, default=128)
+    ap.add_argument("--threads", type=positive_int, default=None)
     ap.add_argument("--prompts", default=str(HERE / "prompts_learned.json"))
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--plot", default=None, help="PNG of acceptance by position (greedy), one line per method")
-    ap.add_argument("--repeats", type=int, default=1,
+    ap.add_argument("--json", type=out_path, default=None)
+    ap.add_argument("--plot", type=out_path, default=None,
+                    help="PNG of acceptance by position (greedy), one line per method")
+    ap.add_argument("--repeats", type=positive_int, default=1,
                     help="runs of each prompt: plain, then the methods in an order rotated each time")
     args = ap.parse_args()
-    if args.repeats < 1:
-        ap.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    prompts = json.loads(Path(args.prompts).read_text())
+    try:
+        prompts = json.loads(Path(args.prompts).read_text())
+    except (OSError, ValueError) as e:
+        raise SpecDecodeError(f"cannot read --prompts {args.prompts}: {e}") from None
     plain = LLM(model=args.model, dtype=args.dtype, device="cpu", quantization=args.quantization)
     methods = [parse_method(m) for m in args.methods]
     llms, timers = {}, {}
@@ -114,6 +136,7 @@ def main() -> None:
     if args.plot:
         model = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
         plot(rows, [n for n, _ in methods], args.plot, f"{model}, {args.quantization or args.dtype} weights (CPU)")
+    return 0
 
 
 def run_method(
@@ -204,4 +227,4 @@ def plot(rows: list[dict], names: list[str], path: str, what: str) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main))

@@ -33,26 +33,53 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
-
+from args import decode_tokens, out_path, positive_int, run
 from timing import Timer
 
 from specdecode import LLM, SamplingParams
+from specdecode.config import SpecConfig, SpecDecodeError
+from specdecode.entrypoints.cli import OneLineParser
 from specdecode.theory import expected_speedup, expected_tokens_per_round
 
 HERE = Path(__file__).parent
+FLAGS = ("noprompt", "nooutput")  # a config's optional parts
 
 
 def parse_config(text: str) -> dict:
     parts = text.split(",")
-    W, N, G = (int(x) for x in parts[:3])
+    try:
+        W, N, G = (int(x) for x in parts[:3])
+    except ValueError:
+        W = None
+    if W is None or not set(parts[3:]) <= set(FLAGS):
+        raise argparse.ArgumentTypeError(f"a config is W,N,G[,noprompt][,nooutput] (three integers), got {text!r}")
     spec = {"method": "lookahead", "lookahead_window": W, "lookahead_ngram": N, "lookahead_guess": G}
     spec["pool_from_prompt"] = "noprompt" not in parts[3:]
     spec["pool_from_output"] = "nooutput" not in parts[3:]
     return spec
+
+
+def config_arg(text: str) -> str:
+    """--configs' type: ``text`` as given, once `parse_config` and `SpecConfig` take it."""
+    try:
+        SpecConfig.parse(parse_config(text))
+    except SpecDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    return text
+
+
+def kinds_arg(text: str) -> str:
+    """--kinds' type: ``text`` as given, once each of its kinds is one of prompts.json's."""
+    known = json.loads((HERE / "prompts.json").read_text())
+    for kind in text.split(","):
+        if kind not in known:
+            raise argparse.ArgumentTypeError(f"unknown kind {kind!r}; choose from {', '.join(known)}")
+    return text
 
 
 def prefix_match(a: list[int], b: list[int]) -> float:
@@ -60,17 +87,17 @@ def prefix_match(a: list[int], b: list[int]) -> float:
     return n / max(len(a), len(b), 1)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main() -> int:
+    ap = OneLineParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quantization", default="none", help="weights: none (the documented runs: bf16), gguf, int8, int4, auto")
-    ap.add_argument("--configs", nargs="+", default=["2,5,4"], help="W,N,G[,noprompt][,nooutput] ...")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--kinds", default="input_reuse,chat")
-    ap.add_argument("--json", default=None, help="also write the raw results here")
+    ap.add_argument("--configs", nargs="+", type=config_arg, default=["2,5,4"], help="W,N,G[,noprompt][,nooutput] ...")
+    ap.add_argument("--reps", type=positive_int, default=3)
+    ap.add_argument("--max-tokens", type=decode_tokens, default=128)
+    ap.add_argument("--threads", type=positive_int, default=2)
+    ap.add_argument("--kinds", type=kinds_arg, default="input_reuse,chat")
+    ap.add_argument("--json", type=out_path, default=None, help="also write the raw results here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     prompts = json.loads((HERE / "prompts.json").read_text())
@@ -119,6 +146,7 @@ def main() -> None:
     print_table(rows, args)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    return 0
 
 
 def summarize(kind: str, text: str, name: str, plain_runs: list, spec_runs: list, engine) -> dict:
@@ -184,4 +212,4 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main))

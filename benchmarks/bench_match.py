@@ -13,14 +13,16 @@ are not measured here (see bench_quant.py and bench_core.py).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import torch
+from args import out_path, positive_int, run
 
 from specdecode import LLM, SamplingParams
+from specdecode.entrypoints.cli import OneLineParser
 
 HERE = Path(__file__).resolve().parent
 MODES = {"bf16": None, "int8": "int8", "gguf Q4_1": "gguf", "gguf Q4_1 a8": "gguf-a8"}
@@ -31,12 +33,12 @@ def prefix_match(a: list[int], b: list[int]) -> float:
     return n / max(len(b), 1)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--plot", default=None, help="PNG bar chart of the mean match rate")
-    ap.add_argument("--json", default=None)
+def main() -> int:
+    ap = OneLineParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--max-tokens", type=positive_int, default=128)
+    ap.add_argument("--threads", type=positive_int, default=None)
+    ap.add_argument("--plot", type=out_path, default=None, help="PNG bar chart of the mean match rate")
+    ap.add_argument("--json", type=out_path, default=None)
     ap.add_argument("--modes", nargs="+", default=["bf16", "int8", "gguf"], choices=["bf16", "int8", "gguf", "gguf-a8"],
                     help="weight formats (gguf-a8: int8 activations)")
     args = ap.parse_args()
@@ -50,7 +52,8 @@ def main() -> None:
     rows = []
     for mode, quant in modes.items():
         for invariant in (False, True):
-            llm = LLM(speculative_config=spec, dtype="bfloat16", quantization=quant, batch_invariant=invariant)
+            llm = LLM(speculative_config=spec, dtype="bfloat16", device="cpu", quantization=quant,
+                      batch_invariant=invariant)  # fmt: skip
             for kind, text in texts:
                 ids = llm.encode_chat(text)
                 plain = llm.generate([ids], params, speculative=False)[0].token_ids
@@ -89,7 +92,8 @@ def main() -> None:
         fig.tight_layout()
         fig.savefig(args.plot, dpi=110)
         print(f"wrote {args.plot}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main))

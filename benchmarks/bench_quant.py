@@ -24,10 +24,14 @@ import time
 from dataclasses import replace
 
 import torch
+from args import decode_tokens, positive_int, run
 
+from specdecode.config import SpecDecodeError
+from specdecode.entrypoints.cli import OneLineParser
+from specdecode.model.cpu_int4 import INT4_CPU_KERNELS
 from specdecode.model.gguf_convert import gguf_int4_weights
 from specdecode.model.loader import default_model_path, load_model, use_gguf_blocks_
-from specdecode.model.quant import describe_kernels, quantize_model_
+from specdecode.model.quant import describe_kernels, parse_quantization, quantize_model_
 
 PROMPT = "Explain in a few sentences why the sky is blue, then list three other colours of the sky at dusk."
 
@@ -49,6 +53,26 @@ def load(mode: str):
     else:
         quantize_model_(lm.model, quant, int4_kernel=kernel)
     return lm
+
+
+def modes_arg(text: str) -> list[str]:
+    """--modes' type: quantizations, each optionally @KERNEL (an int4 kernel, or planes for gguf)."""
+    modes = text.split(",")
+    for mode in modes:
+        quant, _, kernel = mode.partition("@")
+        try:
+            parse_quantization(quant)
+        except SpecDecodeError as e:
+            raise argparse.ArgumentTypeError(f"{mode!r}: {e}") from None
+        kernels = (*INT4_CPU_KERNELS, "planes") if quant == "gguf" else INT4_CPU_KERNELS
+        if kernel and (kernel not in kernels or not (quant.startswith("int4") or quant == "gguf")):
+            raise argparse.ArgumentTypeError(f"{mode!r}: @KERNEL goes with int4* or gguf, one of {', '.join(kernels)}")
+    return modes
+
+
+def positions_arg(text: str) -> list[int]:
+    """--positions' type: a comma-separated list of integers >= 1."""
+    return [positive_int(m) for m in text.split(",")]
 
 
 def forward_ms(model, cache, context: torch.Tensor, m: int) -> float:
@@ -76,19 +100,18 @@ def greedy(model, ids: torch.Tensor, n: int) -> tuple[list[int], float]:
     return out, time.perf_counter() - t_first
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--modes", default="none,int8,int4@stock,int4,gguf@stock,gguf")
-    ap.add_argument("--positions", default="1,2,5,9,16")
-    ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--decode-rounds", type=int, default=3)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=None)
+def main() -> int:
+    ap = OneLineParser()
+    ap.add_argument("--modes", type=modes_arg, default="none,int8,int4@stock,int4,gguf@stock,gguf")
+    ap.add_argument("--positions", type=positions_arg, default="1,2,5,9,16")
+    ap.add_argument("--rounds", type=positive_int, default=15)
+    ap.add_argument("--decode-rounds", type=positive_int, default=3)
+    ap.add_argument("--new-tokens", type=decode_tokens, default=64)
+    ap.add_argument("--threads", type=positive_int, default=None)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    modes = args.modes.split(",")
-    ms = [int(m) for m in args.positions.split(",")]
+    modes, ms = args.modes, args.positions
 
     loaded = {q: load(q) for q in modes}
     tok = next(iter(loaded.values())).tokenizer
@@ -139,7 +162,8 @@ def main() -> None:
     print()
     for q, lm in loaded.items():
         print(f"{q}: {describe_kernels(lm.model)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main))

@@ -37,23 +37,25 @@ load.py.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import torch
+from args import decode_tokens, nonneg_int, out_path, positive_int, run
+from load import Calibration, ClosedLoop, Recording, ece, merge_runs, run_load, run_loads
+from timing import paired_interval
 
 from specdecode.config import SpecConfig
 from specdecode.engine.acceptance import AFTER_FULL, AFTER_MISS, AFTER_NOTHING
 from specdecode.engine.adaptive import AdaptiveBudget
 from specdecode.engine.cost import VerifyCost, least_squares_line
 from specdecode.engine.serving import ServingEngine
+from specdecode.entrypoints.cli import OneLineParser
 from specdecode.model.loader import LoadedModel, load_model
 from specdecode.roofline import Roofline, profile_local, shape_from_config
-from load import Calibration, ClosedLoop, Recording, ece, merge_runs, run_load, run_loads
-from timing import paired_interval
 
 HERE = Path(__file__).parent
 
@@ -247,29 +249,29 @@ def plot(results: list[dict], configs: list[str], path: str, weights: str = "bf1
 # ---- main -------------------------------------------------------------------------------
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main() -> int:
+    ap = OneLineParser()
     ap.add_argument("--model", default=None)
-    ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 32])
-    ap.add_argument("--requests-per-client", type=int, default=6,
+    ap.add_argument("--clients", type=positive_int, nargs="+", default=[1, 4, 16, 32])
+    ap.add_argument("--requests-per-client", type=nonneg_int, default=6,
                     help="requests per client and load: few make the run mostly ramp-up and drain")
-    ap.add_argument("--min-requests", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--gammas", type=int, nargs="+", default=[2, 4, 8])
-    ap.add_argument("--adaptive-gamma", type=int, default=8)
+    ap.add_argument("--min-requests", type=positive_int, default=8)
+    ap.add_argument("--max-tokens", type=decode_tokens, default=64)
+    ap.add_argument("--gammas", type=positive_int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--adaptive-gamma", type=positive_int, default=8)
     ap.add_argument("--adaptive-floors", type=float, nargs="*", default=[],
                     help="also run the adaptive budget with these throughput_floor values (< 1: it may trade "
                          "that share of the throughput optimum's throughput for per-user speed)")
-    ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--max-model-len", type=positive_int, default=1024)
+    ap.add_argument("--threads", type=positive_int, default=2)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--quantization", default="none",
                     help="weights: none (bf16, the documented AVX512 runs), gguf (the file's Q4_1 blocks), gguf-a8 "
                          "(the same times int8 activations), int8, int4")
-    ap.add_argument("--load-warmup", type=int, default=0,
+    ap.add_argument("--load-warmup", type=nonneg_int, default=0,
                     help="untimed requests per client that every configuration serves at each load first "
                          "(on CUDA the first configuration at a new batch size was measured slower)")
-    ap.add_argument("--repeats", type=int, default=1, help="runs of every configuration per load, interleaved")
+    ap.add_argument("--repeats", type=positive_int, default=1, help="runs of every configuration per load, interleaved")
     ap.add_argument("--interleave", choices=("clock", "steps", "runs"), default="clock",
                     help="clock: a repetition runs every configuration's load together, one engine step at a "
                          "time, the next from the configuration whose own clock is behind (paired in time); "
@@ -277,21 +279,22 @@ def main() -> None:
                          "configuration's load after another")
     ap.add_argument("--control", action="store_true",
                     help="also run a second no-speculation engine (none′): an A/A control for the paired ratios")
-    ap.add_argument("--json", default=None, help="also write the raw results here")
-    ap.add_argument("--plot", default=None, help="write the throughput / per-user plot (PNG) here")
+    ap.add_argument("--json", type=out_path, default=None, help="also write the raw results here")
+    ap.add_argument("--plot", type=out_path, default=None, help="write the throughput / per-user plot (PNG) here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    model = load_model(args.model, dtype="bfloat16", device=args.device, quantization=args.quantization)
-    mix = request_mix(model)
     specs: dict[str, dict | None] = {"none": None} | ({"none′": None} if args.control else {})
     specs.update({f"γ={g}": {"method": "ngram", "num_speculative_tokens": g} for g in args.gammas})
     specs["adaptive"] = {"method": "ngram", "num_speculative_tokens": args.adaptive_gamma, "verify_budget": "adaptive"}
     for floor in args.adaptive_floors:  # the same policy, allowed to trade throughput for per-user speed
         specs[f"adaptive φ={floor:g}"] = dict(specs["adaptive"], throughput_floor=floor)
+    parsed = {name: SpecConfig.parse(spec) for name, spec in specs.items()}  # a bad γ or floor before the load
+    model = load_model(args.model, dtype="bfloat16", device=args.device, quantization=args.quantization)
+    mix = request_mix(model)
     engines = {}
-    for name, spec in specs.items():
-        engine = ServingEngine(model, SpecConfig.parse(spec), max_model_len=args.max_model_len,
+    for name, spec in parsed.items():
+        engine = ServingEngine(model, spec, max_model_len=args.max_model_len,
                                max_num_seqs=max(args.clients))  # fmt: skip
         engines[name] = engine
     adaptive: AdaptiveBudget = engines["adaptive"].budget  # its verify-cost curve was measured just now
@@ -381,7 +384,8 @@ def main() -> None:
             "paired": paired,  # per load and configuration: throughput / none's, one per repetition
         }
         Path(args.json).write_text(json.dumps(out, indent=1))  # fmt: skip
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main))

@@ -21,15 +21,16 @@ from plain greedy's ("same as plain"); in fp32 they are identical.
 
 from __future__ import annotations
 
-import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
-
+from args import decode_tokens, out_path, positive_int, run
 from timing import Timer
 
 from specdecode import LLM, SamplingParams
+from specdecode.entrypoints.cli import OneLineParser
 from specdecode.theory import expected_speedup
 
 PROMPTS = [
@@ -56,17 +57,17 @@ PROMPTS = [
 ]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main() -> int:
+    ap = OneLineParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quantization", default="none", help="weights: none (the documented runs: bf16), gguf, int8, int4, auto")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--prompts", type=int, default=len(PROMPTS))
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--gamma", type=int, default=None, help="num_speculative_tokens (default: the drafter's)")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--json", default=None, help="also write the raw results here")
+    ap.add_argument("--reps", type=positive_int, default=5)
+    ap.add_argument("--prompts", type=positive_int, default=len(PROMPTS))
+    ap.add_argument("--max-tokens", type=decode_tokens, default=128)
+    ap.add_argument("--gamma", type=positive_int, default=None, help="num_speculative_tokens (default: the drafter's)")
+    ap.add_argument("--threads", type=positive_int, default=None)
+    ap.add_argument("--json", type=out_path, default=None, help="also write the raw results here")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -119,6 +120,7 @@ def main() -> None:
         print("| " + " | ".join(str(c) for c in table_cells(r, len(prompts))) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "reps": reps}, indent=1))
+    return 0
 
 
 def table_cells(r: dict, n: int) -> list:
@@ -151,4 +153,4 @@ def fmt_row(r: dict, n: int) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main))

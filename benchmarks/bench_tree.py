@@ -16,28 +16,30 @@ then the acceptance per level along the accepted path.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
+from args import decode_tokens, int_at_least, positive_int, run
 from timing import Timer
 
 from specdecode import LLM, SamplingParams
+from specdecode.entrypoints.cli import OneLineParser
 from specdecode.theory import expected_speedup
 
 HERE = Path(__file__).parent
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main() -> int:
+    ap = OneLineParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quantization", default="none", help="weights: none (the documented runs: bf16), gguf, int8, int4, auto")
-    ap.add_argument("--positions", type=int, default=9)
-    ap.add_argument("--matches", type=int, default=4)
-    ap.add_argument("--depth", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--positions", type=int_at_least(2, " (the root and a draft token)"), default=9)
+    ap.add_argument("--matches", type=positive_int, default=4)
+    ap.add_argument("--depth", type=positive_int, default=8)
+    ap.add_argument("--max-tokens", type=decode_tokens, default=128)
     args = ap.parse_args()
     prompts = json.loads((HERE / "prompts.json").read_text())
     n = args.positions - 1
@@ -81,6 +83,7 @@ def main() -> None:
         print(f"\n**{kind}** (geometric means, decode tokens/s): chain {g(lambda r: r['chain_tps'] / r['plain']):.2f}x, "
               f"tree {g(lambda r: r['tree_tps'] / r['plain']):.2f}x, tree τ / chain τ {g(lambda r: r['tree_tau'] / r['chain_tau']):.2f}; "
               f"formula: chain {g(lambda r: r['chain_formula']):.2f}x, tree {g(lambda r: r['tree_formula']):.2f}x")
+    return 0
 
 
 def formula(m, timer: Timer, step_s: float) -> float:
@@ -94,4 +97,4 @@ def formula(m, timer: Timer, step_s: float) -> float:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run(main))

@@ -139,6 +139,8 @@ class ClosedLoop:
     engine steps), so that several loops can be stepped in turn (`run_loads`)."""
 
     def __init__(self, engine: ServingEngine, mix, clients: int, num_requests: int, max_tokens: int) -> None:
+        if clients < 1 or num_requests < 1:  # no client would submit, or no request would finish: no result
+            raise ValueError(f"a closed loop needs clients >= 1 and num_requests >= 1, got {clients}, {num_requests}")
         self.engine, self.mix, self.clients, self.num_requests = engine, mix, clients, num_requests
         self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         self.policy: Recording = engine.budget
