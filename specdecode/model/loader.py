@@ -53,6 +53,9 @@ class LoadedModel:
     quantization: str | None = None  # the weight format the linears got ("auto" resolved)
 
 
+FLOAT16_UNSTABLE = ("gemma3_text",)  # architectures whose activations leave fp16's range (vLLM's list)
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """``"auto"`` -> bfloat16; also float32/fp32, bfloat16/bf16, float16/fp16 or a torch.dtype."""
     if isinstance(dtype, torch.dtype):
@@ -179,6 +182,9 @@ def load_model(
     except (ValueError, OSError, KeyError) as e:
         raise SpecDecodeError(f"cannot read {folder / 'config.json'}: {first_line(e)}") from None
     config = ModelConfig.from_hf(hf_config)  # an unsupported config fails before the weights are read
+    if dtype == torch.float16 and config.architecture in FLOAT16_UNSTABLE:
+        raise SpecDecodeError(f"{config.architecture} does not run in float16 (its activations overflow it, as "
+                              "vLLM refuses too); use bfloat16 or float32")  # fmt: skip
     hf_state = read_safetensors(folder)
     config = _tied_as_transformers(config, hf_state)
     if quant is not None and quant.mode == "gguf":  # read (and reject) the blocks before building

@@ -35,6 +35,17 @@ def test_resolve_dtype_and_device():
         resolve_dtype("int8")
 
 
+def test_gemma3_in_float16_is_refused_in_one_line(tmp_path):
+    """Gemma 3's activations leave float16's range (vLLM refuses it too): garbage, not an error,
+    unless refused; other architectures load in float16."""
+    gemma = make_tiny_checkpoint(tmp_path / "g", "gemma3", seed=0)
+    with pytest.raises(SpecDecodeError, match=r"^gemma3_text does not run in float16 .* use bfloat16 or float32$"):
+        load_model(str(gemma), dtype="float16", device="cpu")
+    assert load_model(str(gemma), dtype="bfloat16", device="cpu").model is not None
+    llama = make_tiny_checkpoint(tmp_path / "l", "llama", seed=0)
+    assert next(load_model(str(llama), dtype="fp16", device="cpu").model.parameters()).dtype == torch.float16
+
+
 def test_missing_path_raises(tmp_path):
     with pytest.raises(SpecDecodeError, match="model path not found: .*nope"):
         load_model(str(tmp_path / "nope"))
