@@ -77,7 +77,11 @@ def _top_k(scaled: Tensor, use_k: Tensor, top_k: Tensor, max_k: int) -> Tensor:
 def _top_k_top_p(scaled: Tensor, use_k: Tensor, top_k: Tensor, use_p: Tensor, top_p: Tensor) -> Tensor:
     """Mask filtered-out logits to -inf. scaled [B, T, V]; per-row settings [B]; one sort."""
     B, T, V = scaled.shape
-    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)  # [B, T, V] each
+    # descending, tied logits by falling index: HF's and vLLM's top-p sort ascending and drop from
+    # the bottom, so of tokens tied at the boundary they keep the higher indices (a stable
+    # descending sort would keep the lower ones: the same mass, another support)
+    ascending, order = torch.sort(scaled, dim=-1, stable=True)  # [B, T, V] each
+    sorted_logits, order = ascending.flip(-1), order.flip(-1)
 
     k = torch.where(use_k, top_k, torch.full_like(top_k, V)).clamp(1, V)  # [B]
     kth = sorted_logits.gather(-1, (k - 1)[:, None, None].expand(B, T, 1))  # [B, T, 1]

@@ -33,7 +33,7 @@ def reference_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: f
     if top_p < 1:
         probs = np.exp(x - x.max())
         probs /= probs.sum()
-        order = np.argsort(-probs, kind="stable")
+        order = np.argsort(probs, kind="stable")[::-1]  # ties: the higher index first, as HF / vLLM
         kept_mass = 0.0
         keep = np.zeros(V, dtype=bool)
         for i in order:  # add tokens from the top until the kept mass reaches top_p
@@ -101,7 +101,21 @@ def test_top_p_keeps_the_smallest_nucleus():
 def test_top_p_always_keeps_the_top_token():
     logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0]]])  # every token has mass 0.25 > top_p
     probs = logits_to_probs(logits, torch.ones(1), torch.zeros(1, dtype=torch.int64), torch.tensor([0.1]))
-    assert probs[0, 0].tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert probs[0, 0].tolist() == [0.0, 0.0, 0.0, 1.0]  # of tied tokens, the last (as HF)
+
+
+@pytest.mark.parametrize("row, top_p", [([0.0] * 8, 0.5), ([2.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0], 0.6),
+                                        ([1.0, 3.0, 1.0, 3.0, 1.0, 0.5], 0.7), ([0.0] * 5, 0.1)])  # fmt: skip
+def test_top_p_keeps_the_tied_tokens_transformers_keeps(row, top_p):
+    """At the top-p boundary HF (and vLLM) keep the higher-index tokens of a tie: the same mass as
+    the lower ones, but another support, so another output distribution."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    logits = torch.tensor(row)
+    ours = logits_to_probs(logits[None, None], torch.ones(1), torch.zeros(1, dtype=torch.int64), torch.tensor([top_p]))
+    hf = torch.softmax(TopPLogitsWarper(top_p)(None, logits[None].clone()), dim=-1)
+    assert torch.equal(ours[0, 0] > 0, hf[0] > 0)
+    torch.testing.assert_close(ours[0, 0], hf[0])
 
 
 def test_top_p_boundary_is_inclusive():
