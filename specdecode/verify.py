@@ -152,9 +152,9 @@ def tree_rejection_sample(
             was drawn from, under the same transforms (``q[:, 0]`` and padding are
             ignored); or ``None`` for deterministic children (one-hot q at each token).
         trees: the batch of trees (`specdecode.tree.TreeBatch`), N nodes, max depth D.
-        generator: as `rejection_sample`. Row b consumes n uniforms, n its last real node
-            (one per node; for a chain tree of n drafts the same as the chain), and V
-            exponentials per call.
+        generator: as `rejection_sample`. Row b consumes n uniforms, n its real nodes
+            past the root (one per node, in node order, padding skipped; for a chain tree
+            of n drafts the same as the chain), and V exponentials per call.
 
     Returns:
         output_tokens: [B, D+1] int64: the accepted path's draft tokens, then one recovered
@@ -214,9 +214,12 @@ def tree_rejection_sample(
     rows = torch.arange(B, device=p.device)
     depth = trees.max_depth
     tokens = trees.tokens.clamp_min(0)  # [B, N] safe to gather with
-    last = (trees.valid * torch.arange(N, device=p.device)).amax(dim=1)  # [B] each row's last real node
-    u = torch.zeros(B, N - 1, device=p.device)  # [B, N-1]: node c's at c-1; row b draws up to its last node
-    fill_per_row(u, generators, Tensor.uniform_, last.tolist())
+    # one uniform per real node, in node order: a tree with gaps (a budget cut deeper nodes out of
+    # a wider proposal) draws what the same tree without them draws, so a seeded row's numbers
+    # do not depend on the padding other rows' depths left in its numbering
+    rank = trees.valid.long().cumsum(dim=1) - 1  # [B, N] node c's place among the row's real nodes (root 0)
+    u = torch.zeros(B, N - 1, device=p.device)  # [B, N-1]: real node c's at rank[c] - 1
+    fill_per_row(u, generators, Tensor.uniform_, rank[:, -1].tolist())
 
     cur = torch.zeros(B, dtype=torch.long, device=p.device)  # [B] the node each row stands on
     residual = p[:, 0].float()  # [B, V] unnormalised; its true law is residual / mass
@@ -243,7 +246,7 @@ def tree_rejection_sample(
                 rest = (residual - mass[:, None] * q_c).clamp_min_(0.0)
             # accept iff u < r(x) / q_c(x), division-free as in rejection_sample
             certain = (r_x >= bound) & (r_x > 0)
-            accept = trying & ((u[rows, (c - 1).clamp_min(0)] * bound < r_x) | certain)
+            accept = trying & ((u[rows, (rank[rows, c] - 1).clamp_min(0)] * bound < r_x) | certain)
             reject = trying & ~accept
             rest_mass = rest.sum(dim=1)  # [B]
             noise = rest_mass <= RESIDUAL_EPS

@@ -324,6 +324,28 @@ def test_rows_are_reproducible_whatever_the_batch(first):
     assert len({str(a) for a in alone}) > 3
 
 
+def test_padding_inside_a_tree_draws_nothing():
+    """A budget cuts a row's deeper nodes out of a wider proposal and leaves gaps in its numbering
+    ([r, a, b, -, -, c, -] where alone it is [r, a, b, c]): the row must draw the same numbers, so
+    a seeded request samples the same tokens whatever depth other rows asked the drafter for."""
+    g = torch.Generator().manual_seed(3)
+    compact = TreeBatch.from_parents(torch.tensor([[0, 1, 2, 3]]), torch.tensor([[-1, 0, 0, 1]]))
+    gapped = TreeBatch.from_parents(torch.tensor([[0, 1, 2, 0, 0, 3, 0]]), torch.tensor([[-1, 0, 0, -1, -1, 1, -1]]))
+    p_c = torch.softmax(torch.randn(1, 4, V, generator=g), -1)
+    q_c = torch.softmax(torch.randn(1, 4, V, generator=g), -1)
+    where = [0, 1, 2, 5]  # the compact nodes' places in the gapped tree
+    p_g, q_g = torch.zeros(1, 7, V), torch.zeros(1, 7, V)
+    p_g[:, where], q_g[:, where] = p_c, q_c
+    p_g[:, [3, 4, 6]] = 1.0 / V  # padding: never read
+    for q_compact, q_gapped in ((None, None), (q_c, q_g)):
+        a_gen, b_gen = make_generator(11, "cpu"), make_generator(11, "cpu")
+        for _ in range(30):
+            out_a, n_a, nodes_a = tree_rejection_sample(p_c, q_compact, compact, generator=[a_gen])
+            out_b, n_b, nodes_b = tree_rejection_sample(p_g, q_gapped, gapped, generator=[b_gen])
+            assert torch.equal(out_a, out_b) and torch.equal(n_a, n_b)
+            assert [where[i] for i in nodes_a[0].tolist() if i >= 0] == [i for i in nodes_b[0].tolist() if i >= 0]
+
+
 def test_bad_shapes_are_rejected():
     trees = batch_trees([DraftTree.from_chain(0, [1, 2])] * 2)
     p = torch.full((2, 3, 4), 0.25)

@@ -10,6 +10,7 @@ from specdecode import LLM, SamplingParams
 from specdecode.config import SpecConfig, SpecDecodeError
 from specdecode.drafters.draft_cache import DraftKVCache
 from specdecode.engine.serving import ServingEngine
+from specdecode.model.loader import load_model
 from tests.tiny import make_tiny_checkpoint
 
 PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4, 4, 6], [11], [2, 3, 2, 3, 2, 3, 2, 3, 2], [4, 4, 4, 4], [9, 8, 7, 6, 5, 4, 3]]
@@ -157,6 +158,29 @@ def test_seeded_sampling_is_reproducible_whatever_else_runs(plain, ckpts, name, 
     got = [t for _ in range(200) if crowded.has_unfinished() for e in crowded.step() if e.request_id == "x"
            for t in e.new_token_ids]
     assert got == want and len(want) == 15
+
+
+def test_a_seeded_tree_row_cut_by_its_own_gamma_samples_as_alone(tmp_path):
+    """Next to a row drafting 3 deep, a row whose own γ is 1 gets its tree cut out of a 3-deep
+    proposal, with gaps in its node numbering ([11, 48, -, -, 53, -, -] where alone it is
+    [11, 48, 53]); it must draw the same numbers and so sample the same tokens."""
+    target = load_model(str(make_tiny_checkpoint(tmp_path / "t", "llama", 2, tie_word_embeddings=False)),
+                        dtype="float32", device="cpu")  # fmt: skip
+    spec = SpecConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                             "prompt_lookup_max": 1, "max_matches": 2, "num_draft_tokens": 9})  # fmt: skip
+    sampled = SamplingParams(temperature=1.0, max_tokens=60, seed=504607, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+
+    def run(crowded: bool) -> list[int]:
+        engine = ServingEngine(target, spec, max_model_len=96, max_num_seqs=4)
+        engine.add_request("s", [59, 98, 114], sampled, spec_override={"num_speculative_tokens": 1})
+        if crowded:
+            engine.add_request("g", [52, 57, 73, 57, 82, 57, 124, 50], greedy)
+        return [t for _ in range(200) if engine.has_unfinished() for e in engine.step() if e.request_id == "s"
+                for t in e.new_token_ids]  # fmt: skip
+
+    alone = run(False)
+    assert run(True) == alone and len(alone) == 60
 
 
 def test_bad_requests_are_refused_and_change_nothing(plain, ckpts):
