@@ -129,6 +129,8 @@ def early_exit_checkpoint(src: str | Path, path: str | Path, num_layers: int) ->
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
     model.model.layers = model.model.layers[:num_layers]
     model.config.num_hidden_layers = num_layers
+    if getattr(model.config, "layer_types", None):  # qwen2 / gemma3 list one attention type per layer
+        model.config.layer_types = model.config.layer_types[:num_layers]
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(str(src)).save_pretrained(path)
     return path
