@@ -23,6 +23,7 @@ is engine/acceptance.py's.
 from __future__ import annotations
 
 import math
+import statistics
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -52,6 +53,9 @@ MIN_GAIN = 0.02
 # 1% of every pass, 1.004x without (GGUF, AVX512, 3 step-paired repetitions). At one row the
 # shares are equal, and there a shadow step also saves the planning before the proposal.
 SHADOW_SHARE = 0.01
+# Proposals whose median cost per depth is the drafter's: a change of drafting cost shows
+# after half of them, a stall not at all.
+DRAFT_COST_WINDOW = 15
 # Weight of each step in the running mean of the prefill seconds a step carries (about the
 # last 32 steps): chunks come in bursts as requests join. Also the weight of each proposal
 # made before planning in the running means of what planning on it saved and what it cost.
@@ -123,6 +127,7 @@ class AdaptiveBudget:
         self.draft_overhead = 0.0
         self.context = 1  # the longest row's tokens at the last planning: attention's length
         self.draft_cost = 0.0  # seconds proposing costs per draft depth (the drafter's c, in seconds)
+        self.draft_costs: list[float] = []  # the latest DRAFT_COST_WINDOW of them, measured
         self.probes = Probes(max_verify_tokens)  # drafts on a few rows after steps without any (never off)
         self.plan_seconds = 0.0  # the last planning on a proposal: a shadow step's cost with its proposing
         # seconds of prefill the step being planned carries: its chunk ran just before its
@@ -156,6 +161,8 @@ class AdaptiveBudget:
         self.probes.last.pop(request_id, None)
 
     def observe_prefill(self, seconds: float) -> None:
+        if not math.isfinite(seconds):  # a broken clock
+            return
         self.step_prefill = seconds
         self.prefill_seconds += PREFILL_DECAY * (seconds - self.prefill_seconds)
 
@@ -361,12 +368,16 @@ class AdaptiveBudget:
         shadows = not (drafted or draft_seconds == 0 or self.proposing_first)
         spent = draft_seconds + self.plan_seconds if shadows else 0.0
         earned = SHADOW_SHARE * seconds / (1 if drafted else max(1, len(reqs)))
+        earned = earned if math.isfinite(earned) else 0.0  # a broken clock earns nothing
         self.shadow_allowance = min(0.0, self.shadow_allowance + earned - spent)
         self.plan_seconds, self.planned_first, self.proposing_first = 0.0, False, False
         self.probes.observe(drafted)
-        if draft_seconds > 0:  # a running mean of what proposing costs per draft depth
-            per_depth = draft_seconds / max(1, draft_depth)
-            self.draft_cost = per_depth if self.draft_cost == 0 else 0.9 * self.draft_cost + 0.1 * per_depth
+        if 0 < draft_seconds < math.inf:  # what proposing costs per draft depth: the recent median,
+            # which one stall does not move (a running mean that took a 2 s proposal in stopped
+            # drafting for ~800 steps: drafting off, it was barely updated), a change of cost does
+            self.draft_costs.append(draft_seconds / max(1, draft_depth))
+            del self.draft_costs[:-DRAFT_COST_WINDOW]
+            self.draft_cost = statistics.median(self.draft_costs)
         rows = proposal.tolist() if proposal is not None else None
         self.acceptance.observe(reqs, num_accepted.tolist(), num_draft.tolist(), rows)
 

@@ -10,6 +10,8 @@ Does not own what the costs are spent on (engine/adaptive.py).
 from __future__ import annotations
 
 import itertools
+import math
+import statistics
 import time
 from collections import Counter
 from typing import TYPE_CHECKING
@@ -183,6 +185,8 @@ class PassLog:
         eighth of the window is new (at least 16 passes), counted: by the window's length, a
         full window refitted on every pass (3.4 ms a step at 4 rows, of ~40 ms); every 64th
         pass, the refits were 0.05 ms a step at one row (of ~8.8)."""
+        if not math.isfinite(one[3]):  # a broken clock: nothing to learn, and one NaN breaks every fit
+            return None
         self.passes.append(one)
         del self.passes[:-PASS_WINDOW]
         self.since_refit += 1
@@ -212,6 +216,7 @@ def fit_passes(
     fitted only where passes of three sizes, each at least 8 times, are in the window (a
     single odd pass would set it), and kept only where the curve rises over the window's
     sizes; else the line. The curve is None where neither fits."""
+    passes = _without_stalls(passes)
     p, q, d, t = torch.tensor(passes, dtype=torch.float64).unbind(1)  # [N] each
     y = t - attention_cost * q
     lo = float(p.min())
@@ -235,6 +240,21 @@ def fit_passes(
         if fitted is not None:
             return fitted[0], delta
     return None, delta
+
+
+# A pass this many times its size's median time is a stall (the OS, the allocator, another job),
+# not what its positions cost: one pass 70x its size's time bent the curve enough that the
+# budgets dropped to 1 per row and, every later pass having that one size, no refit came to mend it.
+STALL = 4.0
+
+
+def _without_stalls(passes: list[tuple[int, int, bool, float]]) -> list[tuple[int, int, bool, float]]:
+    """The passes less those over STALL times the median of their size (sizes seen 3+ times)."""
+    times: dict[int, list[float]] = {}
+    for one in passes:
+        times.setdefault(one[0], []).append(one[3])
+    limit = {size: STALL * statistics.median(ts) for size, ts in times.items() if len(ts) >= 3}
+    return [one for one in passes if one[3] <= limit.get(one[0], math.inf)]
 
 
 def _fit(

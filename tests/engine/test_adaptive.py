@@ -4,6 +4,7 @@ rounds: test_adaptive_probes.py.)"""
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -260,3 +261,50 @@ def test_skipping_the_widths_where_no_draft_can_meet_the_floor_changes_no_budget
 def test_an_empty_batch_gets_no_budgets(floor: float):
     policy = AdaptiveBudget(linear(1.0, 1 / 32), max_gamma=4, throughput_floor=floor)
     assert policy.budgets([], torch.zeros(0, dtype=torch.long), engine=None).tolist() == []
+
+
+def simulate(pass_seconds, draft_seconds, steps: int = 600) -> list[float]:
+    """Eight rows whose drafts each survive with p = 0.9 on a machine whose pass time is flat to
+    16 positions, then rising; ``pass_seconds(t, P)`` / ``draft_seconds(t, depth)`` may stall.
+    Returns each step's mean budget per row."""
+    import random
+
+    def true(P: int) -> float:
+        return 0.02 * (1 + max(0, P - 16) * 0.5 / 16)
+
+    policy = AdaptiveBudget(VerifyCost([(p, true(p)) for p in (1, 16, 64, 128)]), max_gamma=4)
+    reqs, rng, per_row = [req(f"r{i}") for i in range(8)], random.Random(0), []
+    for t in range(steps):
+        budgets = policy.budgets(reqs, torch.full((8,), 4), engine=None).tolist()
+        accepted = []
+        for n in budgets:
+            a = 0
+            while a < n and rng.random() < 0.9:
+                a += 1
+            accepted.append(a)
+        for r, a in zip(reqs, accepted):
+            r.seq.token_ids += [0] * (a + 1)
+        depth = max(budgets) or 1
+        policy.observe(reqs, torch.tensor(accepted), torch.tensor(budgets), pass_seconds(t, 8 + sum(budgets), true),
+                       draft_seconds(t, depth) if max(budgets) else 0.0, depth, None)  # fmt: skip
+        per_row.append(sum(budgets) / 8)
+    return per_row
+
+
+def test_one_stall_does_not_set_the_budgets_for_good():
+    """A pass or a proposal taking 2 s once (the OS, another job) is not what drafts cost: one
+    such pass bent the refitted curve until every row drafted 1 where 3 pay, and, each later
+    pass having one size, no refit mended it; one such proposal stopped drafting ~800 steps."""
+    calm = simulate(lambda t, P, true: true(P), lambda t, d: 0.0005 * d)
+    slow_pass = simulate(lambda t, P, true: 2.0 if t == 200 else true(P), lambda t, d: 0.0005 * d)
+    slow_draft = simulate(lambda t, P, true: true(P), lambda t, d: 2.0 if t == 200 else 0.0005 * d)
+    assert sum(calm[400:]) / 200 == pytest.approx(3.0, abs=0.1)
+    assert sum(slow_pass[400:]) / 200 == pytest.approx(3.0, abs=0.1)
+    assert sum(slow_draft[250:450]) / 200 == pytest.approx(3.0, abs=0.1)
+
+
+def test_a_broken_clock_neither_crashes_nor_stops_drafting():
+    nan_once = simulate(lambda t, P, true: math.nan if t == 50 else true(P), lambda t, d: 0.0005 * d, steps=300)
+    inf_once = simulate(lambda t, P, true: true(P), lambda t, d: math.inf if t == 50 else 0.0005 * d, steps=300)
+    assert sum(nan_once[100:]) / 200 == pytest.approx(3.0, abs=0.1)
+    assert sum(inf_once[100:]) / 200 == pytest.approx(3.0, abs=0.1)
