@@ -253,7 +253,8 @@ def _without_stalls(passes: list[tuple[int, int, bool, float]]) -> list[tuple[in
     times: dict[int, list[float]] = {}
     for one in passes:
         times.setdefault(one[0], []).append(one[3])
-    limit = {size: STALL * statistics.median(ts) for size, ts in times.items() if len(ts) >= 3}
+    medians = {size: statistics.median(ts) for size, ts in times.items() if len(ts) >= 3}
+    limit = {size: STALL * m for size, m in medians.items() if m > 0}  # (a clock that ran backwards: kept)
     return [one for one in passes if one[3] <= limit.get(one[0], math.inf)]
 
 
