@@ -55,13 +55,20 @@ def unit_float(text: str) -> float:
     return value
 
 
+def device(text: str) -> str:
+    """An argparse type: cpu, cuda or cuda:N (whether that device exists is the loader's to say)."""
+    if text not in ("cpu", "cuda") and not (text.startswith("cuda:") and text[5:].isdigit()):
+        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
 def out_path(text: str) -> str:
     """An argparse type: a file to write at the end of a run, in a folder that exists now (not
     found after the run, it would lose the results)."""
-    folder = Path(text).expanduser().parent
-    if not folder.is_dir():
-        raise argparse.ArgumentTypeError(f"no folder {str(folder)!r} to write {text!r} in")
-    return text
+    path = Path(text).expanduser()  # as the shell would have: "--json=~/x.json" is not expanded
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"no folder {str(path.parent)!r} to write {text!r} in")
+    return str(path)
 
 
 def run(main: Callable[[], int]) -> int:

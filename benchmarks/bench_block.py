@@ -22,7 +22,7 @@ import sys
 import time
 
 import torch
-from args import positive_int, run
+from args import device, positive_int, run
 
 from specdecode.entrypoints.cli import OneLineParser
 from specdecode.model.compiled import compile_blocks, parse_compile
@@ -56,7 +56,7 @@ def main() -> int:
     ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modes", nargs="+", default=["none", "gguf"], help="quantization: none (bf16 weights), gguf")
     ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
-    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: the fused block does not run")
+    ap.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N (on CUDA the fused block does not run)")
     ap.add_argument("--threads", type=positive_int, default=2)
     ap.add_argument("--rounds", type=positive_int, default=9)
     ap.add_argument("--compiled", nargs="?", const="auto", default=None,

@@ -127,6 +127,7 @@ def main() -> int:
                         rows.append(run_method(llms[name], timers[name], ids, params, base, step_s))
                         r = rows[-1]
                         r.update(temperature=temperature, kind=kind, prompt=text[:36].replace("\n", " "), method=name,
+                                 prompt_index=i,  # the prompt itself: labels may share their first 36 characters
                                  rep=rep)  # fmt: skip
                         print(f"T={temperature} [{kind}] {r['prompt']!r} {name}: α={r['alpha']:.2f} τ={r['tau']:.2f} "
                               f"c={r['c']:.3f} speedup {r['speedup']:.2f}x (formula {r['predicted']:.2f}x)", flush=True)
@@ -135,7 +136,8 @@ def main() -> int:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     if args.plot:
         model = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
-        plot(rows, [n for n, _ in methods], args.plot, f"{model}, {args.quantization or args.dtype} weights (CPU)")
+        weights = args.quantization if args.quantization not in (None, "none") else args.dtype
+        plot(rows, [n for n, _ in methods], args.plot, f"{model}, {weights} weights (CPU)")
     return 0
 
 
@@ -192,9 +194,9 @@ def speedup(sel: list[dict]) -> str:
     are several: repetitions of a prompt (same tokens, other timing noise) are not independent
     samples, so each prompt's are averaged into one ratio first (treated as independent, 3 repeats
     of 3 prompts gave [1.05–1.22] where the prompts' own spread gives [0.86–1.49])."""
-    by_prompt: dict[str, list[float]] = {}
+    by_prompt: dict[tuple, list[float]] = {}
     for r in sel:
-        by_prompt.setdefault(r["prompt"], []).append(r["speedup"])
+        by_prompt.setdefault((r["kind"], r["prompt_index"]), []).append(r["speedup"])
     mean, lo, hi = paired_interval([geomean(v) for v in by_prompt.values()])
     return f"{mean:.2f}x" + (f" [{lo:.2f}–{hi:.2f}]" if len(by_prompt) > 1 else "")
 

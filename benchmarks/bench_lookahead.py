@@ -110,7 +110,7 @@ def main() -> int:
     first = llms[args.configs[0]]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
 
-    def run(name: str, ids: list[int]):
+    def timed(name: str, ids: list[int]):
         t0 = time.process_time()
         if name == "plain":
             out = first.generate([ids], params, speculative=False)[0]
@@ -120,7 +120,7 @@ def main() -> int:
 
     warm = first.encode_chat("Hi")  # allocator and kernels, untimed
     for name in ["plain", *engines]:
-        run(name, warm)
+        timed(name, warm)
 
     rows = []
     names = ["plain", *engines]
@@ -134,7 +134,7 @@ def main() -> int:
                     if name != "plain":
                         for t in timers[name]:
                             t.seconds, t.calls = 0.0, 0
-                    out, cpu_s = run(name, ids)
+                    out, cpu_s = timed(name, ids)
                     extra = {"cpu_s": cpu_s, "cpu_s_per_token": cpu_s / max(len(out.token_ids), 1)}
                     if name != "plain":
                         extra |= {"draft_s": sum(t.seconds for t in timers[name]), "rounds": timers[name][0].calls}

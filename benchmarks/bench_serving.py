@@ -44,7 +44,7 @@ import sys
 from pathlib import Path
 
 import torch
-from args import decode_tokens, nonneg_int, out_path, positive_int, run
+from args import decode_tokens, device, nonneg_int, out_path, positive_int, run
 from load import Calibration, ClosedLoop, Recording, ece, merge_runs, run_load, run_loads
 from timing import paired_interval
 
@@ -180,7 +180,7 @@ def print_results(
     print()
     for text, ok in checks:
         print(f"- {'met' if ok else 'NOT met'}: {text}")
-    print(f"\nB·(γ+1) threshold on this {'GPU' if args.device == 'cuda' else 'CPU'}: roofline {threshold['roofline_threshold']:.1f} positions "
+    print(f"\nB·(γ+1) threshold on this {'GPU' if args.device.startswith('cuda') else 'CPU'}: roofline {threshold['roofline_threshold']:.1f} positions "
           f"({threshold['hardware']}: {threshold['flops'] / 1e9:.0f} GFLOP/s, "
           f"{threshold['bandwidth'] / 1e9:.1f} GB/s; {threshold['flops_per_position'] / 1e6:.0f} MFLOP/position, "
           f"{threshold['weight_read_ms']:.1f} ms weight read); knee of the measured verify-cost curve "
@@ -208,8 +208,8 @@ def weights_name(args) -> str:
 
 
 def device_name(args) -> str:
-    if args.device == "cuda":
-        return torch.cuda.get_device_name(0)
+    if args.device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(args.device))
     return f"CPU ({torch.get_num_threads()} threads)"
 
 
@@ -264,7 +264,7 @@ def main() -> int:
                          "that share of the throughput optimum's throughput for per-user speed)")
     ap.add_argument("--max-model-len", type=positive_int, default=1024)
     ap.add_argument("--threads", type=positive_int, default=2)
-    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N")
     ap.add_argument("--quantization", default="none",
                     help="weights: none (bf16, the documented AVX512 runs), gguf (the file's Q4_1 blocks), gguf-a8 "
                          "(the same times int8 activations), int8, int4")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from typing import Callable
 
 
 class Timer:
@@ -12,7 +13,7 @@ class Timer:
     ``clock``: wall time by default; `time.process_time` where the figures it is set against
     are CPU seconds (all threads' together)."""
 
-    def __init__(self, obj, name: str, clock=time.perf_counter) -> None:
+    def __init__(self, obj, name: str, clock: Callable[[], float] = time.perf_counter) -> None:
         self.inner, self.seconds, self.calls, self.clock = getattr(obj, name), 0.0, 0, clock
         setattr(obj, name, self)
 

@@ -37,17 +37,17 @@ python -c "from specdecode.model.loader import load_model; load_model('$TARGET')
 if [ "${DATA:-1}" != 0 ]; then
 for k in 0 1 2 3; do
   timeout "$REGEN_S" python -m specdecode.train.regenerate --target "$TARGET" --out "$OUT/data/greedy$k.jsonl" \
-    --num "$NUM_GREEDY" --seed 21 --batch "$BATCH" --max-tokens "$MAX_NEW" --shard $k/4 --threads 2 \
+    --num "$NUM_GREEDY" --seed 21 --batch "$BATCH" --max-tokens "$MAX_NEW" --shard $k/4 --overwrite --threads 2 \
     > "$OUT/logs/regen_greedy$k.log" 2>&1 &
   timeout "$REGEN_S" python -m specdecode.train.regenerate --target "$TARGET" --out "$OUT/data/sampled$k.jsonl" \
-    --num "$NUM_SAMPLED" --seed 22 --temperature 0.8 --batch "$BATCH" --max-tokens "$MAX_NEW" --shard $k/4 \
+    --num "$NUM_SAMPLED" --seed 22 --temperature 0.8 --batch "$BATCH" --max-tokens "$MAX_NEW" --shard $k/4 --overwrite \
     --threads 2 > "$OUT/logs/regen_sampled$k.log" 2>&1 &
 done
 wait
 if [ "${PASSAGES:-1}" != 0 ]; then
   for k in 0 1 2 3; do
     timeout "$REGEN_S" python -m specdecode.train.regenerate --target "$TARGET" --out "$OUT/data/passages$k.jsonl" \
-      --num "$NUM_GREEDY" --seed 23 --batch "$BATCH" --max-tokens "$MAX_NEW" --shard $k/4 --threads 2 \
+      --num "$NUM_GREEDY" --seed 23 --batch "$BATCH" --max-tokens "$MAX_NEW" --shard $k/4 --overwrite --threads 2 \
       --passages "$OUT"/data/greedy?.jsonl > "$OUT/logs/regen_passages$k.log" 2>&1 &
   done
   wait
@@ -69,5 +69,5 @@ train_all() {  # $1: the time limit; further arguments go to every run
   wait
   for m in $METHODS; do echo "== $m"; tail -3 "$OUT/logs/train_$m.$limit.log"; done
 }
-if [ "$TRAIN_S" != 0 ]; then train_all "$TRAIN_S"; fi
+if [ "$TRAIN_S" != 0 ]; then train_all "$TRAIN_S" --overwrite; fi  # a fresh run replaces an earlier one in $OUT
 if [ -n "${RESUME_S:-}" ]; then train_all "$RESUME_S" --resume; fi

@@ -101,7 +101,7 @@ def test_run_gives_library_errors_as_one_line_and_ctrl_c_quietly(args, capsys):
         ("bench_suffix", ["--prompts", "0"], "argument --prompts: must be an integer >= 1, got '0'"),
         ("bench_auto_gamma", ["--gammas", "2", "0"], "argument --gammas: must be an integer >= 1"),
         ("bench_confidence", ["--confidence-threshold", "2"], "argument --confidence-threshold: must be a number in"),
-        ("bench_block", ["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+        ("bench_block", ["--device", "tpu"], "argument --device: must be cpu, cuda or cuda:N, got 'tpu'"),
         ("bench_kernels", ["--rounds", "0"], "argument --rounds: must be an integer >= 1"),
         ("bench_fastpath", ["--threads", "0"], "argument --threads: must be an integer >= 1"),
     ],

@@ -39,8 +39,10 @@ def test_bench_learned_intervals_are_over_prompts_not_repetitions(monkeypatch):
     monkeypatch.delitem(sys.modules, "timing", raising=False)
     import bench_learned
 
-    per_prompt = {"a": [1.02, 1.03, 1.01], "b": [1.1, 1.12, 1.09], "c": [1.3, 1.28, 1.31]}
-    rows = [{"prompt": p, "speedup": s} for p, ss in per_prompt.items() for s in ss]
+    per_prompt = {0: [1.02, 1.03, 1.01], 1: [1.1, 1.12, 1.09], 2: [1.3, 1.28, 1.31]}
+    # the labels (a prompt's first 36 characters) may be one: "Summarize the following text in a..."
+    rows = [{"kind": "summarize", "prompt": "Summarize the following text", "prompt_index": i, "speedup": s}
+            for i, ss in per_prompt.items() for s in ss]  # fmt: skip
     means = [bench_learned.geomean(ss) for ss in per_prompt.values()]
     mean, lo, hi = _timing().paired_interval(means)
     assert bench_learned.speedup(rows) == f"{mean:.2f}x [{lo:.2f}–{hi:.2f}]" and lo < 0.9  # 9 samples: [1.06–1.21]

@@ -138,7 +138,8 @@ def write_whole(file: Path, write: Callable[[Path], Any]) -> None:
     os.replace(part, file)
 
 
-def read_net_config(path: str | Path) -> dict[str, Any]:
+def read_net_config(path: str | Path, method: str | None = None) -> dict[str, Any]:
+    """A drafter folder's config.json; with ``method``, refused unless it holds that method's net."""
     file = Path(path) / CONFIG_FILE
     if not file.is_file():
         raise SpecDecodeError(f"{path} is not a trained drafter folder (no {CONFIG_FILE})")
@@ -148,6 +149,8 @@ def read_net_config(path: str | Path) -> dict[str, Any]:
         raise SpecDecodeError(f"{file} is not valid JSON: {e}") from None
     if not isinstance(meta, dict):
         raise SpecDecodeError(f"{file} must hold a JSON object, got {type(meta).__name__}")
+    if method is not None and meta.get("specdecode_method") != method:
+        raise SpecDecodeError(f"{path} holds a {meta.get('specdecode_method')!r} drafter, not {method!r}")
     return meta
 
 
@@ -169,9 +172,7 @@ def read_net(method: str, path: str | Path, target: "Transformer") -> tuple[dict
     """(config.json, tensors) of a folder holding a ``method`` net trained for ``target``."""
     from safetensors.torch import load_file
 
-    meta = read_net_config(path)
-    if meta.get("specdecode_method") != method:
-        raise SpecDecodeError(f"{path} holds a {meta.get('specdecode_method')!r} drafter, not {method!r}")
+    meta = read_net_config(path, method)
     want, got = target_fingerprint(target), meta.get("target")
     if got != want:
         raise SpecDecodeError(f"{path} was trained for a target with {got}, this target has {want}")

@@ -357,22 +357,24 @@ class AdaptiveBudget:
         self, reqs: list[Any], num_accepted: torch.Tensor, num_draft: torch.Tensor, seconds: float, draft_seconds: float,
         draft_depth: int = 1, proposal: torch.Tensor | None = None, positions: int | None = None,
     ) -> None:  # fmt: skip
-        self._observe_cost(len(reqs), num_draft.tolist(), seconds, positions)
+        timed = math.isfinite(seconds) and math.isfinite(draft_seconds)  # else a broken clock: no times learnt
+        if timed:
+            self._observe_cost(len(reqs), num_draft.tolist(), seconds, positions)
         tokens = len(reqs) + int(num_accepted.sum())  # each row's accepted drafts and its one new token
         self.tokens_per_step += PREFILL_DECAY * (tokens - self.tokens_per_step)
         drafted = int(num_draft.sum()) > 0
-        if draft_seconds > 0 and not self.planned_first:  # proposed first: what that cost
+        if timed and draft_seconds > 0 and not self.planned_first:  # proposed first: what that cost
             cost = draft_seconds + self.plan_seconds
             self.proposal_cost += PREFILL_DECAY * (cost - self.proposal_cost)
         # proposing, and planning on the proposal, on a step that verified nothing, for shadows
         shadows = not (drafted or draft_seconds == 0 or self.proposing_first)
-        spent = draft_seconds + self.plan_seconds if shadows else 0.0
-        earned = SHADOW_SHARE * seconds / (1 if drafted else max(1, len(reqs)))
-        earned = earned if math.isfinite(earned) else 0.0  # a broken clock earns nothing
-        self.shadow_allowance = min(0.0, self.shadow_allowance + earned - spent)
+        if timed:
+            spent = draft_seconds + self.plan_seconds if shadows else 0.0
+            earned = SHADOW_SHARE * seconds / (1 if drafted else max(1, len(reqs)))
+            self.shadow_allowance = min(0.0, self.shadow_allowance + earned - spent)
         self.plan_seconds, self.planned_first, self.proposing_first = 0.0, False, False
         self.probes.observe(drafted)
-        if 0 < draft_seconds < math.inf:  # what proposing costs per draft depth: the recent median,
+        if timed and draft_seconds > 0:  # what proposing costs per draft depth: the recent median,
             # which one stall does not move (a running mean that took a 2 s proposal in stopped
             # drafting for ~800 steps: drafting off, it was barely updated), a change of cost does
             self.draft_costs.append(draft_seconds / max(1, draft_depth))

@@ -65,6 +65,7 @@ class VerifyCost:
         # one go: interpolated one size at a time it took ~2.5 ms, and the engine's passes are
         # refitted into a new curve every few dozen steps.
         self._table = self._interpolate_all(torch.arange(TABLE_POSITIONS, dtype=torch.float64)).tolist()
+        self._beyond: dict[float, float] = {}  # sizes past the table (or fractional) already asked
 
     @staticmethod
     def fit_line(samples: list[tuple[int, float]]) -> VerifyCost | None:
@@ -77,7 +78,13 @@ class VerifyCost:
     def __call__(self, positions: int) -> float:
         if isinstance(positions, int) and 0 <= positions < TABLE_POSITIONS:
             return self._table[positions]
-        return float(self._interpolate_all(torch.tensor([float(positions)], dtype=torch.float64))[0])
+        value = self._beyond.get(positions)
+        if value is None:  # a size past the table, once (a tensor call is ~100 us; the planner asks thousands)
+            if len(self._beyond) >= TABLE_POSITIONS:
+                self._beyond.clear()
+            x = torch.tensor([float(positions)], dtype=torch.float64)
+            value = self._beyond[positions] = float(self._interpolate_all(x)[0])
+        return value
 
     def _interpolate_all(self, x: torch.Tensor) -> torch.Tensor:
         """The curve at every size in ``x`` [N]: linear between points, flat before the first,
@@ -185,8 +192,6 @@ class PassLog:
         eighth of the window is new (at least 16 passes), counted: by the window's length, a
         full window refitted on every pass (3.4 ms a step at 4 rows, of ~40 ms); every 64th
         pass, the refits were 0.05 ms a step at one row (of ~8.8)."""
-        if not math.isfinite(one[3]):  # a broken clock: nothing to learn, and one NaN breaks every fit
-            return None
         self.passes.append(one)
         del self.passes[:-PASS_WINDOW]
         self.since_refit += 1
@@ -216,7 +221,7 @@ def fit_passes(
     fitted only where passes of three sizes, each at least 8 times, are in the window (a
     single odd pass would set it), and kept only where the curve rises over the window's
     sizes; else the line. The curve is None where neither fits."""
-    passes = _without_stalls(passes)
+    passes = _without_stalls(passes, attention_cost)
     p, q, d, t = torch.tensor(passes, dtype=torch.float64).unbind(1)  # [N] each
     y = t - attention_cost * q
     lo = float(p.min())
@@ -248,14 +253,21 @@ def fit_passes(
 STALL = 4.0
 
 
-def _without_stalls(passes: list[tuple[int, int, bool, float]]) -> list[tuple[int, int, bool, float]]:
-    """The passes less those over STALL times the median of their size (sizes seen 3+ times)."""
+def _without_stalls(
+    passes: list[tuple[int, int, bool, float]], attention_cost: float
+) -> list[tuple[int, int, bool, float]]:
+    """The passes less those over STALL times the median of their size (sizes seen 3+ times), in
+    time less attention's (a pass at a long context is not a stall)."""
+
+    def linears(one: tuple[int, int, bool, float]) -> float:
+        return one[3] - attention_cost * one[1]
+
     times: dict[int, list[float]] = {}
     for one in passes:
-        times.setdefault(one[0], []).append(one[3])
+        times.setdefault(one[0], []).append(linears(one))
     medians = {size: statistics.median(ts) for size, ts in times.items() if len(ts) >= 3}
     limit = {size: STALL * m for size, m in medians.items() if m > 0}  # (a clock that ran backwards: kept)
-    return [one for one in passes if one[3] <= limit.get(one[0], math.inf)]
+    return [one for one in passes if linears(one) <= limit.get(one[0], math.inf)]
 
 
 def _fit(

@@ -17,6 +17,8 @@ from typing import Any
 
 from specdecode.config import SpecDecodeError
 
+CHECKPOINT_FILE = "checkpoint.pt"  # in --out: what --resume continues from
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -93,8 +95,9 @@ class TrainConfig:
             raise SpecDecodeError("--out is required: the folder to write the drafter to")
         if Path(self.out).exists() and not Path(self.out).is_dir():
             raise SpecDecodeError(f"--out {self.out} exists and is not a folder")
-        # what a run writes there (trainer.CHECKPOINT_FILE, learned.CONFIG_FILE): another run's, kept unless asked
-        held = [f for f in ("checkpoint.pt", "config.json") if (Path(self.out) / f).is_file()]
+        # what a run writes there (the checkpoint, learned.CONFIG_FILE: not imported, it brings torch
+        # into `specdecode --help`): another run's, kept unless asked
+        held = [f for f in (CHECKPOINT_FILE, "config.json") if (Path(self.out) / f).is_file()]
         if held and not (self.resume or self.overwrite):
             raise SpecDecodeError(f"--out {self.out} already holds a trained drafter ({', '.join(held)}); "
                                   "--resume continues it, --overwrite replaces it, or choose a new --out")  # fmt: skip

@@ -58,10 +58,7 @@ class Corpus:
 def find_files(paths: tuple[str, ...]) -> list[Path]:
     """Every corpus file under ``paths``, sorted; a missing path or no file at all is an error."""
     files: set[Path] = set()  # resolved: a file named twice (two spellings, a link) is read once
-    for given in paths:
-        p = Path(given)
-        if not given.strip():  # Path("") is "." : the current folder, read whole
-            raise SpecDecodeError("--data has an empty path")
+    for p in map(Path, paths):
         if not p.exists():
             raise SpecDecodeError(f"data path not found: {p}")
         if p.is_file():

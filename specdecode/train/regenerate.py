@@ -4,7 +4,8 @@ Owns: answering the instructions of instructions.py with the target through our 
 written as chat records (``{"messages": [...]}`` per line) that `specdecode train --data`
 reads. ``--passages`` takes the prose answers of an earlier run (explanations, posts,
 stories, news reports) as texts to summarise; ``--exclude`` skips the instructions that
-earlier runs answered, so that a new run adds new data.
+earlier runs answered, so that a new run adds new data. A non-empty ``--out`` is kept
+unless ``--overwrite`` is given (its records are a run's work).
 A drafter trained on the target's own outputs learns what the target will say, which
 is what acceptance measures.
 

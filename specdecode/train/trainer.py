@@ -44,14 +44,18 @@ from specdecode.drafters.learned import (
 )
 from specdecode.kv_cache import NoCache
 from specdecode.model.transformer import Transformer
-from specdecode.train.config import TrainConfig
+from specdecode.train.config import CHECKPOINT_FILE, TrainConfig
 from specdecode.train.corpus import Windows, find_files, read_corpus
 from specdecode.train.distill import DistillNet
 
-CHECKPOINT_FILE, LOG_FILE = "checkpoint.pt", "train_log.json"
+LOG_FILE = "train_log.json"
 
 
-TRAINABLE = ("medusa", "eagle", "eagle3", "mtp", "dflash", "draft_model")  # the methods whose drafter has a Net
+def trainable_methods() -> list[str]:
+    """The registry's methods whose drafter declares a Net of its own (layer_skip inherits one)."""
+    from specdecode.drafters.registry import drafter_class, method_names
+
+    return [m for m in method_names() if getattr(getattr(drafter_class(m), "Net", None), "method", None) == m]
 
 
 def net_class(method: str) -> type:
@@ -59,14 +63,14 @@ def net_class(method: str) -> type:
     from specdecode.drafters.registry import drafter_class, method_names
 
     if method not in method_names():
-        raise SpecDecodeError(f"unknown method {method!r} to train; trainable: {', '.join(TRAINABLE)}")
+        raise SpecDecodeError(f"unknown method {method!r} to train; trainable: {', '.join(trainable_methods())}")
     try:
         cls = drafter_class(method)
     except ImportError as e:
         raise SpecDecodeError(f"method {method!r} is not available: {e}") from None
     net = getattr(cls, "Net", None)  # only learned drafters declare one
     if net is None or net.method != method:  # (layer_skip inherits draft_model's, untrained)
-        raise SpecDecodeError(f"method {method!r} has no network to train; trainable: {', '.join(TRAINABLE)}")
+        raise SpecDecodeError(f"method {method!r} has no network to train; trainable: {', '.join(trainable_methods())}")
     return net
 
 
@@ -256,14 +260,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         torch.set_num_threads(cfg.threads)
     cls = net_class(cfg.method)
     ckpt = read_checkpoint(cfg) if cfg.resume else None
-    # --init: the folder's net config, with --net-config's keys on top (e.g. a new head)
-    given = cfg.net_config
-    if cfg.init:
-        folder = read_net_config(cfg.init)
-        if folder.get("specdecode_method") != cfg.method:  # before its keys meet this method's net
-            raise SpecDecodeError(f"--init {cfg.init} holds a {folder.get('specdecode_method')!r} drafter, "
-                                  f"not {cfg.method!r}")  # fmt: skip
-        given = {**folder.get("net", {}), **cfg.net_config}
+    # --init: the folder's net config (of this method: another's keys are not this net's), with
+    # --net-config's keys on top (e.g. a new head)
+    given = {**read_net_config(cfg.init, cfg.method).get("net", {}), **cfg.net_config} if cfg.init else cfg.net_config
     net_cfg = net_config(cls, ckpt["net_config"] if ckpt else given)
     find_files(cfg.data)  # a bad corpus path fails before the target loads
     try:  # so does an --out that cannot be made (under a file, no permission), not at the first save
