@@ -217,6 +217,9 @@ def plot(rows: list[dict], names: list[str], path: str, what: str) -> None:
             continue
         pos = [sum(r["accepted_per_position"][k] for r in sel) / len(sel) for k in range(sel[0]["gamma"])]
         ax.plot(range(1, len(pos) + 1), pos, marker="o", label=f"{name} (γ={sel[0]['gamma']})")
+    deepest = max(r["gamma"] for r in rows)
+    ax.set_xticks(range(1, deepest + 1))  # whole positions (one γ = 1 method alone gave 0.96..1.04)
+    ax.set_xlim(0.5, deepest + 0.5)
     ax.set_xlabel("draft position k")
     ax.set_ylabel("fraction of rounds accepting position k")
     ax.set_title(f"Acceptance by position, greedy, {what}")
