@@ -150,7 +150,7 @@ def read_net_config(path: str | Path, method: str | None = None) -> dict[str, An
     if not isinstance(meta, dict):
         raise SpecDecodeError(f"{file} must hold a JSON object, got {type(meta).__name__}")
     if method is not None and meta.get("specdecode_method") != method:
-        raise SpecDecodeError(f"{path} holds a {meta.get('specdecode_method')!r} drafter, not {method!r}")
+        raise SpecDecodeError(f"{path} holds a drafter for method {meta.get('specdecode_method')!r}, not {method!r}")
     return meta
 
 

@@ -33,8 +33,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--speculative-config", default=None, help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
-    g.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens; 0 = off")
-    g.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set of tokens with this much mass; 1 = off")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens; 0 (or -1, as vLLM) = off")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="keep the smallest set of tokens with this much mass; 1 = off")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
@@ -78,8 +79,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--model", default=None, help="HF folder, .gguf file or alias (default: SmolLM2-135M-Instruct)")
     s.add_argument("--speculative-config", default=None, help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--max-num-seqs", type=int, default=8, help="requests decoded together; more wait in the queue")
+    s.add_argument("--port", type=int, default=8000, help="(default: 8000)")
+    s.add_argument("--max-num-seqs", type=int, default=8,
+                   help="requests decoded together; more wait in the queue (default: 8)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/*")
     s.add_argument("--dtype", default="auto", help="auto (bfloat16), float32, bfloat16, float16")
     s.add_argument("--device", default="auto", help="auto, cpu, cuda")
@@ -282,8 +284,8 @@ def _print_stats(r: dict[str, Any], speculative: bool) -> None:
         drafts = max(m["num_drafts"], 1)
         by_pos = ", ".join(f"{n / drafts:.2f}" for n in m["accepted_per_position"]) or "-"
         lines += [
-            f"acceptance rate α: {m['acceptance_rate']:.3f}  ({m['num_accepted_tokens']} of {m['num_reached_tokens']} "
-            f"draft tokens reached; {m['num_draft_tokens']} drafted)",
+            f"acceptance rate α: {m['acceptance_rate']:.3f}  ({m['num_accepted_tokens']} accepted of "
+            f"{m['num_reached_tokens']} draft tokens reached; {m['num_draft_tokens']} drafted)",
             f"mean accepted length τ: {m['mean_accepted_length']:.2f}  over {m['num_drafts']} rounds",
             f"acceptance by position: [{by_pos}]",
         ]

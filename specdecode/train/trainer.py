@@ -173,7 +173,7 @@ def read_checkpoint(cfg: TrainConfig) -> dict[str, Any]:
     if not isinstance(ckpt, dict):
         raise SpecDecodeError(f"--resume: {path} is not a specdecode training checkpoint")
     if ckpt.get("method") != cfg.method:
-        raise SpecDecodeError(f"--resume: {cfg.out} holds a {ckpt.get('method')!r} checkpoint, not {cfg.method!r}")
+        raise SpecDecodeError(f"--resume: {cfg.out} holds a checkpoint for method {ckpt.get('method')!r}, not {cfg.method!r}")
     if not {"net_config", "target", "step", "net", "optimizer", "rng", "cuda_rng", "log"} <= set(ckpt):
         raise SpecDecodeError(f"--resume: {path} is not a specdecode training checkpoint")
     was = ckpt["log"].get("config", {}) if isinstance(ckpt["log"], dict) else {}

@@ -93,7 +93,7 @@ def test_bad_folders_and_configs_get_one_line(target, tmp_path):
     net = MtpNet.from_target(MtpNet.Config(), model)
     mtp_dir = save_net(net, model, tmp_path / "mtp")
     cases = [
-        ({"method": "eagle", "model": str(mtp_dir)}, "holds a 'mtp' drafter"),
+        ({"method": "eagle", "model": str(mtp_dir)}, "holds a drafter for method 'mtp'"),
         ({"method": "eagle", "model": str(tmp_path / "nowhere")}, "is not a folder"),
         ({"method": "eagle"}, "no eagle weights ship"),
         ({"method": "eagle", "topk": 0}, "topk must be"),

@@ -59,7 +59,7 @@ CASES = {
     "bad net-config JSON": ({"--net-config": "{num_layers: 2"}, "--net-config is not valid JSON"),
     "unknown net key": ({"--net-config": '{"depth": 2}'}, "unknown draft_model net key(s) depth"),
     "bad steps": ({"--steps": "0"}, "--steps must be an integer >= 1"),
-    "resume another method": ({"--out": "@other", "--resume": ""}, "holds a 'eagle' checkpoint, not 'draft_model'"),
+    "resume another method": ({"--out": "@other", "--resume": ""}, "holds a checkpoint for method 'eagle', not 'draft_model'"),
     "resume without checkpoint": ({"--resume": ""}, "--resume: no checkpoint.pt"),
     "resume a foreign checkpoint": ({"--out": "@partial", "--resume": ""}, "is not a specdecode training checkpoint"),
     "resume a pickle": ({"--out": "@pickled", "--resume": ""}, "pickled/checkpoint.pt is not a specdecode training"),
@@ -110,7 +110,7 @@ def test_init_refuses_a_net_config_that_reshapes_its_tensors(capsys, folders, tm
     # a folder of another method is named as such (its net keys are not this method's)
     eagle = [*common[:1], "eagle", *common[2:]]
     code, err = run_train(capsys, *eagle, "--out", str(tmp_path / "third"), "--init", first)
-    assert code == 2 and err.count("\n") == 1 and "holds a 'medusa' drafter, not 'eagle'" in err, err
+    assert code == 2 and err.count("\n") == 1 and "holds a drafter for method 'medusa', not 'eagle'" in err, err
 
 
 def test_the_trainable_methods_are_those_with_a_net():
