@@ -138,7 +138,7 @@ def test_bad_options_get_one_line(setup, tmp_path):
     other.mkdir()
     meta = json.loads((root / "medusa" / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**meta, "specdecode_method": "eagle"}))
-    assert "'eagle' drafter" in one_line_error(lambda: make_drafter(target, {"model": str(other)}))
+    assert "a drafter for method 'eagle'" in one_line_error(lambda: make_drafter(target, {"model": str(other)}))
     assert "no medusa weights ship" in one_line_error(lambda: make_drafter(target, {}))
     assert "num_heads" in one_line_error(lambda: MedusaConfig(num_heads=0))
 
