@@ -53,8 +53,9 @@ MIN_GAIN = 0.02
 # 1% of every pass, 1.004x without (GGUF, AVX512, 3 step-paired repetitions). At one row the
 # shares are equal, and there a shadow step also saves the planning before the proposal.
 SHADOW_SHARE = 0.01
-# Proposals whose median cost per depth is the drafter's: a change of drafting cost shows
-# after half of them, a stall not at all.
+# Proposals whose median cost per depth is the drafter's: a change of cost shows after half of
+# them, a stall not at all (a running mean that took one 2 s proposal in stopped drafting for
+# ~800 steps: with drafting off it was barely updated).
 DRAFT_COST_WINDOW = 15
 # Weight of each step in the running mean of the prefill seconds a step carries (about the
 # last 32 steps): chunks come in bursts as requests join. Also the weight of each proposal
@@ -366,17 +367,14 @@ class AdaptiveBudget:
         if timed and draft_seconds > 0 and not self.planned_first:  # proposed first: what that cost
             cost = draft_seconds + self.plan_seconds
             self.proposal_cost += PREFILL_DECAY * (cost - self.proposal_cost)
-        # proposing, and planning on the proposal, on a step that verified nothing, for shadows
-        shadows = not (drafted or draft_seconds == 0 or self.proposing_first)
-        if timed:
+        if timed:  # proposing, and planning on the proposal, on a step that verified nothing: shadows
+            shadows = not (drafted or draft_seconds == 0 or self.proposing_first)
             spent = draft_seconds + self.plan_seconds if shadows else 0.0
             earned = SHADOW_SHARE * seconds / (1 if drafted else max(1, len(reqs)))
             self.shadow_allowance = min(0.0, self.shadow_allowance + earned - spent)
         self.plan_seconds, self.planned_first, self.proposing_first = 0.0, False, False
         self.probes.observe(drafted)
-        if timed and draft_seconds > 0:  # what proposing costs per draft depth: the recent median,
-            # which one stall does not move (a running mean that took a 2 s proposal in stopped
-            # drafting for ~800 steps: drafting off, it was barely updated), a change of cost does
+        if timed and draft_seconds > 0:  # what proposing costs per draft depth (DRAFT_COST_WINDOW)
             self.draft_costs.append(draft_seconds / max(1, draft_depth))
             del self.draft_costs[:-DRAFT_COST_WINDOW]
             self.draft_cost = statistics.median(self.draft_costs)
