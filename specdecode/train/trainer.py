@@ -184,6 +184,12 @@ def read_checkpoint(cfg: TrainConfig) -> dict[str, Any]:
                 f"--resume: {flag} was {was[name]!r} in {cfg.out}, now {getattr(cfg, name)!r}; "
                 "keep it as it was, or train into a new --out"
             )
+    step, trained = ckpt["step"], ckpt["log"].get("train_seconds", 0.0) if isinstance(ckpt["log"], dict) else 0.0
+    if step >= cfg.steps:  # nothing would train, and the output would be written again as it is
+        raise SpecDecodeError(f"--resume: {cfg.out} is already at step {step}; give --steps above it to train further")
+    if cfg.time_limit is not None and trained >= cfg.time_limit:  # the limit counts the earlier runs' time
+        raise SpecDecodeError(f"--resume: {cfg.out} has trained {trained:.0f} s already; "
+                              f"give --time-limit above it to train further")  # fmt: skip
     return ckpt
 
 

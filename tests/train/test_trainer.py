@@ -115,6 +115,11 @@ def test_resume_accepts_the_same_partial_net_config(tiny_target, corpus, tmp_pat
     assert log["end"]["step"] == 6
     with pytest.raises(SpecDecodeError, match="differs from the checkpoint"):
         train(replace(cfg, steps=8, resume=True, net_config={"draft_vocab": 5}))
+    # nothing left to train is said, not done quietly (the output was rewritten as it was)
+    with pytest.raises(SpecDecodeError, match="already at step 6; give --steps above it"):
+        train(replace(cfg, steps=6, resume=True))
+    with pytest.raises(SpecDecodeError, match="trained .* s already; give --time-limit above it"):
+        train(replace(cfg, steps=8, resume=True, time_limit=1e-6))
 
 
 def test_resume_refuses_other_data_settings(tiny_target, corpus, tmp_path):
