@@ -60,7 +60,11 @@ def joint_chisquare(continuations: list[list[int]], want: dict[tuple, float], vo
         counts[tuple(c)] = counts.get(tuple(c), 0) + 1
     keys = [k for k in itertools.product(range(vocab), repeat=n) if want[k] > 0]
     assert set(counts) <= set(keys), "sampled a continuation the target gives probability 0"
-    common = [k for k in keys if want[k] * samples >= 5]
+    common = sorted((k for k in keys if want[k] * samples >= 5), key=lambda k: -want[k])
+    # the pooled rest needs an expected count >= 5 too: where it has (nearly) nothing, round-off left it
+    # slightly negative and the power check's statistic NaN; the rarest common cells join it
+    while common and samples * (1 - sum(want[k] for k in common)) < 5:
+        common.pop()
     obs = [counts.get(k, 0) for k in common] + [samples - sum(counts.get(k, 0) for k in common)]
     exp = [want[k] * samples for k in common] + [samples * (1 - sum(want[k] for k in common))]
     return JointChiSquare(common, exp, samples, float(chisquare(obs, exp).pvalue))
