@@ -11,11 +11,15 @@ import math
 from specdecode.config import MAX_SPECULATIVE_TOKENS, SpecDecodeError
 
 
+# Far past any useful draft length; a larger integer (10**400) would overflow the float formula.
+MAX_THEORY_GAMMA = 10**6
+
+
 def _check(alpha: float, gamma: int, c: float) -> None:
     if not 0.0 <= alpha <= 1.0:
         raise SpecDecodeError(f"alpha must be in [0, 1], got {alpha}")
-    if gamma < 0:
-        raise SpecDecodeError(f"gamma must be >= 0, got {gamma}")
+    if not 0 <= gamma <= MAX_THEORY_GAMMA:
+        raise SpecDecodeError(f"gamma must be in [0, {MAX_THEORY_GAMMA}], got {gamma}")
     if not (math.isfinite(c) and c >= 0):
         raise SpecDecodeError(f"c must be a finite number >= 0, got {c}")
 

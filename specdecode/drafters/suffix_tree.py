@@ -5,7 +5,7 @@ Owns: `SuffixTree` (a suffix trie bounded by ``max_depth``: every substring of l
 its occurrences), `speculate` (greedy, frequency-scored expansion of a proposal tree
 from a matched node), `best_speculation` (which match length to draft from) and
 `GlobalCache` (the outputs of earlier requests in one shared tree, bounded with
-least-recently-used eviction).
+roughly least-recently-used eviction).
 Does not own: per-request bookkeeping or turning proposals into a `Draft` (suffix.py).
 
 Appending a token ``t`` to a sequence extends every open suffix by ``t``: the sequence
@@ -196,9 +196,12 @@ def best_speculation(matches: list[Node], max_depth: int, cap: int, factor: floa
 class GlobalCache:
     """Outputs of finished requests in one `SuffixTree`, at most ``max_requests`` of them.
 
-    Entries are evicted least recently used first; an entry is *used* when it is added
-    and when a proposal is drawn from a context it was the last to pass through
-    (`touch`). Each entry keeps its tokens, so eviction replays them with -1: exact.
+    Entries are evicted roughly least recently used first; an entry is *used* when it is
+    added and when a proposal is drawn from a context it was the last to pass through
+    (`touch`). Only the last entry through a node is known (one label per node, not a set),
+    so where that entry has been evicted since, a proposal from the node refreshes no entry
+    and its suppliers age as under first in, first out (vLLM's order). Each entry keeps its
+    tokens, so eviction replays them with -1: exact.
     """
 
     def __init__(self, max_depth: int, max_requests: int) -> None:

@@ -7,6 +7,7 @@ drafters) or the decoding loop (engine/step.py).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +28,10 @@ class SpecStats:
     # draft tokens verification decided on: a round stops at its first rejection, so the drafts
     # after it were never tried (α = accepted / reached; accepted / drafted understates it)
     num_reached_tokens: int = 0
+
+    def snapshot(self) -> SpecStats:
+        """A copy that later rounds do not change (an event's stats are those of its moment)."""
+        return dataclasses.replace(self, accepted_per_position=list(self.accepted_per_position))
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         if num_draft == 0:

@@ -412,6 +412,6 @@ class ServingEngine(Engine):
 
     def _event(self, req: _Request, new: list[int]) -> RequestEvent:
         seq = req.seq
-        return RequestEvent(
-            req.request_id, new, seq.finish_reason, seq.stats, seq.num_prompt, len(seq.token_ids) - seq.num_prompt
+        return RequestEvent(  # the stats as of this event: a prefill's event comes before its step's decode round
+            req.request_id, new, seq.finish_reason, seq.stats.snapshot(), seq.num_prompt, len(seq.token_ids) - seq.num_prompt
         )

@@ -93,7 +93,8 @@ class Engine:
         self.round_room = self.drafter.max_draft_tokens(self.gamma) + 2 if self.drafter is not None else 2
         if self.round_room >= max_model_len:
             raise SpecDecodeError(
-                f"one round drafts up to {self.round_room - 2} tokens, which does not fit the context of {max_model_len}"
+                f"max_model_len={max_model_len} is too small for a round of up to {self.round_room - 2} draft tokens; "
+                f"give max_model_len >= {self.round_room + 1}"
             )
         # target layers the drafter reads; every target pass returns their features
         self.hidden_layers: tuple[int, ...] = self.drafter.hidden_layers if self.drafter is not None else ()

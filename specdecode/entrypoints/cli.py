@@ -143,9 +143,7 @@ def cmd_speedup(args: argparse.Namespace) -> dict[str, Any]:
     from specdecode.theory import expected_speedup, expected_tokens_per_round, optimal_gamma
 
     gamma = args.gamma if args.gamma is not None else optimal_gamma(args.alpha, args.c)
-    if gamma < 1:
-        raise SpecDecodeError(f"gamma must be >= 1, got {gamma}")
-    result = {
+    result = {  # γ = 0 is plain decoding (1.00x), as the roofline takes it
         "alpha": args.alpha,
         "gamma": gamma,
         "c": args.c,
@@ -163,12 +161,17 @@ def _print_speedup(r: dict[str, Any]) -> None:
     print(f"expected speedup:          {r['speedup']:.2f}x")
 
 
+MAX_ROOFLINE_BATCH = 10**9  # a larger integer would overflow the float time
+
+
 def cmd_roofline(args: argparse.Namespace) -> dict[str, Any]:
     from specdecode.roofline import Roofline, resolve_hardware, resolve_model
+    from specdecode.theory import MAX_THEORY_GAMMA
 
     gamma = 4 if args.gamma is None else args.gamma
-    if args.batch < 1 or gamma < 0:
-        raise SpecDecodeError("--batch must be >= 1 and --gamma >= 0")
+    if not 1 <= args.batch <= MAX_ROOFLINE_BATCH or not 0 <= gamma <= MAX_THEORY_GAMMA:
+        raise SpecDecodeError(f"--batch must be in [1, {MAX_ROOFLINE_BATCH}] and --gamma in [0, {MAX_THEORY_GAMMA}], "
+                              f"got {args.batch} and {gamma}")  # fmt: skip
     roof = Roofline(resolve_model(args.model or "llama-3-8b"), resolve_hardware(args.hardware or "h100"))
     positions = args.batch * (gamma + 1)
     result = {

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import logging
 import queue
 import threading
@@ -192,9 +191,7 @@ class EngineThread:
             req.seen = now
             if ev.finish_reason is not None:
                 del self._requests[ev.request_id]
-            # a copy: the engine keeps mutating its own stats object after this step
-            req.put(dataclasses.replace(ev, new_token_ids=list(ev.new_token_ids),
-                                        stats=dataclasses.replace(s, accepted_per_position=list(now[3]))))  # fmt: skip
+            req.put(ev)  # its stats are a snapshot (RequestEvent), the engine's own object changes on
         if self.metrics is not None:
             self.metrics.observe_step(self.engine.stats(), deltas, new_tokens)
 

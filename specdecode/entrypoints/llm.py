@@ -7,6 +7,7 @@ starts, turning token streams into text, and per-request metrics.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 import warnings
 from dataclasses import dataclass
@@ -246,7 +247,7 @@ class LLM:
     def encode_chat(self, user_message: str) -> list[int]:
         """Token ids of a one-turn chat, with the generation prompt, via the model's chat template."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise SpecDecodeError("this model has no chat template; drop --chat")
+            raise SpecDecodeError("this model has no chat template; send the prompt as it is (no --chat, no encode_chat)")
         if not isinstance(user_message, str):
             raise SpecDecodeError(f"a chat message must be a string, got {type(user_message).__name__}")
         _check_utf8(user_message)
@@ -269,7 +270,8 @@ class LLM:
     def _prepare(
         self, prompts: "Prompt | Sequence[Prompt]", sampling_params: "SamplingParams | Sequence[SamplingParams] | None"
     ) -> tuple[list[list[int]], list[SamplingParams]]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        prompts = _as_ids(prompts)
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and is_int(prompts[0])):
             prompts = [prompts]  # one prompt, as text or token ids
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise SpecDecodeError("prompts must be a non-empty list of strings or token-id lists")
@@ -296,6 +298,7 @@ class LLM:
     def tokenize(self, prompt: Prompt) -> list[int]:
         """Validated token ids of a prompt given as text or as token ids."""
         vocab = self.target.config.vocab_size
+        prompt = _as_ids(prompt)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise SpecDecodeError("this model folder has no tokenizer; pass token-id lists")
@@ -319,6 +322,18 @@ class LLM:
         text = params.visible_text(self.decode(out))
         metrics = RequestMetrics(**dataclasses.asdict(stats), num_generated_tokens=len(out), wall_time_s=wall, first_token_time_s=first)
         return RequestOutput(prompt, out, text, finish, metrics)
+
+
+def _as_ids(prompt: Any) -> Any:
+    """Token ids given as a tensor or numpy array (as HF's decode takes them), or as a list or
+    tuple of numpy integers, as a list of ints (a 2-D array: a list of prompts); else as given."""
+    if isinstance(prompt, torch.Tensor) or type(prompt).__module__ == "numpy":
+        return prompt.tolist()
+    if isinstance(prompt, (list, tuple)) and prompt and all(
+        isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt
+    ):
+        return [int(t) for t in prompt]
+    return prompt
 
 
 def _check_utf8(text: str) -> None:

@@ -30,12 +30,19 @@ def test_no_match_and_min_length():
     assert lookup(toks, 1, 3, 4).tolist() == []
     toks = arr(1, 2, 9, 2)
     assert lookup(toks, 2, 3, 4).tolist() == []  # only a 1-gram matches
-    assert lookup(toks, 1, 3, 4).tolist() == [9, 2]
+    assert lookup(toks, 1, 3, 4).tolist() == [9, 2, 9, 2]  # [9, 2] ran into the end: repeated
 
 
-def test_draft_cut_at_end_of_context():
-    toks = arr(7, 8, 7)
-    assert lookup(toks, 1, 1, 5).tolist() == [8, 7]
+def test_a_draft_past_the_end_repeats_the_matchs_period():
+    """A continuation that runs into the end of the sequence goes on as an LZ77 copy: a loop
+    drafts all k tokens (vLLM's stops at the end, one period per round on a loop)."""
+    assert lookup(arr(7, 8, 7), 1, 1, 5).tolist() == [8, 7, 8, 7, 8]
+    assert lookup(arr(*[5] * 12), 2, 5, 4).tolist() == [5, 5, 5, 5]
+    loop = arr(9, 1, 2, 3, 1, 2, 3, 1, 2, 3)
+    assert lookup(loop, 1, 3, 8).tolist() == [1, 2, 3, 1, 2, 3, 1, 2]
+    assert lookup(arr(1, 2, 3, 4, 1, 2), 2, 2, 4).tolist() == [3, 4, 1, 2]  # ends in time: as found
+    assert lookup(arr(1, 2, 3, 4, 1, 2), 2, 2, 6).tolist() == [3, 4, 1, 2, 3, 4]
+    assert lookup(arr(1, 2, 3), 1, 2, 4).tolist() == []  # no match: nothing to repeat
 
 
 def test_lookup_agrees_with_a_plain_search_on_random_sequences():

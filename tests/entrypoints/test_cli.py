@@ -53,6 +53,15 @@ def test_theory_both_models_at_once_and_bad_numbers(capsys):
         assert code == 2 and err.startswith("error: --c must be") and err.count("\n") == 1, err
     code, out, err = run(capsys, "theory", "--alpha", "0.8", "--model", "/no/such/model")
     assert code == 2 and out == "" and err.startswith("error: model path not found")  # no formula printed first
+    huge = str(10**400)  # overflowed the float formula with a traceback (exit 1)
+    for argv, says in ((["--alpha", "0.5", "--gamma", huge], "gamma must be in [0, "),
+                       (["--alpha", "1", "--gamma", huge], "gamma must be in [0, "),
+                       (["--model", "llama-3-8b", "--batch", huge], "--batch must be in [1, "),
+                       (["--model", "llama-3-8b", "--gamma", "-1"], "--batch must be in [1, ")):  # fmt: skip
+        code, _, err = run(capsys, "theory", *argv)
+        assert code == 2 and err.startswith(f"error: {says}") and err.count("\n") == 1, err
+    code, out, _ = run(capsys, "theory", "--alpha", "0.8", "--gamma", "0", "--json")  # plain decoding, as the roofline's
+    assert code == 0 and json.loads(out)["speedup"] == 1.0
     with pytest.raises(SystemExit) as exit_:  # argparse's own errors: one line too
         main(["theory", "--alpha", "x"])
     err = capsys.readouterr().err

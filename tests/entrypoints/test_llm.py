@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
 from tests.tiny import make_tiny_checkpoint
@@ -34,6 +36,20 @@ def test_single_prompt_forms(llm):
     by_text = llm.generate("hello", params)[0]
     by_ids = llm.generate(llm.tokenize("hello"), params)[0]
     assert by_text.token_ids == by_ids.token_ids
+    ids = llm.tokenize("hello")  # a tuple, a tensor, a numpy array or numpy ints are ids too (a tuple was refused)
+    for given in (tuple(ids), torch.tensor(ids), np.array(ids), [np.int64(t) for t in ids]):
+        outs = llm.generate(given, params)
+        assert len(outs) == 1 and outs[0].token_ids == by_ids.token_ids, type(given)
+    assert [o.token_ids for o in llm.generate(torch.tensor([ids, ids]), params)] == [by_ids.token_ids] * 2
+
+
+def test_each_streamed_event_holds_the_stats_of_its_moment(llm):
+    """Every event carried the same stats object, still counting: the first (the prefill's,
+    before any round) said 10 drafts at the end."""
+    events = list(llm.stream("abcabc", SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)))
+    drafts = [e.stats.num_drafts for e in events]
+    assert drafts[0] == 0 and drafts == sorted(drafts) and drafts[-1] > 0
+    assert len({id(e.stats) for e in events}) == len(events)
 
 
 def test_stop_string_cuts_text_and_tokens(llm):
@@ -139,8 +155,11 @@ def test_a_spec_config_built_by_hand_is_checked_as_its_dict_would_be(tmp_path):
 def test_tree_budget_beyond_context(tmp_path):
     path = make_tiny_checkpoint(tmp_path / "m", "llama", seed=0)
     spec = {"method": "ngram", "max_matches": 4, "num_draft_tokens": 200}
-    with pytest.raises(SpecDecodeError, match="does not fit the context"):
+    with pytest.raises(SpecDecodeError, match="max_model_len=128 is too small for a round of up to 200 draft tokens; "
+                                              "give max_model_len >= 203"):  # fmt: skip
         LLM(model=str(path), speculative_config=spec, dtype="float32", max_model_len=128)
+    with pytest.raises(SpecDecodeError, match="give max_model_len >= 3"):  # said 'drafts up to 0 tokens'
+        LLM(model=str(path), dtype="float32", max_model_len=2)
 
 
 def test_default_quantization_keeps_a_gguf_quantized_and_a_dense_draft_follows(tmp_path):
