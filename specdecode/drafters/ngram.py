@@ -2,8 +2,8 @@
 
 Finds the most recent earlier occurrence of the sequence's last n tokens (n from
 ``prompt_lookup_max`` down to ``prompt_lookup_min``, longest first) in prompt + output,
-and proposes the tokens that followed it (past the end of the sequence, the match's period
-repeated), with n as the proposal's evidence (an adaptive
+and proposes the tokens that followed it (past the end of the sequence, on a loop, the
+match's period repeated), with n as the proposal's evidence (an adaptive
 budget counts acceptance by it). Costs a few vectorised numpy comparisons
 per row and round. With ``max_matches > 1`` it merges the continuations of several
 matches (longest n first, then most recent) into one tree of at most
@@ -76,20 +76,23 @@ def longest_match(tokens: np.ndarray, min_n: int, max_n: int) -> tuple[int, int]
     return (n, best + 1) if n >= min_n else (0, size)
 
 
-def continuation(tokens: np.ndarray, start: int, k: int) -> np.ndarray:
-    """The ``k`` tokens after a match whose continuation starts at ``start`` (none if start is the
-    end). Where they run into the end of the sequence, the text is taken to go on repeating with
-    the match's period, size - start, as an LZ77 copy does: on a loop (``x y x y`` matching ``x y``)
-    the draft runs all k tokens, not one period (vLLM's ngram stops at the end)."""
-    if start + k <= len(tokens):
+def continuation(tokens: np.ndarray, start: int, k: int, n: int) -> np.ndarray:
+    """The ``k`` tokens after a match of the last ``n`` tokens whose continuation starts at
+    ``start``. Where they run into the end of the sequence and the match overlaps the suffix it
+    matched (its period, size - start, is at most n: the text already repeated for n + period
+    tokens), the text is taken to go on repeating, as an LZ77 copy does: on a loop the draft runs
+    all k tokens, not one period (vLLM's ngram stops at the end). A match further back is cut at
+    the end as found: extending those drafted positions that were rarely accepted."""
+    size = len(tokens)
+    if start + k <= size or not 0 < size - start <= n:
         return tokens[start : start + k]
-    return np.resize(tokens[start:], k) if start < len(tokens) else tokens[:0]  # resize repeats cyclically
+    return np.resize(tokens[start:], k)  # repeats cyclically
 
 
 def lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
     """Up to ``k`` tokens that followed the most recent earlier match of the longest suffix n-gram."""
-    _, start = longest_match(tokens, min_n, max_n)
-    return continuation(tokens, start, k)
+    n, start = longest_match(tokens, min_n, max_n)
+    return continuation(tokens, start, k, n)
 
 
 def lookup_all(tokens: np.ndarray, min_n: int, max_n: int, k: int, max_matches: int) -> list[np.ndarray]:
@@ -100,7 +103,7 @@ def lookup_all(tokens: np.ndarray, min_n: int, max_n: int, k: int, max_matches: 
     for n in range(min(max_n, size - 1), min_n - 1, -1):
         windows = np.lib.stride_tricks.sliding_window_view(tokens[: size - 1], n)
         for hit in np.flatnonzero((windows == tokens[size - n :]).all(axis=1))[::-1]:
-            cont = continuation(tokens, hit + n, k)
+            cont = continuation(tokens, hit + n, k, n)
             if cont.size and cont.tobytes() not in seen:
                 seen.add(cont.tobytes())
                 found.append(cont)
@@ -157,7 +160,7 @@ class NgramDrafter:
         matched = [0] * len(batch)  # each row's n: a longer match is likelier a copy (see Draft.evidence)
         for row, tokens in enumerate(rows):
             matched[row], start = longest_match(tokens, lo, hi)
-            found = continuation(tokens, start, num_tokens)
+            found = continuation(tokens, start, num_tokens, matched[row])
             out[row, : len(found)] = found
         return Draft(tokens=torch.from_numpy(out).to(self.device), q=None, evidence=matched)
 

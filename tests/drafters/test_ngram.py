@@ -30,18 +30,19 @@ def test_no_match_and_min_length():
     assert lookup(toks, 1, 3, 4).tolist() == []
     toks = arr(1, 2, 9, 2)
     assert lookup(toks, 2, 3, 4).tolist() == []  # only a 1-gram matches
-    assert lookup(toks, 1, 3, 4).tolist() == [9, 2, 9, 2]  # [9, 2] ran into the end: repeated
+    assert lookup(toks, 1, 3, 4).tolist() == [9, 2]
 
 
-def test_a_draft_past_the_end_repeats_the_matchs_period():
-    """A continuation that runs into the end of the sequence goes on as an LZ77 copy: a loop
-    drafts all k tokens (vLLM's stops at the end, one period per round on a loop)."""
-    assert lookup(arr(7, 8, 7), 1, 1, 5).tolist() == [8, 7, 8, 7, 8]
-    assert lookup(arr(*[5] * 12), 2, 5, 4).tolist() == [5, 5, 5, 5]
+def test_a_draft_past_the_end_repeats_a_loop():
+    """A continuation that runs into the end of the sequence goes on as an LZ77 copy where the
+    match overlaps the suffix it matched (period <= n: a loop), so a loop drafts all k tokens
+    (vLLM's stops at the end: one period per round); a match further back is cut at the end."""
+    assert lookup(arr(*[5] * 12), 2, 5, 4).tolist() == [5, 5, 5, 5]  # period 1
     loop = arr(9, 1, 2, 3, 1, 2, 3, 1, 2, 3)
-    assert lookup(loop, 1, 3, 8).tolist() == [1, 2, 3, 1, 2, 3, 1, 2]
+    assert lookup(loop, 1, 3, 8).tolist() == [1, 2, 3, 1, 2, 3, 1, 2]  # period 3, n 3
     assert lookup(arr(1, 2, 3, 4, 1, 2), 2, 2, 4).tolist() == [3, 4, 1, 2]  # ends in time: as found
-    assert lookup(arr(1, 2, 3, 4, 1, 2), 2, 2, 6).tolist() == [3, 4, 1, 2, 3, 4]
+    assert lookup(arr(1, 2, 3, 4, 1, 2), 2, 2, 6).tolist() == [3, 4, 1, 2]  # period 4 > n 2: cut
+    assert lookup(arr(7, 8, 7), 1, 1, 5).tolist() == [8, 7]  # period 2 > n 1: cut
     assert lookup(arr(1, 2, 3), 1, 2, 4).tolist() == []  # no match: nothing to repeat
 
 
