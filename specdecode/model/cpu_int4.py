@@ -77,6 +77,13 @@ def cpu_isa() -> str | None:
     return next((isa for isa in CPU_ISAS if cpu_lib(isa) is not None), None)
 
 
+COMPILE_TIMEOUT_S = 300  # a build takes ~3 s
+
+
+def _file_hash(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 @functools.cache
 def cpu_lib(isa: str | None = None) -> ctypes.CDLL | None:
     """Our library for ``isa`` (default: the best this CPU runs), compiled once into the
@@ -94,8 +101,10 @@ def cpu_lib(isa: str | None = None) -> ctypes.CDLL | None:
     texts = {name: _read(name) for name in (*sources, *_HEADERS)}
     digest = hashlib.sha256(("".join(texts.values()) + " ".join(flags)).encode()).hexdigest()[:12]
     target = cache_root() / "kernels" / f"cpu_{isa}-{digest}.so"
+    check = target.with_suffix(".sha256")  # the built file's own hash: a damaged one (truncated by a copy
+    # or a crash) killed every later process with SIGBUS in dlopen, which Python cannot catch
     try:
-        if not target.is_file():
+        if not target.is_file() or not check.is_file() or check.read_text() != _file_hash(target):
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 out = Path(tmp) / "lib.so"
@@ -103,12 +112,19 @@ def cpu_lib(isa: str | None = None) -> ctypes.CDLL | None:
                     (Path(tmp) / name).write_text(text)
                 srcs = [str(Path(tmp) / name) for name in sources]
                 cmd = [compiler, *flags, "-o", str(out), *srcs, "-lm"]
-                done = subprocess.run(cmd, check=False, capture_output=True)
+                try:  # a compiler that hangs must not hang the model load
+                    done = subprocess.run(cmd, check=False, capture_output=True, timeout=COMPILE_TIMEOUT_S)
+                except subprocess.TimeoutExpired:
+                    warnings.warn(f"specdecode: building the {isa} CPU kernels took over {COMPILE_TIMEOUT_S} s; "
+                                  "they are unavailable")  # fmt: skip
+                    return None
                 if done.returncode != 0:
                     first = (done.stderr.decode(errors="replace").strip().splitlines() or ["?"])[0]
                     warnings.warn(f"specdecode: building the {isa} CPU kernels failed ({first}); they are unavailable")
                     return None
+                (Path(tmp) / "lib.sha256").write_text(_file_hash(out))
                 os.replace(out, target)
+                os.replace(Path(tmp) / "lib.sha256", check)
         lib = ctypes.CDLL(str(target))
     except OSError as e:  # a cache folder we cannot write or load from (read-only, noexec, a file)
         warnings.warn(f"specdecode: the {isa} CPU kernels cannot be built or loaded under {target.parent} ({e}); "

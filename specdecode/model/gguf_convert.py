@@ -56,7 +56,14 @@ _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("SPECDECODE_CACHE") or Path.home() / ".cache" / "specdecode")
+    """$SPECDECODE_CACHE, else ~/.cache/specdecode, else (no home: HOME unset and a user without
+    a passwd entry, as in some containers) a folder of this user's in the temporary folder."""
+    if os.environ.get("SPECDECODE_CACHE"):
+        return Path(os.environ["SPECDECODE_CACHE"])
+    try:
+        return Path.home() / ".cache" / "specdecode"
+    except RuntimeError:  # "Could not determine home directory"
+        return Path(tempfile.gettempdir()) / f"specdecode-{os.getuid()}"
 
 
 def hf_name(gguf_name: str, arch: str) -> str:

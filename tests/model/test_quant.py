@@ -4,6 +4,11 @@
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -173,6 +178,35 @@ def test_a_kernel_cache_that_cannot_be_written_falls_back_to_torch(tmp_path, mon
         monkeypatch.undo()
         cpu_lib.cache_clear()
     assert cpu_lib(OURS[0]) is not None
+
+
+def test_a_damaged_kernel_in_the_cache_is_rebuilt(tmp_path):
+    """A truncated library in the cache (a copied cache, a crash before the data reached the
+    disk) killed every later process with SIGBUS in dlopen; its hash is checked first, and a
+    damaged one rebuilt. In subprocesses: the damaged file would kill this one."""
+    if not OURS:
+        pytest.skip("needs our CPU library")
+    env = {**os.environ, "SPECDECODE_CACHE": str(tmp_path)}
+    probe = [sys.executable, "-c", "from specdecode.model.cpu_int4 import cpu_isa; print(cpu_isa())"]
+    assert subprocess.run(probe, env=env, capture_output=True, text=True, check=True).stdout.strip() == OURS[0]
+    (built,) = (tmp_path / "kernels").glob(f"cpu_{OURS[0]}-*.so")
+    built.write_bytes(built.read_bytes()[:8000])
+    again = subprocess.run(probe, env=env, capture_output=True, text=True)
+    assert again.returncode == 0 and again.stdout.strip() == OURS[0], again.stderr[-500:]
+    assert built.stat().st_size > 8000
+
+
+def test_the_cache_without_a_home_folder(monkeypatch):
+    """HOME unset and a user without a passwd entry (some containers): Path.home() raises a
+    RuntimeError, which crashed the first RMSNorm of any model; a folder in /tmp serves."""
+    from specdecode.model.gguf_convert import cache_root
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("SPECDECODE_CACHE", raising=False)
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    assert cache_root() == Path(tempfile.gettempdir()) / f"specdecode-{os.getuid()}"
 
 
 def test_int4_a8_needs_our_kernel():
