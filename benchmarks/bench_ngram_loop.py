@@ -51,7 +51,8 @@ def main() -> int:
     spec = {"method": "ngram", "num_speculative_tokens": args.gamma, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
     llm = LLM(model=args.model, speculative_config=spec, device="cpu", quantization=args.quantization)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    prompts = [(kind, text) for kind, texts in json.loads((HERE / "prompts.json").read_text()).items() for text in texts]
+    kinds = json.loads((HERE / "prompts.json").read_text())
+    prompts = [(kind, text) for kind, texts in kinds.items() for text in texts]
     prompts += [("loop", text) for text in LOOPS]
     llm.generate([llm.encode_chat("Hi")], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
     rows = []
@@ -73,7 +74,8 @@ def main() -> int:
         row = {"kind": kind, "prompt": text[:40], "plain_tok_s": plain}
         for name in ("cut", "repeat"):
             tau, drafted = stats[name]
-            row |= {f"{name}_tau": tau, f"{name}_draft_tokens": drafted, f"{name}_speedup": statistics.median(rates[name]) / plain}
+            speedup = statistics.median(rates[name]) / plain
+            row |= {f"{name}_tau": tau, f"{name}_draft_tokens": drafted, f"{name}_speedup": speedup}
         rows.append(row)
         print(f"{kind:11} {text[:36]:36} plain {plain:6.1f} tok/s | cut: τ {row['cut_tau']:.2f}, {row['cut_draft_tokens']:3} "
               f"drafted, {row['cut_speedup']:.2f}x | repeat: τ {row['repeat_tau']:.2f}, {row['repeat_draft_tokens']:3} "
