@@ -77,9 +77,9 @@ def main() -> int:
             speedup = statistics.median(rates[name]) / plain
             row |= {f"{name}_tau": tau, f"{name}_draft_tokens": drafted, f"{name}_speedup": speedup}
         rows.append(row)
-        print(f"{kind:11} {text[:36]:36} plain {plain:6.1f} tok/s | cut: τ {row['cut_tau']:.2f}, {row['cut_draft_tokens']:3} "
-              f"drafted, {row['cut_speedup']:.2f}x | repeat: τ {row['repeat_tau']:.2f}, {row['repeat_draft_tokens']:3} "
-              f"drafted, {row['repeat_speedup']:.2f}x", flush=True)  # fmt: skip
+        rules = " | ".join(f"{name}: τ {row[name + '_tau']:.2f}, {row[name + '_draft_tokens']:3} drafted, "
+                           f"{row[name + '_speedup']:.2f}x" for name in ("cut", "repeat"))  # fmt: skip
+        print(f"{kind:11} {text[:36]:36} plain {plain:6.1f} tok/s | {rules}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
     return 0
