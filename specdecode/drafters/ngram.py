@@ -96,14 +96,24 @@ def lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
 
 
 def lookup_all(tokens: np.ndarray, min_n: int, max_n: int, k: int, max_matches: int) -> list[np.ndarray]:
-    """Up to ``max_matches`` distinct continuations: longest suffix n-gram first, then most recent."""
+    """Up to ``max_matches`` distinct continuations: longest suffix n-gram first, then most recent.
+
+    The matches of every n come from one backward growth, as in `longest_match` (a window
+    comparison per n cost context length x the sum of the n: 45 ms a round at 20k tokens and
+    ``prompt_lookup_max`` 64)."""
     size = len(tokens)
+    levels: list[np.ndarray] = []  # levels[n - 1]: where the earlier matches of the last n tokens end
+    ends = np.flatnonzero(tokens[: size - 1] == tokens[-1]) if size >= 2 else np.empty(0, dtype=np.int64)
+    while ends.size and len(levels) < max_n:
+        levels.append(ends)
+        n = len(levels)
+        ends = ends[ends >= n]  # room for one more token before the match
+        ends = ends[tokens[ends - n] == tokens[size - 1 - n]]
     found: list[np.ndarray] = []
     seen: set[bytes] = set()
-    for n in range(min(max_n, size - 1), min_n - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[: size - 1], n)
-        for hit in np.flatnonzero((windows == tokens[size - n :]).all(axis=1))[::-1]:
-            cont = continuation(tokens, hit + n, k, n)
+    for n in range(len(levels), min_n - 1, -1):
+        for end in levels[n - 1][::-1]:
+            cont = continuation(tokens, int(end) + 1, k, n)
             if cont.size and cont.tobytes() not in seen:
                 seen.add(cont.tobytes())
                 found.append(cont)

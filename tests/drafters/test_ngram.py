@@ -65,6 +65,32 @@ def test_lookup_agrees_with_a_plain_search_on_random_sequences():
         assert longest_match(toks, lo, hi) == plain(toks.tolist(), lo, hi), (toks.tolist(), lo, hi)
 
 
+def test_lookup_all_agrees_with_a_window_search_on_random_sequences():
+    """lookup_all grows its matches backwards once; the reference compares windows per n (its
+    earlier code), with the same continuations (loops repeated) and order."""
+    from specdecode.drafters.ngram import continuation, lookup_all
+
+    def plain(toks: np.ndarray, lo: int, hi: int, k: int, most: int) -> list[list[int]]:
+        size, found = len(toks), []
+        for n in range(min(hi, size - 1), lo - 1, -1):
+            for hit in range(size - 1 - n, -1, -1):  # windows of toks[:-1], most recent first
+                if (toks[hit : hit + n] == toks[size - n :]).all():
+                    cont = continuation(toks, hit + n, k, n).tolist()
+                    if cont and cont not in found:
+                        found.append(cont)
+                        if len(found) == most:
+                            return found
+        return found
+
+    rng = np.random.default_rng(1)
+    for _ in range(2000):
+        toks = rng.integers(0, int(rng.choice([2, 3, 6])), size=int(rng.integers(0, 30)))
+        lo = int(rng.integers(1, 4))
+        hi, k, most = int(rng.integers(lo, 7)), int(rng.integers(1, 6)), int(rng.integers(1, 5))
+        got = [c.tolist() for c in lookup_all(toks, lo, hi, k, most)]
+        assert got == plain(toks, lo, hi, k, most), (toks.tolist(), lo, hi, k, most)
+
+
 def test_a_proposal_carries_its_matched_length_as_evidence():
     class Rows(list):
         seqs = property(lambda self: self)
