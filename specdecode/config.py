@@ -24,9 +24,12 @@ class SpecDecodeError(ValueError):
 
 
 def first_line(e: BaseException) -> str:
-    """The first line of an exception's message, for a one-line error (its type's name if empty)."""
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    """The first line of an exception's message, for a one-line error (its type's name if empty);
+    a first line that only introduces the next ("Validation error for field 'x':") gets it too."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(e).__name__
+    return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (vLLM's _SAMPLING_EPS)

@@ -53,6 +53,8 @@ class NgramOptions:
             raise SpecDecodeError(f"max_matches must be an integer in [1, 16], got {self.max_matches!r}")
         budget = self.num_draft_tokens
         check_node_budget(budget)
+        if budget is not None and matches == 1:  # a chain drafts γ tokens: the budget would be ignored
+            raise SpecDecodeError("num_draft_tokens is the tree node budget: it needs max_matches > 1 (a chain drafts γ)")
 
 
 def longest_match(tokens: np.ndarray, min_n: int, max_n: int) -> tuple[int, int]:

@@ -79,6 +79,9 @@ def hf_name(gguf_name: str, arch: str) -> str:
 
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's ``LlamaModel.permute`` of Q/K rows (interleaved -> rotate-half RoPE)."""
+    if w.shape[0] % (2 * n_head):  # the header's head count disagrees with the tensor
+        raise SpecDecodeError(f"a Q/K weight of {w.shape[0]} rows does not split into {n_head} heads of even size; "
+                              "the GGUF's head counts disagree with its tensors")  # fmt: skip
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
@@ -156,13 +159,13 @@ def convert_gguf(gguf_path: Path, out: Path, progress: bool = True) -> None:
 
     try:
         reader = GGUFReader(str(gguf_path))
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, IndexError) as e:  # IndexError: a header or key-value section cut or garbled
         raise SpecDecodeError(f"not a readable GGUF file: {gguf_path} ({first_line(e)})") from None
     arch = gguf_architecture(reader)
     folder, file = str(gguf_path.parent), gguf_path.name
     try:
         hf_config = AutoConfig.from_pretrained(folder, gguf_file=file)
-    except (KeyError, ValueError, OSError, TypeError) as e:  # transformers' GGUF reader on missing metadata
+    except Exception as e:  # transformers' GGUF reader on missing metadata, its validators on bad values
         raise SpecDecodeError(f"cannot read a model config from {gguf_path}'s metadata: {_message(e)}") from None
     key_length = reader.fields.get(f"{arch}.attention.key_length")
     if key_length is not None:  # transformers drops it for some architectures (qwen3)
@@ -221,7 +224,7 @@ class Int4Groups:
 
     q: torch.Tensor  # uint8 [N, planes * K], values 0..15
     scales: torch.Tensor  # fp32 [N, planes * K / 32]
-    zeros: torch.Tensor  # fp32 [N, planes * K / 32]
+    zeros: torch.Tensor  # fp32 [N, planes * K / 32] (float64 for Q4_1, whose m + 8d must stay exact)
     planes: int
     source_type: str
 
@@ -239,7 +242,7 @@ class Int4Groups:
             return self
         N, G = self.scales.shape
         q = torch.cat([self.q, torch.full((N, self.q.shape[1] * extra // self.planes), 8, dtype=torch.uint8)], 1)
-        pad = torch.zeros(N, G * extra // self.planes)
+        pad = torch.zeros(N, G * extra // self.planes, dtype=self.zeros.dtype)
         return Int4Groups(
             q, torch.cat([self.scales, pad], 1), torch.cat([self.zeros, pad], 1), planes, self.source_type
         )
@@ -275,7 +278,9 @@ def decode_int4_groups(raw: np.ndarray, type_name: str, n: int, k: int) -> Int4G
     if type_name == "Q4_0":  # w = d (q - 8)
         q, zero = _nibbles(b[..., 2:]), np.zeros_like(d)
     elif type_name == "Q4_1":  # w = d q + m
-        q, zero = _nibbles(b[..., 4:]), _f16(b[..., 2:4])[..., 0] + 8 * d
+        # in float64: in fp32 the sum lost m's low bits where |m| << |d|, and the kernel's z = zero - 8d
+        # (computed in float64, stored fp16) was then not m
+        q, zero = _nibbles(b[..., 4:]), _f16(b[..., 2:4])[..., 0].astype(np.float64) + 8 * d.astype(np.float64)
     else:  # Q8_0: w = d q8, q8 = 16 hi + lo with hi in [-8, 7], lo in [0, 15]
         q8 = np.ascontiguousarray(b[..., 2:]).view(np.int8).astype(np.int16)
         hi, lo = (q8 >> 4) + 8, q8 & 0x0F  # arithmetic shift: floor division by 16

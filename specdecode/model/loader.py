@@ -77,6 +77,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
         device = torch.device(device)
     except (RuntimeError, TypeError):
         raise SpecDecodeError(f"unknown device {device!r}") from None
+    if device.type not in ("cpu", "cuda"):  # mps, xpu, meta, ...: tracebacks deep in the build or the sampler
+        raise SpecDecodeError(f"device {str(device)!r} is not supported; use auto, cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SpecDecodeError(f"device {device} requested but CUDA is not available")
     return device
@@ -172,16 +174,17 @@ def load_model(
             raise SpecDecodeError(f"not a model folder or .gguf file: {source}")
         folder = converted_folder(source, name, progress)
     elif quant is not None and quant.mode == "gguf":
-        raise SpecDecodeError(f"quantization 'gguf' needs a .gguf file, not the folder {source}")
+        raise SpecDecodeError(f"quantization '{quant}' needs a .gguf file, not the folder {source}")
     else:
         folder = source
     if not (folder / "config.json").is_file():
         raise SpecDecodeError(f"no config.json in model folder {folder}")
     try:
         hf_config = AutoConfig.from_pretrained(str(folder))
-    except (ValueError, OSError, KeyError) as e:
+    except Exception as e:  # transformers' validators raise their own kinds (a string hidden_size, 0 heads, ...)
         raise SpecDecodeError(f"cannot read {folder / 'config.json'}: {first_line(e)}") from None
     config = ModelConfig.from_hf(hf_config)  # an unsupported config fails before the weights are read
+    config = dataclasses.replace(config, eos_token_ids=_eos_ids(config, folder))
     if dtype == torch.float16 and config.architecture in FLOAT16_UNSTABLE:
         raise SpecDecodeError(f"{config.architecture} does not run in float16 (its activations overflow it, as "
                               "vLLM refuses too); use bfloat16 or float32")  # fmt: skip
@@ -243,6 +246,20 @@ def _swap_int4(model: Transformer, name: str, parts: list[Int4Groups | None], ke
     source = "+".join(sorted({p.source_type for p in parts}))
     int4 = Int4Linear(q, s, z, 32, lin.in_features, bias, input_planes=planes, source=source, kernel=kernel, a8=a8)
     set_submodule(model, name, int4)
+
+
+def _eos_ids(config: ModelConfig, folder: Path) -> tuple[int, ...]:
+    """config.json's EOS ids and generation_config.json's, as transformers' generate and vLLM stop
+    on (Qwen2.5 / Qwen3 instruct list <|endoftext|> only in the latter)."""
+    path = folder / "generation_config.json"
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+    except (OSError, ValueError, AttributeError):  # unreadable, not JSON, not an object
+        raise SpecDecodeError(f"cannot read {path}") from None
+    extra = [] if eos is None else [eos] if not isinstance(eos, list) else eos
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < config.vocab_size for t in extra):
+        raise SpecDecodeError(f"{path}: eos_token_id must be token ids in [0, {config.vocab_size}), got {eos!r}")
+    return tuple(dict.fromkeys([*config.eos_token_ids, *extra]))
 
 
 def load_tokenizer(folder: Path) -> transformers.PreTrainedTokenizerBase | None:

@@ -142,3 +142,5 @@ def test_tree_options_validated():
         SpecConfig.parse({"method": "ngram", "max_matches": 3, "num_draft_tokens": 0})
     with pytest.raises(SpecDecodeError, match="max_matches"):
         SpecConfig.parse({"method": "ngram", "max_matches": 0})
+    with pytest.raises(SpecDecodeError, match="it needs max_matches > 1"):  # a chain ignored it quietly
+        SpecConfig.parse({"method": "ngram", "num_draft_tokens": 12})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -33,6 +34,34 @@ def test_resolve_dtype_and_device():
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
     with pytest.raises(SpecDecodeError, match="unknown dtype"):
         resolve_dtype("int8")
+    for other in ("mps", "xpu", "meta"):  # tracebacks deep in the build or the sampler
+        with pytest.raises(SpecDecodeError, match=f"device '{other}' is not supported; use auto, cpu, cuda or cuda:N"):
+            resolve_device(other)
+
+
+def test_configs_transformers_validates_away_raise_one_line(tmp_path):
+    """transformers' own validators raise their own exception kinds (not ValueError): tracebacks."""
+    for name, change, says in (("str", {"hidden_size": "64"}, "Field 'hidden_size' expected int"),
+                               ("heads", {"num_attention_heads": 3, "num_key_value_heads": 3}, "not a multiple"),
+                               ("zero", {"num_attention_heads": 0}, "by zero")):  # fmt: skip
+        folder = make_tiny_checkpoint(tmp_path / name, "llama", seed=0)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(SpecDecodeError, match=f"cannot read .*config.json: .*{says}") as err:
+            load_model(str(folder), device="cpu")
+        assert "\n" not in str(err.value)
+
+
+def test_generation_config_eos_ids_stop_too(tmp_path):
+    """As transformers' generate and vLLM: generation_config.json's EOS ids join config.json's
+    (Qwen instruct models list <|endoftext|> only there)."""
+    folder = make_tiny_checkpoint(tmp_path / "m", "llama", seed=0)
+    first = load_model(str(folder), device="cpu").config.eos_token_ids
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [first[0], 7]}))
+    assert load_model(str(folder), device="cpu").config.eos_token_ids == (*first, 7)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": "7"}))
+    with pytest.raises(SpecDecodeError, match="eos_token_id must be token ids"):
+        load_model(str(folder), device="cpu")
 
 
 def test_gemma3_in_float16_is_refused_in_one_line(tmp_path):

@@ -65,6 +65,14 @@ def test_our_kernel_keeps_gguf_q4_1_scales_exactly(kernel):
     lin = Int4Linear(g.q, g.scales, g.zeros, 32, kernel=kernel)
     sz = lin.scales_and_zeros  # [N/32, G, 2, 32]: fp16 scale and zero of w = d q + m
     assert torch.equal(sz[0, :, 0].T, d) and torch.equal(sz[0, :, 1].T, m)
+    # a minimum far below the scale: m + 8d in fp32 lost m's low bits (5 of 32 zeros were not m)
+    rng = np.random.default_rng(0)
+    d, m = np.full(32, 1.0, np.float16), rng.uniform(1e-4, 3e-4, 32).astype(np.float16)
+    raw = np.concatenate([d.view(np.uint8).reshape(32, 2), m.view(np.uint8).reshape(32, 2),
+                          rng.integers(0, 256, (32, 16), dtype=np.uint8)], axis=1)  # fmt: skip
+    g = decode_int4_groups(raw, "Q4_1", 32, 32)
+    zeros = Int4Linear(g.q, g.scales, g.zeros, 32, kernel=kernel).scales_and_zeros[0, :, 1].T[:, 0]
+    assert torch.equal(zeros, torch.from_numpy(m))
 
 
 @pytest.mark.parametrize("kernel", OURS)
