@@ -203,6 +203,19 @@ class ServingEngine(Engine):
         else:
             self._remove_running([request_id])
 
+    def reset(self) -> None:
+        """Drop every request and hand every block back, whatever state a failed step left the
+        rows in (a drafter that raised while rows left the batch kept a row the engine had
+        dropped, and every later step failed): the answer to an exception from `step`."""
+        for rid in [*self.running, *(r.request_id for r in self.prefilling)]:
+            self.cache.free_sequence(rid)
+        self.running.clear()
+        self.prefilling.clear()
+        self.waiting.clear()
+        self.batch.select_rows([])
+        if self.drafter is not None:
+            self.drafter.select_rows([])
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
 

@@ -169,13 +169,13 @@ class EngineThread:
             events = self.engine.step()
         except Exception as e:
             log.exception("engine step failed; aborting its %d requests", len(self._requests))
-            for rid, req in list(self._requests.items()):
+            for req in self._requests.values():
                 req.put(EngineFailed(f"engine error: {type(e).__name__}: {e}"))
-                try:
-                    self.engine.abort(rid)
-                except Exception:
-                    log.exception("abort of %s failed", rid)
             self._requests.clear()
+            try:  # not request by request: a row the failed step half removed is no request's any more
+                self.engine.reset()
+            except Exception:
+                log.exception("resetting the engine after a failed step failed")
             return
         deltas, new_tokens = [], 0
         for ev in events:

@@ -239,6 +239,9 @@ class LLM:
             while engine.has_unfinished():
                 for e in engine.step():
                     yield StreamEvent(index[e.request_id], e.new_token_ids, e.finish_reason, e.at - start, e.stats)
+        except Exception:  # a failed step may have left a row half removed, no request's to abort
+            engine.reset()
+            raise
         finally:  # an exception or a consumer that stopped early: nothing stays queued or cached
             for rid in ids:
                 engine.abort(rid)

@@ -301,3 +301,35 @@ def test_a_reused_request_id_starts_with_nothing_learned(plain):
     engine.abort("a")  # mid-way, with something learned
     engine.add_request("a", [9, 8, 7], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
     assert "a" not in engine.budget.acceptance.per_request and "a" not in engine.budget.probes.last
+
+
+@pytest.mark.parametrize("name", ["draft_model", "ngram"])
+def test_reset_after_a_step_that_failed_midway_leaves_a_clean_engine(plain, ckpts, reference, name):
+    """A drafter that raised while the last running row left the batch: the engine had dropped
+    the row, the batch kept it, no request's abort could reach it, and every later step failed
+    (2 draft blocks leaked). `reset` (what the server and the LLM do after a failed step) drops
+    every row and block."""
+    engine = make_engine(plain, ckpts, name)
+    real, calls = engine.drafter.select_rows, [0]
+
+    def flaky(rows):
+        calls[0] += 1
+        if calls[0] == 2:  # the second removal: the last running row leaves
+            raise RuntimeError("drafter hiccup")
+        return real(rows)
+
+    engine.drafter.select_rows = flaky
+    engine.add_request("a", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    engine.add_request("b", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    with pytest.raises(RuntimeError, match="hiccup"):
+        while engine.has_unfinished():
+            engine.step()
+    engine.reset()
+    assert not engine.has_unfinished() and len(engine.batch) == 0
+    assert engine.stats().kv_blocks_used == 0 and draft_blocks_used(engine) == 0
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS[2], ignore_eos=True)
+    engine.add_request("c", PROMPTS[2], params)
+    out = []
+    while engine.has_unfinished():
+        out += [t for e in engine.step() for t in e.new_token_ids]
+    assert out == reference[2]

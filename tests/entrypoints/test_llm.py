@@ -199,3 +199,24 @@ def test_acceptance_rate_is_the_per_token_alpha_the_formula_takes():
     assert abs(m.acceptance_rate - alpha) < 0.01
     assert abs(expected_tokens_per_round(m.acceptance_rate, gamma) - m.mean_accepted_length) < 0.05
     assert abs(m.draft_acceptance_rate - alpha * (1 - alpha**gamma) / ((1 - alpha) * gamma)) < 0.01
+
+
+def test_a_call_whose_step_failed_leaves_the_llm_usable(llm, monkeypatch):
+    """A drafter raising while the last row left the batch left a row no request owned: every
+    later call failed. The LLM resets its engine after a failed step."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = llm.generate(["abcabc", "hello"], params)
+    real, calls = llm.engine.drafter.select_rows, [0]
+
+    def flaky(rows):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("drafter hiccup")
+        return real(rows)
+
+    monkeypatch.setattr(llm.engine.drafter, "select_rows", flaky)
+    with pytest.raises(RuntimeError, match="hiccup"):
+        llm.generate(["abcabc", "hello"], [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), params])
+    got = llm.generate(["abcabc", "hello"], params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert llm.engine.stats().kv_blocks_used == 0
