@@ -127,7 +127,7 @@ class DraftModelDrafter:
         if self.static_tree is not None:
             return fill_static_tree(self._score_block, logits, roots, self.static_tree)
         if self.topk > 1:
-            return grow_tree(self._score_block, logits, roots, num_tokens, self.topk, self.budget)
+            return grow_tree(self._score_block, logits, roots, num_tokens, self.topk, self.budget, limits=batch.draft_limits)
         drafts, qs = [], []
         for k in range(num_tokens):
             if batch.all_greedy:  # one-hot q: the verifier needs no distribution

@@ -62,9 +62,10 @@ class _Pool:
 
 def grow_tree(
     score: ScoreFn, root_logits: torch.Tensor, root_tokens: list[int], depth: int, topk: int, budget: int,
-    root_states: torch.Tensor | None = None, vocab_ids: torch.Tensor | None = None,
+    root_states: torch.Tensor | None = None, vocab_ids: torch.Tensor | None = None, limits: list[int] | None = None,
 ) -> Draft:  # fmt: skip
-    """A tree per row, at most ``depth`` deep and ``budget`` draft nodes. root_logits [B, V or Vd];
+    """A tree per row, at most ``depth`` deep (row b: ``limits[b]``, its own γ, where given) and
+    ``budget`` draft nodes. root_logits [B, V or Vd];
     root_states [B, F]: the root's output state, for a drafter whose nodes take their parent's.
     ``vocab_ids`` [Vd]: the logits (the root's and ``score``'s) are over these tokens only (a
     draft vocabulary: the same tree as over the full logits with -inf elsewhere, cheaper)."""
@@ -105,14 +106,18 @@ def grow_tree(
                 for t, s in zip(tok[b][i], logq[b][i])
             ]
             frontier[b] = sorted(fresh, key=lambda n: -p.scores[n])[:topk]
-    return _rerank(pools, root_tokens, budget, device)
+    return _rerank(pools, root_tokens, budget, device, limits or [depth] * B)
 
 
-def _rerank(pools: list[_Pool], root_tokens: list[int], budget: int, device: torch.device) -> Draft:
-    """Keep each row's ``budget`` best nodes; number them by depth, likeliest sibling first."""
+def _rerank(pools: list[_Pool], root_tokens: list[int], budget: int, device: torch.device, limits: list[int]) -> Draft:
+    """Keep each row's ``budget`` best nodes within its depth limit; number them by depth,
+    likeliest sibling first. A level depends only on the ones above it, so a row limited to
+    depth L gets the tree it would get grown alone to L (cut after ranking, deeper nodes would
+    have taken places in its budget: a seeded row's samples then depended on its neighbours' γ)."""
     rows = []
-    for p in pools:
-        best = sorted(range(len(p.tokens)), key=lambda n: (-p.scores[n], p.depths[n]))[:budget]
+    for p, limit in zip(pools, limits):
+        within = [n for n in range(len(p.tokens)) if p.depths[n] <= limit]
+        best = sorted(within, key=lambda n: (-p.scores[n], p.depths[n]))[:budget]
         kept = sorted(best, key=lambda n: (p.depths[n], -p.scores[n]))
         index = {n: i + 1 for i, n in enumerate(kept)}  # node 0 is the root
         rows.append(([p.tokens[n] for n in kept], [index[p.parents[n]] if p.parents[n] >= 0 else 0 for n in kept]))

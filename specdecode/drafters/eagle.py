@@ -132,7 +132,7 @@ class EagleDrafter:
         roots = [s.token_ids[-1] for s in batch.seqs]
         if self.topk > 1:
             return grow_tree(self._score_block, logits, roots, num_tokens, self.topk, self.budget, root_states=out,
-                             vocab_ids=self.net.head.vocab_ids)  # fmt: skip
+                             vocab_ids=self.net.head.vocab_ids, limits=batch.draft_limits)  # fmt: skip
         drafts, qs, confs = [], [], []
         alive = torch.ones(len(roots), dtype=torch.bool, device=self.device)  # rows still drafting
         head_confidence = self.report_confidence and self.net.confidence is not None

@@ -114,12 +114,13 @@ def test_preemption_recomputes_and_stays_exact(plain, ckpts, reference, name):
 def test_abort_frees_blocks_and_spares_the_others(plain, ckpts, reference):
     engine = make_engine(plain, ckpts, "ngram", max_num_seqs=4, block_size=4)
     greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
-    for i in (0, 1, 2):
-        engine.add_request(f"r{i}", PROMPTS[i], greedy[i])
+    for i in (0, 1, 2):  # r1 long enough to be running when cancelled (it loops: ngram drafts it fast)
+        engine.add_request(f"r{i}", PROMPTS[i], greedy[i] if i != 1 else SamplingParams(temperature=0.0, max_tokens=40))
     out = {f"r{i}": [] for i in (0, 1, 2)}
     for _ in range(3):
         for e in engine.step():
             out[e.request_id] += e.new_token_ids
+    assert "r1" in engine.running
     used = engine.stats().kv_blocks_used
     engine.abort("r1")
     engine.abort("r1")  # a second cancel is harmless
@@ -181,6 +182,33 @@ def test_a_seeded_tree_row_cut_by_its_own_gamma_samples_as_alone(tmp_path):
 
     alone = run(False)
     assert run(True) == alone and len(alone) == 60
+
+
+@pytest.mark.parametrize("name", ["draft_model_tree", "eagle_tree"])
+def test_a_seeded_row_in_a_grown_tree_samples_as_alone_beside_a_deeper_row(plain, ckpts, tmp_path, name):
+    """A draft model's or eagle's tree is grown to the batch's depth and then cut to a row's own
+    γ: its best nodes had been ranked among deeper ones, so the cut tree was not the one grown
+    alone at that depth, and a seeded row sampled other tokens next to a deeper row."""
+    if name == "eagle_tree":
+        from specdecode.drafters.eagle_net import FeatureNet
+        from tests.learned import trained_folder
+
+        net = trained_folder(FeatureNet, plain.target.model, tmp_path / "e", steps=5, draft_vocab=0)
+        spec = {"method": "eagle", "model": str(net), "num_speculative_tokens": 3, "topk": 2}
+    else:
+        spec = {**SPECS[name], "model": ckpts["draft"]}
+    x = ("x", [40, 41, 42, 43], SamplingParams(temperature=1.5, max_tokens=20, seed=1, ignore_eos=True))
+
+    def run(beside: bool) -> list[int]:
+        engine = ServingEngine(plain.target, SpecConfig.parse(spec), max_model_len=64)
+        engine.add_request(*x, spec_override={"num_speculative_tokens": 2})
+        if beside:
+            engine.add_request("o", [7, 8, 9], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+        return [t for _ in range(100) if engine.has_unfinished() for e in engine.step() if e.request_id == "x"
+                for t in e.new_token_ids]  # fmt: skip
+
+    alone = run(False)
+    assert run(True) == alone and len(alone) == 20
 
 
 def test_bad_requests_are_refused_and_change_nothing(plain, ckpts):
