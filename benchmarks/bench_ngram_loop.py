@@ -1,5 +1,5 @@
 """`ngram` on loops: a draft that runs into the end of the sequence cut there (vLLM's rule) or
-repeating the match's period where the match overlaps its suffix (ours), side by side.
+repeating the match's period where the match overlaps or adjoins its suffix (ours), side by side.
 
 Default model, CPU, batch 1, greedy, γ = 8; the prompts of `prompts.json` (where the two rules
 should draft alike) and a few that make the model repeat itself. For each prompt and rule:

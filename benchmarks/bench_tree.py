@@ -37,7 +37,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quantization", default="none", help="weights: none (the documented runs: bf16), gguf, int8, int4, auto")
     ap.add_argument("--positions", type=int_at_least(2, " (the root and a draft token)"), default=9)
-    ap.add_argument("--matches", type=positive_int, default=4)
+    ap.add_argument("--matches", type=int_at_least(2, " (a tree merges several matches)"), default=4)
     ap.add_argument("--depth", type=positive_int, default=8)
     ap.add_argument("--max-tokens", type=decode_tokens, default=128)
     args = ap.parse_args()

@@ -124,6 +124,11 @@ class PagedKVCache(KVCache):
         if seq_id in self._batch:
             self._set_rows([s for s in self._batch if s != seq_id])
 
+    def free_all(self) -> None:
+        """Release every sequence's blocks (an engine reset after a failed step)."""
+        for seq_id in list(self._seqs):
+            self.free_sequence(seq_id)
+
     def __contains__(self, seq_id: Hashable) -> bool:
         return seq_id in self._seqs
 

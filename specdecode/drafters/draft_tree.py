@@ -2,7 +2,7 @@
 
 Owns: EAGLE-2 dynamic trees (`grow_tree`: expand level by level the ``topk`` frontier
 nodes with the highest cumulative draft log-probability, then keep the ``budget`` best
-nodes overall) and static trees (`fill_static_tree`: a ``speculative_token_tree`` shape
+nodes within each row's depth limit) and static trees (`fill_static_tree`: a ``speculative_token_tree`` shape
 whose rank-r child is its parent's r-th likeliest token), handed to the verifier as a
 `TreeBatch`.
 Does not own: running the draft network (the caller's ``score`` function does).

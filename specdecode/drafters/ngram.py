@@ -54,7 +54,8 @@ class NgramOptions:
         budget = self.num_draft_tokens
         check_node_budget(budget)
         if budget is not None and matches == 1:  # a chain drafts γ tokens: the budget would be ignored
-            raise SpecDecodeError("num_draft_tokens is the tree node budget: it needs max_matches > 1 (a chain drafts γ)")
+            raise SpecDecodeError("num_draft_tokens is the tree node budget: it needs max_matches > 1 "
+                                  "(a chain drafts γ)")
 
 
 def longest_match(tokens: np.ndarray, min_n: int, max_n: int) -> tuple[int, int]:
@@ -80,8 +81,8 @@ def longest_match(tokens: np.ndarray, min_n: int, max_n: int) -> tuple[int, int]
 
 def continuation(tokens: np.ndarray, start: int, k: int, n: int) -> np.ndarray:
     """The ``k`` tokens after a match of the last ``n`` tokens whose continuation starts at
-    ``start``. Where they run into the end of the sequence and the match overlaps the suffix it
-    matched (its period, size - start, is at most n: the text already repeated for n + period
+    ``start``. Where they run into the end of the sequence and the match overlaps or adjoins the
+    suffix it matched (its period, size - start, is at most n: the text already repeated for n + period
     tokens), the text is taken to go on repeating, as an LZ77 copy does: on a loop the draft runs
     all k tokens, not one period (vLLM's ngram stops at the end). A match further back is cut at
     the end as found: extending those drafted positions that were rarely accepted."""

@@ -31,7 +31,8 @@ class SpecStats:
 
     def snapshot(self) -> SpecStats:
         """A copy that later rounds do not change (an event's stats are those of its moment)."""
-        return dataclasses.replace(self, accepted_per_position=list(self.accepted_per_position))
+        lists = {f.name: list(v) for f in dataclasses.fields(self) if isinstance(v := getattr(self, f.name), list)}
+        return dataclasses.replace(self, **lists)
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         if num_draft == 0:

@@ -207,8 +207,7 @@ class ServingEngine(Engine):
         """Drop every request and hand every block back, whatever state a failed step left the
         rows in (a drafter that raised while rows left the batch kept a row the engine had
         dropped, and every later step failed): the answer to an exception from `step`."""
-        for rid in [*self.running, *(r.request_id for r in self.prefilling)]:
-            self.cache.free_sequence(rid)
+        self.cache.free_all()  # also a sequence a step failed to register as prefilling
         self.running.clear()
         self.prefilling.clear()
         self.waiting.clear()

@@ -239,13 +239,17 @@ class LLM:
             while engine.has_unfinished():
                 for e in engine.step():
                     yield StreamEvent(index[e.request_id], e.new_token_ids, e.finish_reason, e.at - start, e.stats)
-        except Exception:  # a failed step may have left a row half removed, no request's to abort
-            engine.reset()
+        except GeneratorExit:  # the consumer stopped early: its requests are aborted below
             raise
-        finally:  # an exception or a consumer that stopped early: nothing stays queued or cached
-            for rid in ids:
-                engine.abort(rid)
-            self._open_call = False
+        except BaseException:  # a failed or interrupted (Ctrl-C) step may have left a row half removed,
+            engine.reset()  # no request's to abort
+            raise
+        finally:  # nothing stays queued or cached, and the LLM takes calls again
+            try:
+                for rid in ids:
+                    engine.abort(rid)
+            finally:
+                self._open_call = False
 
     def encode_chat(self, user_message: str) -> list[int]:
         """Token ids of a one-turn chat, with the generation prompt, via the model's chat template."""

@@ -63,7 +63,18 @@ def cache_root() -> Path:
     try:
         return Path.home() / ".cache" / "specdecode"
     except RuntimeError:  # "Could not determine home directory"
-        return Path(tempfile.gettempdir()) / f"specdecode-{os.getuid()}"
+        pass
+    # The kernels are loaded from here: a folder another user made first (or made open to others)
+    # could hold a library of theirs, so only our own private folder is used, else a fresh one.
+    folder = Path(tempfile.gettempdir()) / f"specdecode-{os.getuid()}"
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        st = folder.lstat()
+        if not folder.is_symlink() and st.st_uid == os.getuid() and not st.st_mode & 0o022:  # none but us writes
+            return folder
+    except OSError:
+        pass
+    return Path(tempfile.mkdtemp(prefix="specdecode-"))
 
 
 def hf_name(gguf_name: str, arch: str) -> str:

@@ -16,6 +16,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -257,9 +258,12 @@ def _eos_ids(config: ModelConfig, folder: Path) -> tuple[int, ...]:
     except (OSError, ValueError, AttributeError):  # unreadable, not JSON, not an object
         raise SpecDecodeError(f"cannot read {path}") from None
     extra = [] if eos is None else [eos] if not isinstance(eos, list) else eos
-    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < config.vocab_size for t in extra):
-        raise SpecDecodeError(f"{path}: eos_token_id must be token ids in [0, {config.vocab_size}), got {eos!r}")
-    return tuple(dict.fromkeys([*config.eos_token_ids, *extra]))
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in extra):
+        raise SpecDecodeError(f"{path}: eos_token_id must be token ids, got {eos!r}")
+    outside = [t for t in extra if not 0 <= t < config.vocab_size]
+    if outside:  # transformers warns and goes on; a token that cannot be sampled never stops anything
+        warnings.warn(f"{path}: eos_token_id {outside} outside the vocabulary of {config.vocab_size}; ignored")
+    return tuple(dict.fromkeys([*config.eos_token_ids, *(t for t in extra if t not in outside)]))
 
 
 def load_tokenizer(folder: Path) -> transformers.PreTrainedTokenizerBase | None:

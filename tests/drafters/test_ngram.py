@@ -35,7 +35,7 @@ def test_no_match_and_min_length():
 
 def test_a_draft_past_the_end_repeats_a_loop():
     """A continuation that runs into the end of the sequence goes on as an LZ77 copy where the
-    match overlaps the suffix it matched (period <= n: a loop), so a loop drafts all k tokens
+    match overlaps or adjoins the suffix it matched (period <= n: a loop), so a loop drafts all k tokens
     (vLLM's stops at the end: one period per round); a match further back is cut at the end."""
     assert lookup(arr(*[5] * 12), 2, 5, 4).tolist() == [5, 5, 5, 5]  # period 1
     loop = arr(9, 1, 2, 3, 1, 2, 3, 1, 2, 3)

@@ -201,9 +201,11 @@ def test_acceptance_rate_is_the_per_token_alpha_the_formula_takes():
     assert abs(m.draft_acceptance_rate - alpha * (1 - alpha**gamma) / ((1 - alpha) * gamma)) < 0.01
 
 
-def test_a_call_whose_step_failed_leaves_the_llm_usable(llm, monkeypatch):
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_a_call_whose_step_failed_leaves_the_llm_usable(llm, monkeypatch, error):
     """A drafter raising while the last row left the batch left a row no request owned: every
-    later call failed. The LLM resets its engine after a failed step."""
+    later call failed. The LLM resets its engine after a failed step, and after Ctrl-C in one
+    (which also left the call open for good: every later call was refused)."""
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     want = llm.generate(["abcabc", "hello"], params)
     real, calls = llm.engine.drafter.select_rows, [0]
@@ -211,11 +213,11 @@ def test_a_call_whose_step_failed_leaves_the_llm_usable(llm, monkeypatch):
     def flaky(rows):
         calls[0] += 1
         if calls[0] == 2:
-            raise RuntimeError("drafter hiccup")
+            raise error("drafter hiccup")
         return real(rows)
 
     monkeypatch.setattr(llm.engine.drafter, "select_rows", flaky)
-    with pytest.raises(RuntimeError, match="hiccup"):
+    with pytest.raises(error, match="hiccup"):
         llm.generate(["abcabc", "hello"], [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), params])
     got = llm.generate(["abcabc", "hello"], params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]

@@ -62,6 +62,9 @@ def test_generation_config_eos_ids_stop_too(tmp_path):
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": "7"}))
     with pytest.raises(SpecDecodeError, match="eos_token_id must be token ids"):
         load_model(str(folder), device="cpu")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 10**6]}))
+    with pytest.warns(UserWarning, match="outside the vocabulary"):  # as transformers: warned, not refused
+        assert load_model(str(folder), device="cpu").config.eos_token_ids == (*first, 7)
 
 
 def test_gemma3_in_float16_is_refused_in_one_line(tmp_path):

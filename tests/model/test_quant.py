@@ -206,7 +206,14 @@ def test_the_cache_without_a_home_folder(monkeypatch):
 
     monkeypatch.delenv("SPECDECODE_CACHE", raising=False)
     monkeypatch.setattr(Path, "home", staticmethod(no_home))
-    assert cache_root() == Path(tempfile.gettempdir()) / f"specdecode-{os.getuid()}"
+    mine = Path(tempfile.gettempdir()) / f"specdecode-{os.getuid()}"
+    assert cache_root() == mine and not mine.stat().st_mode & 0o022
+    mine.chmod(0o777)  # open to others (or another user's): they could plant a library there
+    try:
+        other = cache_root()
+        assert other != mine and other.is_dir() and not other.stat().st_mode & 0o022
+    finally:
+        mine.chmod(0o700)
 
 
 def test_int4_a8_needs_our_kernel():
