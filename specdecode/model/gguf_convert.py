@@ -120,6 +120,7 @@ def gguf_state_dict(reader, arch: str, hf_config, progress: bool = False) -> dic
         except NotImplementedError:
             raise SpecDecodeError(f"unsupported GGUF tensor type {t.tensor_type.name} (tensor {t.name!r})") from None
         w = torch.from_numpy(data.astype("float32", copy=False).copy())
+        _check_finite(t.name, w)
         w = w.reshape(tuple(int(d) for d in reversed(t.shape)))  # ggml lists dims innermost first
         if arch == "llama" and ".attn_q." in t.name:
             w = unpermute_qk(w, heads)
@@ -316,6 +317,12 @@ def gguf_keeps_blocks(gguf_path: Path) -> bool:
     return bool(kinds & set(GGUF_INT4_TYPES)) and kinds <= set(GGUF_INT4_TYPES + GGUF_DENSE_TYPES)
 
 
+def _check_finite(name: str, *tensors: torch.Tensor) -> None:
+    """A damaged file's blocks (NaN or inf scales) ran and wrote empty text, exit 0."""
+    if not all(bool(torch.isfinite(t).all()) for t in tensors):
+        raise SpecDecodeError(f"GGUF tensor {name!r} holds non-finite values (NaN or inf): the file is damaged")
+
+
 def gguf_int4_weights(gguf_path: Path, num_heads: int, num_kv_heads: int) -> dict[str, Int4Groups]:
     """transformers' name -> Int4Groups for every 2-D projection of a GGUF stored in a GGUF_INT4_TYPES
     type; dense (F32/F16/BF16) weights are left out. Any other type raises, naming the supported ones."""
@@ -337,6 +344,7 @@ def gguf_int4_weights(gguf_path: Path, num_heads: int, num_kv_heads: int) -> dic
             )
         k, n = (int(d) for d in t.shape)  # ggml lists dims innermost first
         g = decode_int4_groups(np.asarray(t.data), kind, n, k)
+        _check_finite(t.name, g.scales, g.zeros)
         heads = num_heads if ".attn_q." in t.name else num_kv_heads if ".attn_k." in t.name else None
         if arch == "llama" and heads is not None:  # rows permuted whole: blocks run along K
             g = Int4Groups(unpermute_qk(g.q, heads), unpermute_qk(g.scales, heads), unpermute_qk(g.zeros, heads),

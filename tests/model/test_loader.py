@@ -98,6 +98,24 @@ def test_bad_files_raise_one_line(tmp_path):
         assert "\n" not in str(err.value)
 
 
+def test_a_gguf_with_non_finite_blocks_raises_one_line(tmp_path, monkeypatch):
+    """The last blocks' scales overwritten with 0xffff (fp16 NaN): it loaded, then wrote empty
+    text with exit 0. Both the conversion and the kept blocks refuse it."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    from gguf import GGUFReader
+
+    path, _ = make_tiny_gguf(tmp_path / "m.gguf", "llama", quant="Q8_0")
+    down = next(t for t in GGUFReader(str(path)).tensors if t.name == "blk.2.ffn_down.weight")
+    data = bytearray(path.read_bytes())
+    data[down.data_offset : down.data_offset + 2] = b"\xff\xff"  # the first block's scale d: NaN
+    path.write_bytes(bytes(data))
+    with pytest.raises(SpecDecodeError, match="holds non-finite values .*: the file is damaged") as err:
+        load_model(str(path), device="cpu", progress=False)
+    assert "\n" not in str(err.value)
+    with pytest.raises(SpecDecodeError, match="holds non-finite values"):
+        gguf_convert.gguf_int4_weights(path, 4, 2)
+
+
 def test_unsupported_gguf_architecture_raises(tmp_path):
     import gguf
     import numpy as np
