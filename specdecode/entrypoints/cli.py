@@ -39,7 +39,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--dtype", default="auto", help="auto (bfloat16), float32, bfloat16, float16")
+    g.add_argument("--dtype", default="auto", help="auto (bfloat16), float32, bfloat16, float16 (quantized weights, "
+                   "e.g. the default GGUF blocks, still multiply in bfloat16; --quantization none for float32 math)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda")
     g.add_argument("--quantization", default="auto", help=QUANTIZATION_HELP)
     g.add_argument("--batch-invariant", action="store_true",
