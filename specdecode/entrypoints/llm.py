@@ -264,8 +264,7 @@ class LLM:
 
     def decode(self, token_ids: list[int]) -> str:
         vocab = self.target.config.vocab_size
-        if isinstance(token_ids, torch.Tensor) or type(token_ids).__module__ == "numpy":  # as HF's decode takes them
-            token_ids = token_ids.tolist()
+        token_ids = _as_ids(token_ids)  # a tensor or numpy array too, as HF's decode takes them
         if not isinstance(token_ids, (list, tuple)) or not all(
             is_int(t) and 0 <= t < vocab for t in token_ids
         ):

@@ -12,6 +12,7 @@ built by transformers from the GGUF metadata; only the weights mapping is ours.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -63,9 +64,13 @@ def cache_root() -> Path:
     try:
         return Path.home() / ".cache" / "specdecode"
     except RuntimeError:  # "Could not determine home directory"
-        pass
-    # The kernels are loaded from here: a folder another user made first (or made open to others)
-    # could hold a library of theirs, so only our own private folder is used, else a fresh one.
+        return _temporary_cache()
+
+
+@functools.cache  # one folder per process: a fresh one made per call would split the caches
+def _temporary_cache() -> Path:
+    """The kernels are loaded from here: a folder another user made first (or made open to
+    others) could hold a library of theirs, so only our own private folder is used, else a fresh one."""
     folder = Path(tempfile.gettempdir()) / f"specdecode-{os.getuid()}"
     try:
         folder.mkdir(mode=0o700, exist_ok=True)

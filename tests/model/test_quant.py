@@ -199,7 +199,7 @@ def test_a_damaged_kernel_in_the_cache_is_rebuilt(tmp_path):
 def test_the_cache_without_a_home_folder(monkeypatch):
     """HOME unset and a user without a passwd entry (some containers): Path.home() raises a
     RuntimeError, which crashed the first RMSNorm of any model; a folder in /tmp serves."""
-    from specdecode.model.gguf_convert import cache_root
+    from specdecode.model.gguf_convert import _temporary_cache, cache_root
 
     def no_home() -> Path:
         raise RuntimeError("Could not determine home directory.")
@@ -207,13 +207,18 @@ def test_the_cache_without_a_home_folder(monkeypatch):
     monkeypatch.delenv("SPECDECODE_CACHE", raising=False)
     monkeypatch.setattr(Path, "home", staticmethod(no_home))
     mine = Path(tempfile.gettempdir()) / f"specdecode-{os.getuid()}"
+    _temporary_cache.cache_clear()  # chosen once a process
     assert cache_root() == mine and not mine.stat().st_mode & 0o022
+    assert cache_root() == mine  # the same folder each call
     mine.chmod(0o777)  # open to others (or another user's): they could plant a library there
+    _temporary_cache.cache_clear()
     try:
         other = cache_root()
         assert other != mine and other.is_dir() and not other.stat().st_mode & 0o022
+        assert cache_root() == other  # not a fresh folder per call
     finally:
         mine.chmod(0o700)
+        _temporary_cache.cache_clear()
 
 
 def test_int4_a8_needs_our_kernel():
