@@ -67,7 +67,9 @@ def sse_events(lines: Any) -> list[Any]:
 
 class SlowEngine:
     """Wraps an engine: each step takes at least ``delay`` seconds (requests stay in flight),
-    and ``peak_waiting`` / ``peak_running`` record the most requests queued / running at a step."""
+    and ``peak_waiting`` / ``peak_running`` record the most requests queued / held during a step
+    (held: running or prefilling after it, plus those it finished; a request that finished in the
+    step it was admitted or last ran is gone from the stats the step leaves)."""
 
     def __init__(self, engine: Any, delay: float = 0.0) -> None:
         self.engine, self.delay = engine, delay
@@ -79,7 +81,8 @@ class SlowEngine:
         events = self.engine.step()
         stats = self.engine.stats()
         self.peak_waiting = max(self.peak_waiting, stats.num_waiting)
-        self.peak_running = max(self.peak_running, stats.num_running)
+        finished = sum(e.finish_reason is not None for e in events)
+        self.peak_running = max(self.peak_running, stats.num_running + stats.num_prefilling + finished)
         return events
 
     def __getattr__(self, name: str) -> Any:
