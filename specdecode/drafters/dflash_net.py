@@ -265,12 +265,14 @@ class DFlashNet(nn.Module):
         return loss, self._metrics(p_logits, logits.detach(), valid)
 
     def _anchors(self, mask: Tensor, K: int) -> Tensor:
-        """[B, K] anchor positions among each window's real tokens (mask [B, T], padding at the
-        right): training draws them at random (distinct unless the window is too short);
-        evaluation spreads them evenly, so held-out figures compare like with like."""
+        """[B, K] anchor positions among each window's trained positions (mask [B, T]): training
+        draws them at random (distinct unless the window has too few); evaluation spreads them
+        evenly over them, so held-out figures compare like with like."""
         if not self.training:
-            length = mask.sum(dim=1, keepdim=True).clamp_min(1)  # [B, 1]
-            return ((torch.arange(K, device=mask.device) + 0.5) * length / K).long()
+            count = mask.sum(dim=1, keepdim=True)  # [B, 1]
+            nth = ((torch.arange(K, device=mask.device) + 0.5) * count / K).long()  # [B, K]: the nth trained
+            at = torch.searchsorted(mask.long().cumsum(dim=1), nth + 1)  # its position
+            return at.clamp(max=mask.shape[1] - 1)  # (a window with none: any, all masked)
         weights = mask.float() + (~mask.any(dim=1, keepdim=True)).float()  # an empty window: any anchor, all masked
         return torch.multinomial(weights, K, replacement=K > int((weights > 0).sum(dim=1).min()))
 

@@ -174,7 +174,7 @@ class FeatureNet(nn.Module):
             p_logits = batch.logits[:, k : k + n]  # [B, n, V]: the target's for token t+k+1
             # p at the draft vocabulary only, without materialising the full softmax
             p = (self.head.restrict(p_logits).float() - p_logits.float().logsumexp(-1, keepdim=True)).exp()
-            valid = mask[:, k : k + n]
+            valid = mask[:, :n] & mask[:, k : k + n]  # drafted from a served position, for one
             logq = q_logits.float().log_softmax(dim=-1)
             ce = -(p * logq).sum(-1)
             loss = (ce * valid).sum() / valid.sum().clamp(min=1)

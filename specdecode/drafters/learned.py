@@ -42,7 +42,9 @@ class TrainBatch:
 
     ``logits[b, t]`` is the target's distribution for token ``t + 1`` (as in decoding);
     ``hidden[b, t]`` its features at token ``t`` (the net's ``hidden_layers``,
-    concatenated in that order). Padding (``mask`` False) sits at the right.
+    concatenated in that order). ``mask[b, t]``: ``logits[b, t]`` is a label to learn (a real
+    token and, in a chat record, token ``t + 1`` is the assistant's: where serving drafts).
+    A draft from position t to t + k learns only where both are. Padding sits at the right.
     """
 
     tokens: Tensor  # [B, T] int64

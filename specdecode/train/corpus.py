@@ -6,6 +6,12 @@ chat ``{"messages": [...]}`` rendered with the tokenizer's chat template), token
 with the target's tokenizer, the held-out split by document, and packing each side into
 windows of ``seq_len`` tokens. Files are read in a seeded shuffled order until
 ``max_tokens``, so a capped corpus is a sample of the whole and the split is deterministic.
+What is trained on: in a chat record only the positions where serving drafts, those whose
+next token the assistant wrote (its turns through their EOS; the system and user turns are
+context only, as EAGLE's recipe masks them); plain text everywhere. Windows start at a
+document (whole documents are packed while they fit; a longer one fills windows of its
+own), so a window never starts in a record's answer, whose target logits would then be
+computed without the prompt that serving has.
 A training document that quotes a held-out one's long text, or is quoted by one (regenerate's
 ``--passages`` turns earlier answers into texts to summarise), is dropped: the held-out figures
 would otherwise be measured on text the drafter was trained on.
@@ -33,10 +39,12 @@ _TOKENIZE_CHUNK = 32  # documents per tokenizer call
 
 @dataclass(frozen=True)
 class Windows:
-    """Packed token windows: ``tokens`` [N, T] int64, ``mask`` [N, T] bool (False = padding, at the right)."""
+    """Packed token windows: ``tokens`` [N, T] int64, ``mask`` [N, T] bool (False = padding, at
+    the right), ``trained`` [N, T] bool: the target's logits at t (for token t + 1) are a label."""
 
     tokens: Tensor
     mask: Tensor
+    trained: Tensor
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -44,6 +52,10 @@ class Windows:
     @property
     def num_tokens(self) -> int:
         return int(self.mask.sum())
+
+    @property
+    def num_trained(self) -> int:
+        return int(self.trained.sum())
 
 
 @dataclass(frozen=True)
@@ -82,6 +94,31 @@ class _Doc:
     text: str  # what is tokenized
     chat: bool  # rendered by the chat template, which writes its own special tokens (BOS)
     parts: tuple[str, ...]  # the message contents (or the text): what another document may quote
+    answers: tuple[tuple[int, int], ...] | None = None  # chat: the assistant turns' [start, end) in text; None: all
+
+
+def _answer_spans(messages: list[Any], rendered: str, tokenizer: Any) -> tuple[tuple[int, int], ...] | None:
+    """Where each assistant turn lies in ``rendered``: from the end of the conversation before
+    it rendered with the generation prompt (what serving is given) through the turn's EOS (where
+    serving stops; what the template writes after it is never generated). None where the
+    template renders an earlier part otherwise than the whole (it then trains on all of it), or
+    where no turn is the assistant's."""
+    from jinja2 import TemplateError
+
+    spans, eos = [], tokenizer.eos_token
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and m.get("role") == "assistant") or i == 0:
+            continue
+        try:
+            before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+            through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        except (TemplateError, ValueError, TypeError, KeyError):
+            return None
+        if not (rendered.startswith(through) and through.startswith(before) and len(through) > len(before)):
+            return None
+        end = rendered.rfind(eos, len(before), len(through)) if eos else -1
+        spans.append((len(before), end + len(eos) if end >= 0 else len(through)))
+    return tuple(spans) or None
 
 
 def _documents(file: Path, tokenizer: Any) -> Iterator[_Doc]:
@@ -110,7 +147,7 @@ def _documents(file: Path, tokenizer: Any) -> Iterator[_Doc]:
                 m["content"] for m in record["messages"]
                 if isinstance(m, dict) and m.get("role") in ("user", "assistant") and isinstance(m.get("content"), str)
             )  # fmt: skip
-            yield _Doc(rendered, True, contents)
+            yield _Doc(rendered, True, contents, _answer_spans(record["messages"], rendered, tokenizer))
         else:
             raise SpecDecodeError(f'{file}:{number}: expected {{"text": ...}} or {{"messages": [...]}}')
 
@@ -128,24 +165,28 @@ def read_corpus(
     files = find_files(paths)
     random.Random(seed).shuffle(files)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    docs: list[list[int]] = []
+    docs: list[Tokenized] = []
     sources: list[_Doc] = []  # docs[i] came from sources[i]
     total, pending = 0, []
+    offsets = bool(getattr(tokenizer, "is_fast", False))  # a slow tokenizer cannot place answers: all trains
 
     def flush() -> None:
         nonlocal total
         todo = [d for d in pending if d.text.strip()]
         pending.clear()
         ids: dict[int, list[int]] = {}
+        spans: dict[int, list[tuple[int, int]]] = {}
         for chat in (False, True):  # as served: a chat template writes its own BOS, plain text gets the tokenizer's
             group = [i for i, d in enumerate(todo) if d.chat == chat]
             if group:
-                out = tokenizer([todo[i].text for i in group], add_special_tokens=not chat, verbose=False)
+                out = tokenizer([todo[i].text for i in group], add_special_tokens=not chat, verbose=False,
+                                return_offsets_mapping=chat and offsets)  # fmt: skip
                 ids.update(zip(group, out["input_ids"]))
+                spans.update(zip(group, out["offset_mapping"]) if chat and offsets else ())
         for i, d in enumerate(todo):  # in reading order: the split depends on it
-            docs.append(list(ids[i]) + eos)
+            docs.append(Tokenized(list(ids[i]) + eos, _trained(len(ids[i]) + len(eos), d.answers, spans.get(i))))
             sources.append(d)
-            total += len(docs[-1])
+            total += len(docs[-1].ids)
 
     num_files = 0
     for file in files:
@@ -162,31 +203,49 @@ def read_corpus(
         raise SpecDecodeError(f"no text found in {', '.join(paths)}: the files are empty")
     kept, n = [], 0
     for d in docs:
-        if n + len(d) > max_tokens:  # the cap: whole documents, a cut one only if it would be the only one
+        if n + len(d.ids) > max_tokens:  # the cap: whole documents, a cut one only if it would be the only one
             if not kept:
-                kept.append(d[:max_tokens])
+                kept.append(Tokenized(d.ids[:max_tokens], d.trained[:max_tokens]))
             break
         kept.append(d)
-        n += len(d)
+        n += len(d.ids)
     docs, sources = kept, sources[: len(kept)]
     if len(docs) >= 2:
         held = min(max(1, round(heldout * len(docs))), len(docs) - 1)  # at least one document trains
         leaks = _quoting(sources[:-held], sources[-held:])
         dropped = len(leaks)
-        train = [t for i, d in enumerate(docs[:-held]) if i not in leaks for t in d]
-        test = [t for d in docs[-held:] for t in d]
+        train = [d for i, d in enumerate(docs[:-held]) if i not in leaks]
+        test = docs[-held:]
         if leaks and len(leaks) == len(docs) - held:
             raise SpecDecodeError("every training document quotes a held-out one: lower --heldout or add text")
     else:
         dropped = 0
-        stream = docs[0]
-        cut = len(stream) - max(1, round(heldout * len(stream)))
-        train, test = stream[:cut], stream[cut:]
-    if len(train) < 2 or len(test) < 2:
-        capped = total > max_tokens  # the cap cut text off: raising it helps; else only more text does
-        raise SpecDecodeError(f"corpus too small: {sum(map(len, docs))} tokens "
-                              f"({'raise --max-tokens or add text' if capped else 'add text'})")  # fmt: skip
+        one = docs[0]
+        cut = len(one.ids) - max(1, round(heldout * len(one.ids)))
+        train, test = [Tokenized(one.ids[:cut], one.trained[:cut])], [Tokenized(one.ids[cut:], one.trained[cut:])]
+    for side in (train, test):
+        if sum(len(d.ids) for d in side) < 2 or sum(sum(d.trained) for d in side) < 1:
+            capped = total > max_tokens  # the cap cut text off: raising it helps; else only more text does
+            raise SpecDecodeError(f"corpus too small: {sum(len(d.ids) for d in docs)} tokens, "
+                                  f"{sum(sum(d.trained) for d in docs)} of them trained on (answers) "
+                                  f"({'raise --max-tokens or add text' if capped else 'add text'})")  # fmt: skip
     return Corpus(pack(train, seq_len), pack(test, seq_len), len(docs) - dropped, num_files, dropped)
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    ids: list[int]
+    trained: list[bool]  # trained[t]: the target's logits at t (for token t + 1) are a label
+
+
+def _trained(n: int, answers: tuple[tuple[int, int], ...] | None, offsets: Any) -> list[bool]:
+    """Which of a document's ``n`` positions are trained on: all but the last (EOS, whose next
+    token is another document's), or, in a chat record, those whose next token starts inside
+    an assistant turn (``offsets``: each token's character span in the rendered text)."""
+    if answers is None or offsets is None:
+        return [True] * (n - 1) + [False]
+    inside = [any(a <= start < b for a, b in answers) for start, _ in offsets]
+    return inside[1:] + [False] * (n - len(inside) + 1)
 
 
 def _quoting(train: list[_Doc], heldout: list[_Doc]) -> set[int]:
@@ -220,11 +279,23 @@ def _quoting(train: list[_Doc], heldout: list[_Doc]) -> set[int]:
     return leaks
 
 
-def pack(ids: list[int], seq_len: int) -> Windows:
-    """Consecutive windows of ``seq_len`` tokens; the last is padded with 0 (mask False)."""
-    n = -(-len(ids) // seq_len)
-    tokens = torch.zeros(n * seq_len, dtype=torch.long)
-    tokens[: len(ids)] = torch.tensor(ids, dtype=torch.long)
-    mask = torch.zeros(n * seq_len, dtype=torch.bool)
-    mask[: len(ids)] = True
-    return Windows(tokens.view(n, seq_len), mask.view(n, seq_len))
+def pack(docs: list[Tokenized], seq_len: int) -> Windows:
+    """Windows of ``seq_len`` tokens that start at a document: documents in order, each in the
+    current window if it fits, else from a new one (one longer than a window fills windows of
+    its own, its rest then starts the next). Windows are padded at the right with 0 (mask False)."""
+    rows: list[tuple[list[int], list[bool]]] = []
+    for d in docs:
+        if rows and len(rows[-1][0]) + len(d.ids) <= seq_len:
+            rows[-1][0].extend(d.ids)
+            rows[-1][1].extend(d.trained)
+            continue
+        for at in range(0, len(d.ids), seq_len):
+            rows.append((d.ids[at : at + seq_len], d.trained[at : at + seq_len]))
+    tokens = torch.zeros(len(rows), seq_len, dtype=torch.long)
+    mask = torch.zeros(len(rows), seq_len, dtype=torch.bool)
+    trained = torch.zeros(len(rows), seq_len, dtype=torch.bool)
+    for i, (ids, tr) in enumerate(rows):
+        tokens[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        mask[i, : len(ids)] = True
+        trained[i, : len(tr)] = torch.tensor(tr, dtype=torch.bool)
+    return Windows(tokens, mask, trained)

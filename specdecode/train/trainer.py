@@ -75,7 +75,8 @@ def net_class(method: str) -> type:
 
 
 def target_batch(target: Transformer, tokens: Tensor, mask: Tensor, hidden_layers: tuple[int, ...]) -> TrainBatch:
-    """The frozen target's features (fp32) and logits for a batch of windows."""
+    """The frozen target's features (fp32) and logits for a batch of windows; ``mask`` [B, T]:
+    the positions trained on (`Windows.trained`)."""
     device = target.embed.weight.device
     tokens, mask = tokens.to(device), mask.to(device)
     B, T = tokens.shape
@@ -102,7 +103,7 @@ class TargetCache:
         missing = [int(r) for r in rows if int(r) not in self.rows]
         if missing:
             idx = torch.tensor(missing)
-            fresh = target_batch(target, windows.tokens[idx], windows.mask[idx], hidden_layers)
+            fresh = target_batch(target, windows.tokens[idx], windows.trained[idx], hidden_layers)
             values, indices = fresh.logits.topk(self.topk, dim=-1)  # [n, T, K]
             for i, r in enumerate(missing):
                 self.rows[r] = (fresh.hidden[i].to(torch.bfloat16), values[i], indices[i].to(torch.int32))
@@ -111,7 +112,7 @@ class TargetCache:
         logits = values.new_full((*values.shape[:2], V), float("-inf")).scatter_(-1, indices.long(), values)
         device = target.embed.weight.device
         return TrainBatch(tokens=windows.tokens[rows].to(device), hidden=hidden.float(), logits=logits,
-                          mask=windows.mask[rows].to(device), target=target)  # fmt: skip
+                          mask=windows.trained[rows].to(device), target=target)  # fmt: skip
 
 
 def batch_rows(step: int, batch_size: int, num_windows: int, seed: int) -> Tensor:
@@ -125,13 +126,14 @@ def batch_rows(step: int, batch_size: int, num_windows: int, seed: int) -> Tenso
 
 
 def evaluate(net: Any, target: Transformer, windows: Windows, cfg: TrainConfig) -> dict[str, float]:
-    """Held-out loss and metrics, averaged over real tokens of the first ``eval_batches`` batches."""
+    """Held-out loss and metrics, averaged over the trained positions (in chat records: where the
+    assistant writes, as served) of the first ``eval_batches`` batches."""
     net.eval()
     sums: dict[str, float] = {}
     total = 0
     for start in range(0, min(len(windows), cfg.eval_batches * cfg.batch_size), cfg.batch_size):
         end = start + cfg.batch_size
-        batch = target_batch(target, windows.tokens[start:end], windows.mask[start:end], net.hidden_layers)
+        batch = target_batch(target, windows.tokens[start:end], windows.trained[start:end], net.hidden_layers)
         with torch.no_grad():
             loss, metrics = net.training_loss(batch)
         n = int(batch.mask.sum())
@@ -280,7 +282,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if ckpt and ckpt["target"] != target_fingerprint(target):
         raise SpecDecodeError(f"--resume: {cfg.out} was trained for a target with {ckpt['target']}")
     corpus = read_corpus(cfg.data, loaded.tokenizer, cfg.seq_len, cfg.max_tokens, cfg.heldout, cfg.seed)
-    sizes = {"train_tokens": corpus.train.num_tokens, "heldout_tokens": corpus.heldout.num_tokens}
+    sizes = {"train_tokens": corpus.train.num_tokens, "heldout_tokens": corpus.heldout.num_tokens,
+             "train_windows": len(corpus.train), "train_trained": corpus.train.num_trained}
     was = ckpt["log"].get("corpus", {}) if ckpt and isinstance(ckpt["log"], dict) else {}
     if any(was.get(k, v) != v for k, v in sizes.items()):  # same flags, other text (or how it is read)
         raise SpecDecodeError(f"--resume: the corpus now reads as {sizes}, the checkpoint's as "
@@ -291,7 +294,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         given = cls.from_target(net_config(cls, cfg.net_config), target).config
         if given != net.config:
             raise SpecDecodeError(f"--resume: --net-config differs from the checkpoint's {asdict(net.config)}")
-    counts = torch.bincount(corpus.train.tokens[corpus.train.mask], minlength=target.config.vocab_size)
+    # the tokens drafted: those at a trained position's next (EAGLE-3's draft vocabulary is the commonest)
+    labels = corpus.train.tokens[:, 1:][corpus.train.trained[:, :-1]]
+    counts = torch.bincount(labels, minlength=target.config.vocab_size)
     net.prepare(counts[: target.config.vocab_size].to(target.embed.weight.device))
     if cfg.init:  # after prepare: the folder's draft vocabulary wins
         init_from(net, cfg.init, target, freeze=not cfg.finetune)
@@ -304,7 +309,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     log: dict[str, Any] = {
         "method": cfg.method, "target": loaded.name, "net": asdict(net_cfg), "config": asdict(cfg),
         "corpus": {"files": corpus.num_files, "documents": corpus.num_documents, "dropped_quoting": corpus.num_dropped,
-                   "train_tokens": corpus.train.num_tokens, "heldout_tokens": corpus.heldout.num_tokens},
+                   "train_tokens": corpus.train.num_tokens, "heldout_tokens": corpus.heldout.num_tokens,
+                   "train_windows": len(corpus.train), "train_trained": corpus.train.num_trained,
+                   "heldout_trained": corpus.heldout.num_trained},
         "evals": [], "train_loss": [],
     }  # fmt: skip
     step = 0
@@ -323,10 +330,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if cache is not None:
             batch = cache.batch(target, corpus.train, rows, net.hidden_layers)
         else:
-            batch = target_batch(target, corpus.train.tokens[rows], corpus.train.mask[rows], net.hidden_layers)
+            batch = target_batch(target, corpus.train.tokens[rows], corpus.train.trained[rows], net.hidden_layers)
         loss, metrics = train_step(net, opt, batch, cfg.learning_rate(step, before + time.perf_counter() - t0))
         step += 1
-        tokens += int(batch.mask.sum())
+        tokens += int(corpus.train.mask[rows].sum())
         log["train_loss"].append(loss)
         rate = tokens / (time.perf_counter() - t0)
         bar.set_postfix({"loss": f"{loss:.3f}", **{k: f"{v:.3f}" for k, v in metrics.items() if "@1" in k},

@@ -170,6 +170,16 @@ def test_training_loss_decreases(ckpts):
     assert not any(p.requires_grad for p in target.embed.parameters())  # the borrowed head stays frozen
 
 
+def test_evaluation_anchors_spread_over_the_trained_positions(loaded):
+    """Held-out anchors sit on trained positions only (a chat record's prompt is context), evenly."""
+    _, net = loaded
+    mask = torch.zeros(2, 20, dtype=torch.bool)
+    mask[0, 6:10] = mask[0, 14:18] = True  # two answers
+    mask[1, :12] = True  # plain text, then padding
+    anchors = net.eval()._anchors(mask, 4)
+    assert anchors.tolist() == [[7, 9, 15, 17], [1, 4, 7, 10]]  # the (k + 0.5)·n/K-th of n trained
+
+
 @pytest.mark.parametrize(
     "spec,message",
     [

@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from specdecode.train.corpus import pack, read_corpus
+from specdecode.train.corpus import Tokenized, pack, read_corpus
 from tests.tiny import tiny_tokenizer
 
 
@@ -108,10 +108,52 @@ def test_single_document_holds_out_its_tail(tmp_path):
     assert c.num_documents == 1 and c.heldout.num_tokens == 10 and c.train.num_tokens == 91
 
 
-def test_pack_pads_the_last_window():
-    w = pack(list(range(1, 11)), 4)
-    assert w.tokens.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 0, 0]]
-    assert w.mask.sum() == 10 and not w.mask[2, 2:].any()
+def test_pack_starts_each_window_at_a_document():
+    """Whole documents while they fit; a longer one fills windows of its own and its rest starts
+    the next; padding at the right. (Windows cut anywhere started mid-answer: the target's
+    logits there missed the prompt serving has.)"""
+    docs = [Tokenized([1, 2, 3], [True, True, False]), Tokenized([4, 5], [False, True]),
+            Tokenized(list(range(6, 16)), [True] * 9 + [False]), Tokenized([16], [True])]  # fmt: skip
+    w = pack(docs, 4)
+    assert w.tokens.tolist() == [[1, 2, 3, 0], [4, 5, 0, 0], [6, 7, 8, 9], [10, 11, 12, 13], [14, 15, 16, 0]]
+    assert w.mask.tolist()[0] == [True, True, True, False] and w.num_tokens == 16
+    assert w.trained.tolist() == [[True, True, False, False], [False, True, False, False], [True] * 4, [True] * 4,
+                                  [True, False, True, False]]  # fmt: skip
+
+
+def test_a_chat_record_trains_where_the_assistant_writes(tmp_path):
+    """The positions trained on are those whose next token the assistant wrote, through the EOS
+    that ends its turn (not what the template writes after it), in every assistant turn; the
+    system and user turns are context. Plain text trains everywhere but its last token (EOS)."""
+    tok = tiny_tokenizer()
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% if m['role'] == 'assistant' %}"
+                         "</s>{% endif %}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")  # fmt: skip
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "yo"}, {"role": "user", "content": "and?"},
+                {"role": "assistant", "content": "ok"}]  # fmt: skip
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": messages}) + "\n")
+    (tmp_path / "plain.txt").write_text("plain text")
+    c = read_corpus((str(tmp_path),), tok, seq_len=128, max_tokens=1000, heldout=0.5, seed=0)
+    for w in (c.train, c.heldout):
+        ids = w.tokens[w.mask].tolist()
+        trained = w.trained[w.mask].tolist()
+        labels = tok.convert_ids_to_tokens([ids[t + 1] for t in range(len(ids) - 1) if trained[t]])
+        if "yo" in tok.decode(ids):
+            assert "".join(labels) == "yo</s>ok</s>"
+        else:
+            assert "".join(labels) == "lain text</s>" and not trained[-1]  # each token after the first
+
+
+def test_a_template_that_renders_turns_otherwise_trains_on_the_whole_record(tmp_path):
+    """A template whose earlier turns read differently inside the whole conversation (one that
+    drops earlier reasoning, say) gives no answer spans: the whole record is trained on."""
+    tok = tiny_tokenizer()
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] if loop.last else '-' }}\n"
+                         "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")  # fmt: skip
+    record = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    (tmp_path / "chat.jsonl").write_text(json.dumps(record) + "\n" + json.dumps(record) + "\n")
+    c = read_corpus((str(tmp_path),), tok, seq_len=64, max_tokens=1000, heldout=0.5, seed=0)
+    assert c.train.num_trained == c.train.num_tokens - 1
 
 
 def test_a_file_named_twice_is_read_once_and_one_document_always_trains(tmp_path):

@@ -194,3 +194,30 @@ def test_finetune_continues_training_the_folder(tiny_target, corpus, tmp_path):
     assert set(before) == set(after) and not all(torch.equal(before[k], after[k]) for k in before)
     with pytest.raises(SpecDecodeError, match="--finetune needs --init"):
         replace(cfg, init=None)
+
+
+@pytest.mark.parametrize("method", TINY_NETS)
+def test_positions_not_trained_on_do_not_move_the_loss(tiny_target, method):
+    """A chat record's prompt positions (mask False) are context only: the target's logits there
+    are no label for any net, while a trained position's are."""
+    from specdecode.drafters.learned import net_config
+
+    target = load_model(tiny_target, dtype="float32", device="cpu", progress=False).model
+    V = target.config.vocab_size
+    cls = trainer.net_class(method)
+    torch.manual_seed(0)
+    net = cls.from_target(net_config(cls, TINY_NETS[method]), target).eval()
+    net.prepare(torch.ones(V, dtype=torch.long))
+    tokens = torch.randint(4, V, (2, 24), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 24, dtype=torch.bool)
+    mask[:, :8] = False  # the prompts
+    mask[1, 14:17] = False  # a second user turn
+    mask[0, 22:] = False  # the record's last positions (EOS, padding)
+    batch = trainer.target_batch(target, tokens, mask, net.hidden_layers)
+    noise = 5 * torch.randn(batch.logits.shape, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        loss, metrics = net.training_loss(batch)
+        untrained = net.training_loss(replace(batch, logits=batch.logits + noise * (~mask)[..., None]))
+        trained = net.training_loss(replace(batch, logits=batch.logits + noise * mask[..., None]))
+    assert float(untrained[0]) == pytest.approx(float(loss), rel=1e-6) and untrained[1] == pytest.approx(metrics)
+    assert float(trained[0]) != pytest.approx(float(loss), rel=1e-3)
