@@ -108,7 +108,14 @@ class _Request(BaseModel):
                 ignore_eos=bool(self.ignore_eos),
             )
         except SpecDecodeError as e:
-            raise from_spec_error(e) from None
+            raise self.as_sent(from_spec_error(e)) from None
+
+    def as_sent(self, e: APIError) -> APIError:
+        """``e`` with the length field named as the client sent it (max_completion_tokens, say)."""
+        sent = getattr(self, "max_completion_tokens", None)
+        if e.param == "max_tokens" and sent is not None and e.message.startswith("max_tokens"):
+            return bad_request("max_completion_tokens" + e.message[len("max_tokens") :], "max_completion_tokens")
+        return e
 
     @property
     def include_usage(self) -> bool:

@@ -135,7 +135,7 @@ class _Server:
         events = self.engine_thread.submit(request_id, prompt_ids, params, req.speculative_config)
         admitted = await events.get()
         if admitted is not ADMITTED:
-            raise _engine_error(admitted)
+            raise req.as_sent(_engine_error(admitted))
         self.metrics.observe_admitted(len(prompt_ids))
         out = _Output(self, request_id, events, params, arrival)
         if req.stream:

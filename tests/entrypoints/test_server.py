@@ -194,9 +194,12 @@ def test_bad_input_is_400_and_the_server_keeps_serving(client, case, body, param
 def test_bad_chat_input_is_400(client):
     for body, param in [({"messages": []}, "messages"), ({"messages": "hi"}, "messages"),
                         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages"),
-                        ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_tokens")]:  # fmt: skip
+                        ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_completion_tokens"),
+                        ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**6}, "max_completion_tokens"),
+                        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}, "max_tokens")]:  # fmt: skip
         r = client.post("/v1/chat/completions", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert r.json()["error"]["message"].startswith(param) or param == "messages", r.text  # named as sent
     assert client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).status_code == 200
     both = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9, "max_completion_tokens": 2,
             "ignore_eos": True}  # fmt: skip
