@@ -235,10 +235,14 @@ class ServingEngine(Engine):
     def step(self) -> list[RequestEvent]:
         """Admit, prefill one chunk, run one round over the decode batch. Returns what changed."""
         self._admit()
-        wait = self._timed()
-        start = clock(self.device, wait)
-        events = self._prefill_chunk()
-        self.budget.observe_prefill(clock(self.device, wait) - start)
+        if self.prefilling:
+            wait = self._timed()
+            start = clock(self.device, wait)
+            events = self._prefill_chunk()
+            self.budget.observe_prefill(clock(self.device, wait) - start)
+        else:  # nothing to prefill: 0 s exactly (a timed no-op added the OS's pauses to the mean)
+            events = []
+            self.budget.observe_prefill(0.0)
         if self.running:
             events += self._decode_round()
         return events

@@ -111,14 +111,26 @@ def test_killed_clients_leave_no_blocks(target):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(srv.url + "/v1/chat/completions", json={**body, "stream": False}, timeout=0.3)
         assert wait_idle(srv, timeout=10).kv_blocks_used == 0
-        assert re.search(r'^vllm:request_success_total{finished_reason="abort",model_name="tiny"} 7\.0$',
-                         httpx.get(srv.url + "/metrics").text, re.M)  # fmt: skip
+        aborted = r'^vllm:request_success_total{finished_reason="abort",model_name="tiny"} 7\.0$'
+        deadline = time.monotonic() + 10  # the server counts the abort once it sees the client gone
+        while not re.search(aborted, metrics := httpx.get(srv.url + "/metrics").text, re.M):
+            assert time.monotonic() < deadline, metrics
+            time.sleep(0.05)
         assert httpx.post(srv.url + "/v1/completions", json={"prompt": "ok", "max_tokens": 3}).status_code == 200
 
 
 def test_drain_finishes_in_flight_and_refuses_new(target):
     """What SIGTERM does (DrainingServer.handle_exit), in-process: 503 for new work, in-flight completes, exit."""
-    engine = make_engine(target, delay=0.02)
+    gate = threading.Event()  # the in-flight request stays in flight until the checks of draining are done
+
+    class Held(SlowEngine):
+        def step(self):
+            events = super().step()
+            if events:
+                gate.wait(30)
+            return events
+
+    engine = Held(make_engine(target).engine)
     srv = ServerThread(make_app(target, engine)).__enter__()
     try:
         events, first = [], threading.Event()
@@ -138,6 +150,8 @@ def test_drain_finishes_in_flight_and_refuses_new(target):
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "late", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
         assert httpx.get(srv.url + "/health").status_code == 503
+        assert t.is_alive()  # the drain has not ended it
+        gate.set()
         t.join(30)
         check_stream(events, chat=True, include_usage=False)
         assert events[-2]["choices"][0]["finish_reason"] == "length"
@@ -248,7 +262,7 @@ def test_sigterm_drains_then_exits_0(ckpt):
             assert time.monotonic() < deadline, "server did not come up"
             time.sleep(0.1)
         streams: list[list] = [[], [], []]
-        started = threading.Event()
+        started = [threading.Event() for _ in streams]  # a chat stream's first chunk: its request was admitted
 
         def stream(i: int):
             body = {"messages": [{"role": "user", "content": f"story {i}"}], "max_tokens": 200, "stream": True,
@@ -256,13 +270,12 @@ def test_sigterm_drains_then_exits_0(ckpt):
             with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
                 for line in r.iter_lines():
                     streams[i].extend(sse_events([line]))
-                    started.set()
+                    started[i].set()
 
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]  # the others queue behind the first
         for t in threads:
             t.start()
-        assert started.wait(30)
-        time.sleep(0.05)  # let the others reach the queue
+        assert all(e.wait(30) for e in started)  # every request admitted (queued) before the signal
         proc.send_signal(signal.SIGTERM)
         late = httpx.post(url + "/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=10)
         assert late.status_code == 503
