@@ -4,7 +4,7 @@ Owns: the request queue, admission, chunked prefill, preemption by recompute, ea
 request's verification budget, and the step. Reuses the round itself (verify, commit,
 stop rules) from engine/step.py, so a request decodes exactly as it would alone.
 Does not own: who gets how many draft tokens under load (engine/budget.py and
-engine/adaptive.py), or HTTP.
+engine/adaptive.py), the records it keeps and reports (engine/requests.py), or HTTP.
 
 One step::
 
@@ -23,9 +23,7 @@ Nothing is failed for lack of blocks; a request that could never fit is refused 
 from __future__ import annotations
 
 import itertools
-import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
@@ -34,59 +32,16 @@ from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError, is_in
 from specdecode.drafters.base import Draft, Drafter
 from specdecode.engine.acceptance import NOT_SHADOWED
 from specdecode.engine.adaptive import AdaptiveBudget
-from specdecode.engine.batch import Batch, Sequence, SpecStats
+from specdecode.engine.batch import Batch, Sequence
 from specdecode.engine.budget import BudgetPolicy, FixedBudget, apply_budgets
 from specdecode.engine.cost import VerifyCost, clock, measure_attention_cost
+from specdecode.engine.requests import EngineStats, Request, RequestEvent
 from specdecode.engine.step import Engine
 from specdecode.model.loader import LoadedModel
 from specdecode.paged_cache import PagedKVCache, new_paged_cache
 from specdecode.sampling import logits_to_probs, sample, sampling_tensors
 
 DEFAULT_KV_BYTES = 256 << 20  # KV pool size when num_blocks is not given (at least one full sequence)
-
-
-@dataclass
-class RequestEvent:
-    """What one step added to one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None  # None while running; "stop" | "length"
-    stats: SpecStats
-    num_prompt_tokens: int
-    num_output_tokens: int
-    # when the step made it (time.perf_counter): a request's first token comes out of the prefill,
-    # before the same step's decode round, whose tokens come out with it
-    at: float = field(default_factory=time.perf_counter)
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int  # queued or preempted, not yet prefilling
-    num_prefilling: int
-    num_preempted_total: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-
-
-@dataclass(eq=False)  # a request is itself: queues find and remove it by identity
-class _Request:
-    request_id: str
-    seq: Sequence
-    gamma: int  # the most draft tokens per round this request may verify
-    arrival: int
-    cached: int = 0  # tokens whose K/V are in the target cache (prefill progress)
-    features: list[torch.Tensor] = field(default_factory=list)  # prefill chunks' features, for the drafter
-
-    @property
-    def resumed(self) -> bool:
-        """Preempted after its first token: recompute all but the newest token, sample nothing."""
-        return len(self.seq.token_ids) > self.seq.num_prompt
-
-    @property
-    def prefill_target(self) -> int:
-        return len(self.seq.token_ids) - (1 if self.resumed else 0)
 
 
 class ServingEngine(Engine):
@@ -132,9 +87,9 @@ class ServingEngine(Engine):
         self.budget = budget or self._default_budget()
         self._shadows = True  # whether this drafter's proposals give shadow rounds (chains do)
         self.batch = Batch([], capacity=max_model_len, device=self.device)  # the decoding rows
-        self.waiting: deque[_Request] = deque()
-        self.prefilling: list[_Request] = []
-        self.running: dict[str, _Request] = {}  # in batch row order
+        self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []
+        self.running: dict[str, Request] = {}  # in batch row order
         self.num_preempted = 0
         self._arrivals = itertools.count()
 
@@ -176,7 +131,7 @@ class ServingEngine(Engine):
         gamma = self._parse_override(spec_override)
         seq = Batch.new_sequence(request_id, prompt_ids, params, self.device)
         self.budget.forget(request_id)  # an id an ended request had: nothing of it carries over
-        self.waiting.append(_Request(request_id, seq, gamma, next(self._arrivals)))
+        self.waiting.append(Request(request_id, seq, gamma, next(self._arrivals)))
 
     def _parse_override(self, override: dict | None) -> int:
         if override is None:
@@ -224,7 +179,7 @@ class ServingEngine(Engine):
             len(self.running), len(self.waiting), len(self.prefilling), self.num_preempted, pool.num_used, pool.num_blocks
         )
 
-    def _find(self, request_id: str) -> _Request | None:
+    def _find(self, request_id: str) -> Request | None:
         if request_id in self.running:
             return self.running[request_id]
         return next((r for r in itertools.chain(self.prefilling, self.waiting) if r.request_id == request_id), None)
@@ -293,7 +248,7 @@ class ServingEngine(Engine):
                 last_logits.append(logits[0, 0])
         return self._join(done, torch.stack(last_logits)) if done else []
 
-    def _join(self, reqs: list[_Request], logits: torch.Tensor) -> list[RequestEvent]:
+    def _join(self, reqs: list[Request], logits: torch.Tensor) -> list[RequestEvent]:
         """Prefill done: fresh requests sample their first token; all join the decode batch."""
         fresh = [i for i, r in enumerate(reqs) if not r.resumed]
         events = []
@@ -315,7 +270,7 @@ class ServingEngine(Engine):
                 self.drafter.prefill(self.batch, rows, features)
         return events
 
-    def _prompt_features(self, req: _Request) -> torch.Tensor:
+    def _prompt_features(self, req: Request) -> torch.Tensor:
         """[len - 1, F]: the features of every token but the newest (a fresh request's first
         token has none yet; a resumed request recomputed all but its newest)."""
         features = torch.cat(req.features)
@@ -407,7 +362,7 @@ class ServingEngine(Engine):
                 if not prefill:  # the victim was a row of this batch
                     room = room[: len(self.running)]
 
-    def _preempt(self, req: _Request) -> None:
+    def _preempt(self, req: Request) -> None:
         self._remove_running([req.request_id])
         req.cached, req.features = 0, []
         self.waiting.appendleft(req)
@@ -426,7 +381,7 @@ class ServingEngine(Engine):
             self.drafter.select_rows(keep)
         self.batch.select_rows(keep)
 
-    def _event(self, req: _Request, new: list[int]) -> RequestEvent:
+    def _event(self, req: Request, new: list[int]) -> RequestEvent:
         seq = req.seq
         return RequestEvent(  # the stats as of this event: a prefill's event comes before its step's decode round
             req.request_id, new, seq.finish_reason, seq.stats.snapshot(), seq.num_prompt, len(seq.token_ids) - seq.num_prompt
