@@ -265,9 +265,11 @@ class DFlashNet(nn.Module):
         return loss, self._metrics(p_logits, logits.detach(), valid)
 
     def _anchors(self, mask: Tensor, K: int) -> Tensor:
-        """[B, K] anchor positions among each window's trained positions (mask [B, T]): training
-        draws them at random (distinct unless the window has too few); evaluation spreads them
-        evenly over them, so held-out figures compare like with like."""
+        """[B, K] anchor positions among each window's trained positions whose token is itself
+        a label (mask [B, T]): serving roots a block at a generated token, never at the prompt's
+        last. Training draws them at random (distinct unless the window has too few); evaluation
+        spreads them evenly over them, so held-out figures compare like with like."""
+        mask = mask & F.pad(mask[:, :-1], (1, 0))  # token a was predicted at a - 1: generated, not given
         if not self.training:
             count = mask.sum(dim=1, keepdim=True)  # [B, 1]
             nth = ((torch.arange(K, device=mask.device) + 0.5) * count / K).long()  # [B, K]: the nth trained

@@ -65,6 +65,7 @@ class Corpus:
     num_documents: int  # trained on or held out
     num_files: int  # files read (the cap may stop before the last)
     num_dropped: int = 0  # training documents dropped for quoting held-out text, or being quoted by it
+    num_whole: int = 0  # chat records trained on whole: the template renders turns otherwise, or no fast tokenizer
 
 
 def find_files(paths: tuple[str, ...]) -> list[Path]:
@@ -99,13 +100,13 @@ class _Doc:
 
 def _answer_spans(messages: list[Any], rendered: str, tokenizer: Any) -> tuple[tuple[int, int], ...] | None:
     """Where each assistant turn lies in ``rendered``: from the end of the conversation before
-    it rendered with the generation prompt (what serving is given) through the turn's EOS (where
-    serving stops; what the template writes after it is never generated). None where the
-    template renders an earlier part otherwise than the whole (it then trains on all of it), or
-    where no turn is the assistant's."""
+    it rendered with the generation prompt (what serving is given) to the end of the turn (the
+    tokens are cut at its first stop token, `_trained`). None where the template renders an
+    earlier part otherwise than the whole (it then trains on all of it), or where no turn is
+    the assistant's."""
     from jinja2 import TemplateError
 
-    spans, eos = [], tokenizer.eos_token
+    spans = []
     for i, m in enumerate(messages):
         if not (isinstance(m, dict) and m.get("role") == "assistant") or i == 0:
             continue
@@ -116,8 +117,7 @@ def _answer_spans(messages: list[Any], rendered: str, tokenizer: Any) -> tuple[t
             return None
         if not (rendered.startswith(through) and through.startswith(before) and len(through) > len(before)):
             return None
-        end = rendered.rfind(eos, len(before), len(through)) if eos else -1
-        spans.append((len(before), end + len(eos) if end >= 0 else len(through)))
+        spans.append((len(before), len(through)))
     return tuple(spans) or None
 
 
@@ -153,12 +153,15 @@ def _documents(file: Path, tokenizer: Any) -> Iterator[_Doc]:
 
 
 def read_corpus(
-    paths: tuple[str, ...], tokenizer: Any, seq_len: int, max_tokens: int, heldout: float, seed: int
+    paths: tuple[str, ...], tokenizer: Any, seq_len: int, max_tokens: int, heldout: float, seed: int,
+    stop_ids: tuple[int, ...] = (),
 ) -> Corpus:
     """Tokenized documents (each followed by EOS) split by document and packed into windows.
 
     The last ``heldout`` fraction of documents (at least one) is held out; a corpus of a
-    single document holds out the tail of its tokens instead.
+    single document holds out the tail of its tokens instead. ``stop_ids``: the target's EOS
+    ids (its config and generation_config.json, as serving stops), which end an assistant
+    turn beside the tokenizer's EOS (Gemma ends turns with <end_of_turn>, its EOS is <eos>).
     """
     if tokenizer is None:
         raise SpecDecodeError("the target has no tokenizer: cannot tokenize a corpus")
@@ -169,6 +172,7 @@ def read_corpus(
     sources: list[_Doc] = []  # docs[i] came from sources[i]
     total, pending = 0, []
     offsets = bool(getattr(tokenizer, "is_fast", False))  # a slow tokenizer cannot place answers: all trains
+    stops = {*stop_ids, *eos}
 
     def flush() -> None:
         nonlocal total
@@ -184,7 +188,8 @@ def read_corpus(
                 ids.update(zip(group, out["input_ids"]))
                 spans.update(zip(group, out["offset_mapping"]) if chat and offsets else ())
         for i, d in enumerate(todo):  # in reading order: the split depends on it
-            docs.append(Tokenized(list(ids[i]) + eos, _trained(len(ids[i]) + len(eos), d.answers, spans.get(i))))
+            trained = _trained(ids[i], len(eos), d.answers, spans.get(i), stops)
+            docs.append(Tokenized(list(ids[i]) + eos, trained, context=d.answers is not None and i in spans))
             sources.append(d)
             total += len(docs[-1].ids)
 
@@ -205,11 +210,12 @@ def read_corpus(
     for d in docs:
         if n + len(d.ids) > max_tokens:  # the cap: whole documents, a cut one only if it would be the only one
             if not kept:
-                kept.append(Tokenized(d.ids[:max_tokens], d.trained[:max_tokens]))
+                kept.append(Tokenized(d.ids[:max_tokens], d.trained[:max_tokens], d.context))
             break
         kept.append(d)
         n += len(d.ids)
     docs, sources = kept, sources[: len(kept)]
+    whole = sum(s.chat and not d.context for d, s in zip(docs, sources))  # chat records trained on whole
     if len(docs) >= 2:
         held = min(max(1, round(heldout * len(docs))), len(docs) - 1)  # at least one document trains
         leaks = _quoting(sources[:-held], sources[-held:])
@@ -222,30 +228,42 @@ def read_corpus(
         dropped = 0
         one = docs[0]
         cut = len(one.ids) - max(1, round(heldout * len(one.ids)))
-        train, test = [Tokenized(one.ids[:cut], one.trained[:cut])], [Tokenized(one.ids[cut:], one.trained[cut:])]
+        train = [Tokenized(one.ids[:cut], one.trained[:cut], one.context)]
+        test = [Tokenized(one.ids[cut:], one.trained[cut:], one.context)]
     for side in (train, test):
         if sum(len(d.ids) for d in side) < 2 or sum(sum(d.trained) for d in side) < 1:
             capped = total > max_tokens  # the cap cut text off: raising it helps; else only more text does
             raise SpecDecodeError(f"corpus too small: {sum(len(d.ids) for d in docs)} tokens, "
                                   f"{sum(sum(d.trained) for d in docs)} of them trained on (answers) "
                                   f"({'raise --max-tokens or add text' if capped else 'add text'})")  # fmt: skip
-    return Corpus(pack(train, seq_len), pack(test, seq_len), len(docs) - dropped, num_files, dropped)
+    return Corpus(pack(train, seq_len), pack(test, seq_len), len(docs) - dropped, num_files, dropped, whole)
 
 
 @dataclass(frozen=True)
 class Tokenized:
     ids: list[int]
     trained: list[bool]  # trained[t]: the target's logits at t (for token t + 1) are a label
+    context: bool = False  # a chat record whose answers were placed: its labels need the prompt before them
 
 
-def _trained(n: int, answers: tuple[tuple[int, int], ...] | None, offsets: Any) -> list[bool]:
-    """Which of a document's ``n`` positions are trained on: all but the last (EOS, whose next
-    token is another document's), or, in a chat record, those whose next token starts inside
-    an assistant turn (``offsets``: each token's character span in the rendered text)."""
+def _trained(
+    ids: list[int], num_eos: int, answers: tuple[tuple[int, int], ...] | None, offsets: Any, stops: set[int]
+) -> list[bool]:
+    """Which of a document's positions (``ids`` and ``num_eos`` appended EOS) are trained on: all
+    but the last (its next token is another document's), or, in a chat record, those whose next
+    token the assistant wrote: a token starting inside an assistant turn (``offsets``: each
+    token's character span in the rendered text), up to the turn's first stop token (serving
+    stops there; what the template writes after it is never generated)."""
+    n = len(ids) + num_eos
     if answers is None or offsets is None:
         return [True] * (n - 1) + [False]
-    inside = [any(a <= start < b for a, b in answers) for start, _ in offsets]
-    return inside[1:] + [False] * (n - len(inside) + 1)
+    answer, ended = [], set()
+    for t, (start, _) in zip(ids, offsets):
+        turn = next((k for k, (a, b) in enumerate(answers) if a <= start < b), None)
+        answer.append(turn is not None and turn not in ended)
+        if answer[-1] and t in stops:
+            ended.add(turn)
+    return answer[1:] + [False] * (num_eos + 1)
 
 
 def _quoting(train: list[_Doc], heldout: list[_Doc]) -> set[int]:
@@ -281,16 +299,24 @@ def _quoting(train: list[_Doc], heldout: list[_Doc]) -> set[int]:
 
 def pack(docs: list[Tokenized], seq_len: int) -> Windows:
     """Windows of ``seq_len`` tokens that start at a document: documents in order, each in the
-    current window if it fits, else from a new one (one longer than a window fills windows of
-    its own, its rest then starts the next). Windows are padded at the right with 0 (mask False)."""
+    current window if it fits, else from a new one. A longer document fills windows of its own:
+    plain text in consecutive pieces (its rest then starts the next window); a chat record's
+    later windows each repeat the half window before them, untrained, so that an answer's labels
+    are computed with at least that much of what precedes them. Windows without a trained
+    position are left out (they teach nothing). Padded at the right with 0 (mask False)."""
     rows: list[tuple[list[int], list[bool]]] = []
     for d in docs:
         if rows and len(rows[-1][0]) + len(d.ids) <= seq_len:
             rows[-1][0].extend(d.ids)
             rows[-1][1].extend(d.trained)
             continue
-        for at in range(0, len(d.ids), seq_len):
-            rows.append((d.ids[at : at + seq_len], d.trained[at : at + seq_len]))
+        start = done = 0  # the window's first position; the positions placed so far
+        while done < len(d.ids):
+            end = min(start + seq_len, len(d.ids))
+            rows.append((d.ids[start:end], [False] * (done - start) + d.trained[done:end]))
+            done = end
+            start = done - seq_len // 2 if d.context else done
+    rows = [r for r in rows if any(r[1])]
     tokens = torch.zeros(len(rows), seq_len, dtype=torch.long)
     mask = torch.zeros(len(rows), seq_len, dtype=torch.bool)
     trained = torch.zeros(len(rows), seq_len, dtype=torch.bool)

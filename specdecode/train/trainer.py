@@ -140,6 +140,8 @@ def evaluate(net: Any, target: Transformer, windows: Windows, cfg: TrainConfig) 
         for k, v in {"loss": float(loss.detach()), **metrics}.items():
             sums[k] = sums.get(k, 0.0) + float(v) * n
         total += n
+    if not total:  # pack leaves out windows without a label, so only an empty held-out side gets here
+        raise SpecDecodeError("the held-out windows hold no position to evaluate on")
     return {k: v / total for k, v in sums.items()}
 
 
@@ -281,11 +283,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     target = loaded.model
     if ckpt and ckpt["target"] != target_fingerprint(target):
         raise SpecDecodeError(f"--resume: {cfg.out} was trained for a target with {ckpt['target']}")
-    corpus = read_corpus(cfg.data, loaded.tokenizer, cfg.seq_len, cfg.max_tokens, cfg.heldout, cfg.seed)
+    corpus = read_corpus(cfg.data, loaded.tokenizer, cfg.seq_len, cfg.max_tokens, cfg.heldout, cfg.seed,
+                         stop_ids=target.config.eos_token_ids)  # fmt: skip
     sizes = {"train_tokens": corpus.train.num_tokens, "heldout_tokens": corpus.heldout.num_tokens,
              "train_windows": len(corpus.train), "train_trained": corpus.train.num_trained}
     was = ckpt["log"].get("corpus", {}) if ckpt and isinstance(ckpt["log"], dict) else {}
-    if any(was.get(k, v) != v for k, v in sizes.items()):  # same flags, other text (or how it is read)
+    if was and any(was.get(k) != v for k, v in sizes.items()):  # same flags, other text (or how it is read:
+        # a checkpoint from before answer-only labels lacks the newer counts)
         raise SpecDecodeError(f"--resume: the corpus now reads as {sizes}, the checkpoint's as "
                               f"{ {k: was.get(k) for k in sizes} }; train into a new --out")  # fmt: skip
     torch.manual_seed(cfg.seed)
@@ -311,7 +315,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         "corpus": {"files": corpus.num_files, "documents": corpus.num_documents, "dropped_quoting": corpus.num_dropped,
                    "train_tokens": corpus.train.num_tokens, "heldout_tokens": corpus.heldout.num_tokens,
                    "train_windows": len(corpus.train), "train_trained": corpus.train.num_trained,
-                   "heldout_trained": corpus.heldout.num_trained},
+                   "heldout_trained": corpus.heldout.num_trained, "chats_trained_whole": corpus.num_whole},
         "evals": [], "train_loss": [],
     }  # fmt: skip
     step = 0

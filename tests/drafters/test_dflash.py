@@ -171,13 +171,14 @@ def test_training_loss_decreases(ckpts):
 
 
 def test_evaluation_anchors_spread_over_the_trained_positions(loaded):
-    """Held-out anchors sit on trained positions only (a chat record's prompt is context), evenly."""
+    """Held-out anchors sit evenly on trained positions whose own token was generated (serving
+    roots a block at a generated token: not at the prompt's last, whose next token is an answer's)."""
     _, net = loaded
     mask = torch.zeros(2, 20, dtype=torch.bool)
     mask[0, 6:10] = mask[0, 14:18] = True  # two answers
     mask[1, :12] = True  # plain text, then padding
     anchors = net.eval()._anchors(mask, 4)
-    assert anchors.tolist() == [[7, 9, 15, 17], [1, 4, 7, 10]]  # the (k + 0.5)·n/K-th of n trained
+    assert anchors.tolist() == [[7, 9, 15, 17], [2, 5, 7, 10]]  # the (k + 0.5)·n/K-th of n (7-9, 15-17; 1-11)
 
 
 @pytest.mark.parametrize(

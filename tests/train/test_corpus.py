@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from specdecode.train.corpus import Tokenized, pack, read_corpus
@@ -22,7 +23,7 @@ def test_documents_jsonl_chat_split_and_cap(tmp_path):
         {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
     ]
     (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n\n")
-    c = read_corpus((str(tmp_path),), tok, seq_len=16, max_tokens=10_000, heldout=0.25, seed=0)
+    c = read_corpus((str(tmp_path),), tok, seq_len=32, max_tokens=10_000, heldout=0.25, seed=0)
     assert c.num_files == 10 and c.num_documents == 11  # 9 .md + 2 records; .bin ignored
     eos = tok.eos_token_id
     everything = torch.cat([c.train.tokens[c.train.mask], c.heldout.tokens[c.heldout.mask]]).tolist()
@@ -31,9 +32,9 @@ def test_documents_jsonl_chat_split_and_cap(tmp_path):
     assert (
         everything.count(eos) == 11 and c.heldout.tokens[c.heldout.mask].tolist()[-1] == eos
     )  # whole documents held out
-    again = read_corpus((str(tmp_path),), tok, seq_len=16, max_tokens=10_000, heldout=0.25, seed=0)
+    again = read_corpus((str(tmp_path),), tok, seq_len=32, max_tokens=10_000, heldout=0.25, seed=0)
     assert torch.equal(again.heldout.tokens, c.heldout.tokens)
-    other = read_corpus((str(tmp_path),), tok, seq_len=16, max_tokens=10_000, heldout=0.25, seed=1)
+    other = read_corpus((str(tmp_path),), tok, seq_len=32, max_tokens=10_000, heldout=0.25, seed=1)
     assert not torch.equal(other.heldout.tokens, c.heldout.tokens)
     capped = read_corpus((str(tmp_path),), tok, seq_len=16, max_tokens=70, heldout=0.25, seed=0)
     kept = torch.cat([capped.train.tokens[capped.train.mask], capped.heldout.tokens[capped.heldout.mask]])
@@ -93,7 +94,7 @@ def test_a_training_document_that_quotes_a_held_out_one_is_dropped(tmp_path):
     (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in chats) + "\n")
     (tmp_path / "b.jsonl").write_text("\n".join(json.dumps(r) for r in quotes) + "\n")
     for seed in range(4):
-        c = read_corpus((str(tmp_path),), tok, seq_len=64, max_tokens=100_000, heldout=0.3, seed=seed)
+        c = read_corpus((str(tmp_path),), tok, seq_len=1024, max_tokens=100_000, heldout=0.3, seed=seed)
         train = tok.decode(c.train.tokens[c.train.mask].tolist())
         held = tok.decode(c.heldout.tokens[c.heldout.mask].tolist())
         shared = [a for a in answers if a in train and a in held]
@@ -121,25 +122,32 @@ def test_pack_starts_each_window_at_a_document():
                                   [True, False, True, False]]  # fmt: skip
 
 
-def test_a_chat_record_trains_where_the_assistant_writes(tmp_path):
-    """The positions trained on are those whose next token the assistant wrote, through the EOS
-    that ends its turn (not what the template writes after it), in every assistant turn; the
-    system and user turns are context. Plain text trains everywhere but its last token (EOS)."""
+@pytest.mark.parametrize("turn_end,stops,answers", [
+    ("</s>", (), "yo</s>ok</s>"),  # the tokenizer's EOS ends the turn
+    ("<unk>", (3,), "yo<unk>ok<unk>"),  # Gemma: <end_of_turn> ends it, a stop id of the target's (generation_config)
+    ("<unk>", (), "yo<unk>\nok<unk>\n"),  # no stop token in the turn: all the template writes for it
+])  # fmt: skip
+def test_a_chat_record_trains_where_the_assistant_writes(tmp_path, turn_end, stops, answers):
+    """The positions trained on are those whose next token the assistant wrote, through the stop
+    token that ends its turn (not what the template writes after it), in every assistant turn;
+    the system and user turns are context. Plain text trains everywhere but its last token (EOS)."""
     tok = tiny_tokenizer()
+    assert tok.convert_tokens_to_ids("<unk>") == 3
     tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% if m['role'] == 'assistant' %}"
-                         "</s>{% endif %}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")  # fmt: skip
+                         + turn_end + "\n{% endif %}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")  # fmt: skip
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
                 {"role": "assistant", "content": "yo"}, {"role": "user", "content": "and?"},
                 {"role": "assistant", "content": "ok"}]  # fmt: skip
     (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": messages}) + "\n")
     (tmp_path / "plain.txt").write_text("plain text")
-    c = read_corpus((str(tmp_path),), tok, seq_len=128, max_tokens=1000, heldout=0.5, seed=0)
+    c = read_corpus((str(tmp_path),), tok, seq_len=128, max_tokens=1000, heldout=0.5, seed=0, stop_ids=stops)
+    assert c.num_whole == 0
     for w in (c.train, c.heldout):
         ids = w.tokens[w.mask].tolist()
         trained = w.trained[w.mask].tolist()
         labels = tok.convert_ids_to_tokens([ids[t + 1] for t in range(len(ids) - 1) if trained[t]])
         if "yo" in tok.decode(ids):
-            assert "".join(labels) == "yo</s>ok</s>"
+            assert "".join(labels).replace("Ċ", "\n") == answers
         else:
             assert "".join(labels) == "lain text</s>" and not trained[-1]  # each token after the first
 
@@ -153,7 +161,21 @@ def test_a_template_that_renders_turns_otherwise_trains_on_the_whole_record(tmp_
     record = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
     (tmp_path / "chat.jsonl").write_text(json.dumps(record) + "\n" + json.dumps(record) + "\n")
     c = read_corpus((str(tmp_path),), tok, seq_len=64, max_tokens=1000, heldout=0.5, seed=0)
-    assert c.train.num_trained == c.train.num_tokens - 1
+    assert c.train.num_trained == c.train.num_tokens - 1 and c.num_whole == 2  # counted: train_log.json says so
+
+
+def test_a_long_record_continues_with_half_a_window_of_context_and_empty_windows_go():
+    """A chat record longer than a window: each later window repeats the half window before it,
+    untrained, so an answer's labels are never computed from a window that starts on them; plain
+    text continues in consecutive pieces; a window with nothing to learn is left out."""
+    chat = Tokenized(list(range(1, 11)), [False, False] + [True] * 7 + [False], context=True)
+    prompt_only = Tokenized([20, 21, 22, 23], [False] * 4, context=True)
+    w = pack([chat, prompt_only], 4)
+    assert w.tokens.tolist() == [[1, 2, 3, 4], [3, 4, 5, 6], [5, 6, 7, 8], [7, 8, 9, 10]]
+    assert w.trained.tolist() == [[False, False, True, True], [False, False, True, True],
+                                  [False, False, True, True], [False, False, True, False]]  # fmt: skip
+    plain = pack([Tokenized(list(range(1, 11)), [True] * 9 + [False])], 4)
+    assert plain.tokens.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 0, 0]]
 
 
 def test_a_file_named_twice_is_read_once_and_one_document_always_trains(tmp_path):

@@ -151,6 +151,35 @@ def test_resume_refuses_a_corpus_that_now_reads_differently(tiny_target, corpus,
         train(replace(cfg, steps=6, resume=True))
 
 
+def test_resume_refuses_a_checkpoint_from_before_answer_only_labels(tiny_target, corpus, tmp_path):
+    """A checkpoint whose log lacks the newer corpus counts was trained on other windows and labels."""
+    cfg = config(tiny_target, corpus, tmp_path / "e", "medusa", steps=4, eval_every=0, save_every=2)
+    train(cfg)
+    path = tmp_path / "e" / CHECKPOINT_FILE
+    ckpt = torch.load(path, weights_only=True)
+    for key in ("train_windows", "train_trained", "heldout_trained", "chats_trained_whole"):
+        del ckpt["log"]["corpus"][key]
+    torch.save(ckpt, path)
+    with pytest.raises(SpecDecodeError, match="the corpus now reads as"):
+        train(replace(cfg, steps=6, resume=True))
+
+
+def test_chat_records_with_prompts_longer_than_a_window_train(tiny_target, tmp_path):
+    """Windows holding only a prompt are left out, so held-out batches always hold labels (the
+    first held-out windows were all prompt: division by zero); every net trains on the answers."""
+    records = [{"messages": [{"role": "user", "content": f"tell me {i} " + "please " * 12},
+                             {"role": "assistant", "content": f"the cat sat on mat {i}"}]} for i in range(12)]  # fmt: skip
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "chat.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    for method in ("eagle", "dflash", "draft_model"):
+        cfg = config(tiny_target, str(tmp_path / "data"), tmp_path / method, method, steps=3, seq_len=32,
+                     batch_size=2, eval_batches=1, heldout=0.25)  # fmt: skip
+        log = train(cfg)
+        assert all(math.isfinite(v) for v in log["end"].values()), log["end"]
+        c = log["corpus"]
+        assert c["chats_trained_whole"] == 0 and 0 < c["train_trained"] < c["train_tokens"] / 2
+
+
 def test_time_limit_ends_the_run_and_its_schedule(tiny_target, corpus, tmp_path):
     cfg = config(tiny_target, corpus, tmp_path / "out", method="medusa", steps=10**6, time_limit=0.5)
     assert cfg.learning_rate(50, elapsed=0.0) > 0.99 * cfg.lr  # early on both counts: near the peak
