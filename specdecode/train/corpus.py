@@ -7,11 +7,11 @@ with the target's tokenizer, the held-out split by document, and packing each si
 windows of ``seq_len`` tokens. Files are read in a seeded shuffled order until
 ``max_tokens``, so a capped corpus is a sample of the whole and the split is deterministic.
 What is trained on: in a chat record only the positions where serving drafts, those whose
-next token the assistant wrote (its turns through their EOS; the system and user turns are
-context only, as EAGLE's recipe masks them); plain text everywhere. Windows start at a
-document (whole documents are packed while they fit; a longer one fills windows of its
-own), so a window never starts in a record's answer, whose target logits would then be
-computed without the prompt that serving has.
+next token the assistant wrote (its turns through their first stop token; the system and
+user turns are context only, as EAGLE's recipe masks them); plain text everywhere. Windows
+start at a document (whole documents are packed while they fit), and a chat record longer
+than a window continues with half a window of context, so an answer's target logits are
+never computed from a window that starts on them.
 A training document that quotes a held-out one's long text, or is quoted by one (regenerate's
 ``--passages`` turns earlier answers into texts to summarise), is dropped: the held-out figures
 would otherwise be measured on text the drafter was trained on.
@@ -179,17 +179,17 @@ def read_corpus(
         todo = [d for d in pending if d.text.strip()]
         pending.clear()
         ids: dict[int, list[int]] = {}
-        spans: dict[int, list[tuple[int, int]]] = {}
+        char_spans: dict[int, list[tuple[int, int]]] = {}  # each token's characters in a chat record's text
         for chat in (False, True):  # as served: a chat template writes its own BOS, plain text gets the tokenizer's
             group = [i for i, d in enumerate(todo) if d.chat == chat]
             if group:
                 out = tokenizer([todo[i].text for i in group], add_special_tokens=not chat, verbose=False,
                                 return_offsets_mapping=chat and offsets)  # fmt: skip
                 ids.update(zip(group, out["input_ids"]))
-                spans.update(zip(group, out["offset_mapping"]) if chat and offsets else ())
+                char_spans.update(zip(group, out["offset_mapping"]) if chat and offsets else ())
         for i, d in enumerate(todo):  # in reading order: the split depends on it
-            trained = _trained(ids[i], len(eos), d.answers, spans.get(i), stops)
-            docs.append(Tokenized(list(ids[i]) + eos, trained, context=d.answers is not None and i in spans))
+            trained = _trained(ids[i], len(eos), d.answers, char_spans.get(i), stops)
+            docs.append(Tokenized(list(ids[i]) + eos, trained, context=d.answers is not None and i in char_spans))
             sources.append(d)
             total += len(docs[-1].ids)
 
