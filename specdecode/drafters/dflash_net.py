@@ -24,8 +24,9 @@ whole block (bidirectional); block position j's output, through the final norm a
 target's LM head, is the draft distribution of token ``L + j``. The whole block always
 runs, whatever γ ≤ S is used, so decoding sees exactly what training did.
 
-Training (`training_loss`): per window, ``anchors_per_window`` anchors a (random in
-training, evenly spread in evaluation); the block rooted at token a sees the context features of tokens < a and is trained by soft
+Training (`training_loss`): ``anchors_per_window`` anchors a per window (drawn at random
+over the batch's trained positions in training, evenly spread over each window's in
+evaluation); the block rooted at token a sees the context features of tokens < a and is trained by soft
 cross-entropy against the target's own distributions of tokens a+1 .. a+S, position j
 weighted by ``exp(-j / position_decay)`` (early positions matter most: a draft token
 counts only if all before it were accepted). Each (window, anchor) pair is a row of one
@@ -247,8 +248,7 @@ class DFlashNet(nn.Module):
         tokens, mask = batch.tokens, batch.mask  # [B, T]
         B, T = tokens.shape
         device = tokens.device
-        anchors = self._anchors(mask, K).reshape(-1)  # [R]
-        rows = torch.arange(B, device=device).repeat_interleave(K)  # [R] window of each row
+        rows, anchors = self._anchors(mask, K)  # [R] window and anchor of each row
         logits = self.anchor_logits(tokens, batch.hidden, rows, anchors)  # [R, S, V]
         # targets: the target's distributions of tokens a+1 .. a+S, logits[:, a + j]
         at = anchors[:, None] + torch.arange(S, device=device)  # [R, S]
@@ -264,19 +264,25 @@ class DFlashNet(nn.Module):
         loss = (ce * w).sum() / w.sum().clamp_min(1e-6)
         return loss, self._metrics(p_logits, logits.detach(), valid)
 
-    def _anchors(self, mask: Tensor, K: int) -> Tensor:
-        """[B, K] anchor positions among each window's trained positions whose token is itself
-        a label (mask [B, T]): serving roots a block at a generated token, never at the prompt's
-        last. Training draws them at random (distinct unless the window has too few); evaluation
-        spreads them evenly over them, so held-out figures compare like with like."""
+    def _anchors(self, mask: Tensor, K: int) -> tuple[Tensor, Tensor]:
+        """rows [R], anchors [R] (R = B·K): blocks rooted at trained positions whose token is
+        itself a label (mask [B, T]; serving roots a block at a generated token, never at the
+        prompt's last). Training draws them at random over the whole batch, distinct where there
+        are enough, so every label is as likely (K per window would repeat a short answer's);
+        evaluation spreads K over each window's, so held-out figures compare like with like."""
         mask = mask & F.pad(mask[:, :-1], (1, 0))  # token a was predicted at a - 1: generated, not given
+        B, T = mask.shape
         if not self.training:
             count = mask.sum(dim=1, keepdim=True)  # [B, 1]
             nth = ((torch.arange(K, device=mask.device) + 0.5) * count / K).long()  # [B, K]: the nth trained
-            at = torch.searchsorted(mask.long().cumsum(dim=1), nth + 1)  # its position
-            return at.clamp(max=mask.shape[1] - 1)  # (a window with none: any, all masked)
-        weights = mask.float() + (~mask.any(dim=1, keepdim=True)).float()  # an empty window: any anchor, all masked
-        return torch.multinomial(weights, K, replacement=K > int((weights > 0).sum(dim=1).min()))
+            at = torch.searchsorted(mask.long().cumsum(dim=1), nth + 1).clamp(max=T - 1)  # (none: any, all masked)
+            return torch.arange(B, device=mask.device).repeat_interleave(K), at.reshape(-1)
+        weights = mask.flatten().float()  # [B·T]
+        n = int(weights.sum())
+        if n == 0:  # nothing to learn: any anchors, all masked
+            weights, n = torch.ones_like(weights), B * T
+        picked = torch.multinomial(weights, B * K, replacement=B * K > n)  # [R]
+        return picked // T, picked % T
 
     @torch.no_grad()
     def _metrics(self, p_logits: Tensor, q_logits: Tensor, valid: Tensor) -> dict[str, float]:

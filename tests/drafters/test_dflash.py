@@ -170,15 +170,23 @@ def test_training_loss_decreases(ckpts):
     assert not any(p.requires_grad for p in target.embed.parameters())  # the borrowed head stays frozen
 
 
-def test_evaluation_anchors_spread_over_the_trained_positions(loaded):
-    """Held-out anchors sit evenly on trained positions whose own token was generated (serving
-    roots a block at a generated token: not at the prompt's last, whose next token is an answer's)."""
+def test_anchors_sit_on_generated_trained_positions(loaded):
+    """Blocks are rooted at trained positions whose own token was generated (serving roots a block
+    at a generated token: not at the prompt's last, whose next token is an answer's): evenly over
+    each window held out, at random over the batch in training (a short answer's K anchors were
+    repeats of its few labels)."""
     _, net = loaded
     mask = torch.zeros(2, 20, dtype=torch.bool)
     mask[0, 6:10] = mask[0, 14:18] = True  # two answers
     mask[1, :12] = True  # plain text, then padding
-    anchors = net.eval()._anchors(mask, 4)
-    assert anchors.tolist() == [[7, 9, 15, 17], [2, 5, 7, 10]]  # the (k + 0.5)·n/K-th of n (7-9, 15-17; 1-11)
+    rows, anchors = net.eval()._anchors(mask, 4)
+    assert rows.tolist() == [0] * 4 + [1] * 4
+    assert anchors.view(2, 4).tolist() == [[7, 9, 15, 17], [2, 5, 7, 10]]  # the (k + 0.5)·n/K-th of n (7-9, 15-17; 1-11)
+    torch.manual_seed(0)
+    rows, anchors = net.train()._anchors(mask, 4)  # training: over the batch's 17 candidates, distinct
+    net.eval()
+    picked = set(zip(rows.tolist(), anchors.tolist()))
+    assert len(picked) == 8 and all(mask[r, a] and mask[r, a - 1] for r, a in picked)
 
 
 @pytest.mark.parametrize(
