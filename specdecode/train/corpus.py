@@ -101,9 +101,10 @@ class _Doc:
 def _answer_spans(messages: list[Any], rendered: str, tokenizer: Any) -> tuple[tuple[int, int], ...] | None:
     """Where each assistant turn lies in ``rendered``: from the end of the conversation before
     it rendered with the generation prompt (what serving is given) to the end of the turn (the
-    tokens are cut at its first stop token, `_trained`). None where the template renders an
-    earlier part otherwise than the whole (it then trains on all of it), or where no turn is
-    the assistant's."""
+    tokens are cut at its first stop token, `_trained`). A turn the whole conversation renders
+    otherwise than it would be served (Qwen3 drops an earlier turn's reasoning) is context only.
+    None where no turn can be placed (the record is then trained on whole), or where no turn
+    is the assistant's."""
     from jinja2 import TemplateError
 
     spans = []
@@ -115,9 +116,8 @@ def _answer_spans(messages: list[Any], rendered: str, tokenizer: Any) -> tuple[t
             through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
         except (TemplateError, ValueError, TypeError, KeyError):
             return None
-        if not (rendered.startswith(through) and through.startswith(before) and len(through) > len(before)):
-            return None
-        spans.append((len(before), len(through)))
+        if rendered.startswith(through) and through.startswith(before) and len(through) > len(before):
+            spans.append((len(before), len(through)))
     return tuple(spans) or None
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from specdecode.train.corpus import Tokenized, pack, read_corpus
+from specdecode.train.corpus import Tokenized, _answer_spans, pack, read_corpus
 from tests.tiny import tiny_tokenizer
 
 
@@ -162,6 +162,19 @@ def test_a_template_that_renders_turns_otherwise_trains_on_the_whole_record(tmp_
     (tmp_path / "chat.jsonl").write_text(json.dumps(record) + "\n" + json.dumps(record) + "\n")
     c = read_corpus((str(tmp_path),), tok, seq_len=64, max_tokens=1000, heldout=0.5, seed=0)
     assert c.train.num_trained == c.train.num_tokens - 1 and c.num_whole == 2  # counted: train_log.json says so
+
+
+def test_a_turn_rendered_otherwise_in_the_whole_conversation_is_context():
+    """Qwen3-style: an earlier assistant turn reads otherwise once later turns follow (its
+    reasoning dropped), so it is not what serving generated then: only the last turn is learned."""
+    tok = tiny_tokenizer()
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] if (loop.last or m['role'] != "
+                         "'assistant') else '-' }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")  # fmt: skip
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                {"role": "user", "content": "and?"}, {"role": "assistant", "content": "ok"}]  # fmt: skip
+    rendered = tok.apply_chat_template(messages, tokenize=False)
+    spans = _answer_spans(messages, rendered, tok)
+    assert [rendered[a:b] for a, b in spans] == ["ok\n"]
 
 
 def test_a_long_record_continues_with_half_a_window_of_context_and_empty_windows_go():
