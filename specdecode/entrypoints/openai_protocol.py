@@ -14,7 +14,8 @@ import json
 import re
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 from specdecode.config import SamplingParams, SpecDecodeError
 from specdecode.engine.batch import SpecStats
@@ -138,6 +139,13 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_shape(cls, v: Any) -> Any:  # pydantic's own message named only the str branch
+        if v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(p, dict) for p in v)):
+            return v
+        raise PydanticCustomError("content", 'must be a string or a list of content parts ({"type": "text", "text": ...})')
 
     def text(self, index: int) -> str:
         if self.content is None or isinstance(self.content, str):

@@ -200,6 +200,9 @@ def test_bad_chat_input_is_400(client):
         r = client.post("/v1/chat/completions", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         assert r.json()["error"]["message"].startswith(param) or param == "messages", r.text  # named as sent
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": ["hi"]}]})  # bare strings
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        'messages.0.content: must be a string or a list of content parts ({"type": "text", "text": ...})'), r.text
     assert client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).status_code == 200
     both = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9, "max_completion_tokens": 2,
             "ignore_eos": True}  # fmt: skip
