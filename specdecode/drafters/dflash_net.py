@@ -24,8 +24,8 @@ whole block (bidirectional); block position j's output, through the final norm a
 target's LM head, is the draft distribution of token ``L + j``. The whole block always
 runs, whatever γ ≤ S is used, so decoding sees exactly what training did.
 
-Training (`training_loss`): ``anchors_per_window`` anchors a per window (drawn at random
-over the batch's trained positions in training, evenly spread over each window's in
+Training (`training_loss`): ``anchors_per_window`` anchors a per window at generated answer
+tokens (drawn at random over the batch's in training, evenly spread over each window's in
 evaluation); the block rooted at token a sees the context features of tokens < a and is trained by soft
 cross-entropy against the target's own distributions of tokens a+1 .. a+S, position j
 weighted by ``exp(-j / position_decay)`` (early positions matter most: a draft token
@@ -248,11 +248,13 @@ class DFlashNet(nn.Module):
         tokens, mask = batch.tokens, batch.mask  # [B, T]
         B, T = tokens.shape
         device = tokens.device
-        rows, anchors = self._anchors(mask, K)  # [R] window and anchor of each row
+        roots = mask & F.pad(mask[:, :-1], (1, 0))  # token a was predicted at a - 1: generated, not given
+        rows, anchors = self._anchors(roots, K)  # [R] window and anchor of each row
         logits = self.anchor_logits(tokens, batch.hidden, rows, anchors)  # [R, S, V]
         # targets: the target's distributions of tokens a+1 .. a+S, logits[:, a + j]
         at = anchors[:, None] + torch.arange(S, device=device)  # [R, S]
-        valid = (at < T) & mask[rows[:, None], at.clamp(max=T - 1)]  # [R, S]
+        valid = (at < T) & mask[rows[:, None], at.clamp(max=T - 1)] & roots[rows, anchors][:, None]  # [R, S]
+        valid = valid.long().cumprod(dim=1).bool()  # labels up to a gap only: no block across a user turn
         p_logits = batch.logits[rows[:, None], at.clamp(max=T - 1)].float()  # [R, S, V]
         p = self.head.restrict(torch.softmax(p_logits, dim=-1))  # [R, S, Vd]
         log_q = torch.log_softmax(logits, dim=-1)
@@ -264,13 +266,14 @@ class DFlashNet(nn.Module):
         loss = (ce * w).sum() / w.sum().clamp_min(1e-6)
         return loss, self._metrics(p_logits, logits.detach(), valid)
 
-    def _anchors(self, mask: Tensor, K: int) -> tuple[Tensor, Tensor]:
-        """rows [R], anchors [R] (R = B·K): blocks rooted at trained positions whose token is
-        itself a label (mask [B, T]; serving roots a block at a generated token, never at the
+    def _anchors(self, roots: Tensor, K: int) -> tuple[Tensor, Tensor]:
+        """rows [R], anchors [R] (R = B·K): blocks rooted where ``roots`` [B, T] (trained positions
+        whose token is itself a label: serving roots a block at a generated token, never at the
         prompt's last). Training draws them at random over the whole batch, distinct where there
         are enough, so every label is as likely (K per window would repeat a short answer's);
-        evaluation spreads K over each window's, so held-out figures compare like with like."""
-        mask = mask & F.pad(mask[:, :-1], (1, 0))  # token a was predicted at a - 1: generated, not given
+        evaluation spreads K over each window's, so held-out figures compare like with like.
+        (With no root anywhere the anchors are arbitrary; the loss masks them.)"""
+        mask = roots
         B, T = mask.shape
         if not self.training:
             count = mask.sum(dim=1, keepdim=True)  # [B, 1]

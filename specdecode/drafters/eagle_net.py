@@ -166,6 +166,7 @@ class FeatureNet(nn.Module):
         g = self.fuse(batch.hidden[:, :n].to(self.fc.weight.dtype))  # [B, n, H]
         losses, metrics = [], {}
         states, steps_tokens, out = [], [], None
+        valid = mask[:, :n]  # [B, n]: entries on a label, then every step's too (no draft across a user turn)
         for k in range(1, K + 1):
             states.append(g if k == 1 else out)
             steps_tokens.append(tokens[:, k : k + n])
@@ -174,7 +175,7 @@ class FeatureNet(nn.Module):
             p_logits = batch.logits[:, k : k + n]  # [B, n, V]: the target's for token t+k+1
             # p at the draft vocabulary only, without materialising the full softmax
             p = (self.head.restrict(p_logits).float() - p_logits.float().logsumexp(-1, keepdim=True)).exp()
-            valid = mask[:, :n] & mask[:, k : k + n]  # drafted from a served position, for one
+            valid = valid & mask[:, k : k + n]
             logq = q_logits.float().log_softmax(dim=-1)
             ce = -(p * logq).sum(-1)
             loss = (ce * valid).sum() / valid.sum().clamp(min=1)

@@ -119,11 +119,13 @@ class MedusaNet(nn.Module):
         T = h.shape[1]
         losses: list[Tensor] = []
         metrics: dict[str, float] = {}
+        run = batch.mask  # [B, T - k + 1]: t and the labels t .. t + k - 1 all learned (no head across a user turn)
         for k in range(1, min(self.config.num_heads, T - 1) + 1):
             logq = torch.log_softmax(self.logits(self.heads[k - 1](h[:, : T - k])), dim=-1)  # [B, T-k, Vd]
             p_logits = batch.logits[:, k:].float()  # [B, T-k, V]
             p = (self.head.restrict(p_logits) - p_logits.logsumexp(-1, keepdim=True)).exp()  # [B, T-k, Vd]
-            mask = (batch.mask[:, : T - k] & batch.mask[:, k:]).float()  # [B, T-k]
+            run = run[:, : T - k] & batch.mask[:, k:]
+            mask = run.float()  # [B, T-k]
             count = mask.sum().clamp(min=1.0)
             losses.append((-(p * logq).sum(dim=-1) * mask).sum() / count)
             with torch.no_grad():

@@ -210,7 +210,7 @@ def read_corpus(
     for d in docs:
         if n + len(d.ids) > max_tokens:  # the cap: whole documents, a cut one only if it would be the only one
             if not kept:
-                kept.append(Tokenized(d.ids[:max_tokens], d.trained[:max_tokens], d.context))
+                kept.append(d.part(0, max_tokens))
             break
         kept.append(d)
         n += len(d.ids)
@@ -228,13 +228,12 @@ def read_corpus(
         dropped = 0
         one = docs[0]
         cut = len(one.ids) - max(1, round(heldout * len(one.ids)))
-        train = [Tokenized(one.ids[:cut], one.trained[:cut], one.context)]
-        test = [Tokenized(one.ids[cut:], one.trained[cut:], one.context)]
+        train, test = [one.part(0, cut)], [one.part(cut, len(one.ids))]
     for side in (train, test):
         if sum(len(d.ids) for d in side) < 2 or sum(sum(d.trained) for d in side) < 1:
             capped = total > max_tokens  # the cap cut text off: raising it helps; else only more text does
             raise SpecDecodeError(f"corpus too small: {sum(len(d.ids) for d in docs)} tokens, "
-                                  f"{sum(sum(d.trained) for d in docs)} of them trained on (answers) "
+                                  f"{sum(sum(d.trained) for d in docs)} of them labels "
                                   f"({'raise --max-tokens or add text' if capped else 'add text'})")  # fmt: skip
     return Corpus(pack(train, seq_len), pack(test, seq_len), len(docs) - dropped, num_files, dropped, whole)
 
@@ -244,6 +243,9 @@ class Tokenized:
     ids: list[int]
     trained: list[bool]  # trained[t]: the target's logits at t (for token t + 1) are a label
     context: bool = False  # a chat record whose answers were placed: its labels need the prompt before them
+
+    def part(self, start: int, end: int) -> Tokenized:
+        return Tokenized(self.ids[start:end], self.trained[start:end], self.context)
 
 
 def _trained(

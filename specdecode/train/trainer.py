@@ -313,9 +313,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     log: dict[str, Any] = {
         "method": cfg.method, "target": loaded.name, "net": asdict(net_cfg), "config": asdict(cfg),
         "corpus": {"files": corpus.num_files, "documents": corpus.num_documents, "dropped_quoting": corpus.num_dropped,
-                   "train_tokens": corpus.train.num_tokens, "heldout_tokens": corpus.heldout.num_tokens,
-                   "train_windows": len(corpus.train), "train_trained": corpus.train.num_trained,
-                   "heldout_trained": corpus.heldout.num_trained, "chats_trained_whole": corpus.num_whole},
+                   **sizes, "heldout_trained": corpus.heldout.num_trained, "chats_trained_whole": corpus.num_whole},
         "evals": [], "train_loss": [],
     }  # fmt: skip
     step = 0

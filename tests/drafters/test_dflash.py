@@ -179,11 +179,12 @@ def test_anchors_sit_on_generated_trained_positions(loaded):
     mask = torch.zeros(2, 20, dtype=torch.bool)
     mask[0, 6:10] = mask[0, 14:18] = True  # two answers
     mask[1, :12] = True  # plain text, then padding
-    rows, anchors = net.eval()._anchors(mask, 4)
+    roots = mask & torch.nn.functional.pad(mask[:, :-1], (1, 0))  # as training_loss gives them
+    rows, anchors = net.eval()._anchors(roots, 4)
     assert rows.tolist() == [0] * 4 + [1] * 4
     assert anchors.view(2, 4).tolist() == [[7, 9, 15, 17], [2, 5, 7, 10]]  # the (k + 0.5)·n/K-th of n (7-9, 15-17; 1-11)
     torch.manual_seed(0)
-    rows, anchors = net.train()._anchors(mask, 4)  # training: over the batch's 17 candidates, distinct
+    rows, anchors = net.train()._anchors(roots, 4)  # training: over the batch's 17 candidates, distinct
     net.eval()
     picked = set(zip(rows.tolist(), anchors.tolist()))
     assert len(picked) == 8 and all(mask[r, a] and mask[r, a - 1] for r, a in picked)

@@ -17,7 +17,8 @@ import uvicorn
 
 from specdecode.config import SpecConfig
 from specdecode.engine.batch import SpecStats
-from specdecode.engine.serving import EngineStats, RequestEvent, ServingEngine
+from specdecode.engine.requests import EngineStats, RequestEvent
+from specdecode.engine.serving import ServingEngine
 from specdecode.entrypoints.serve import DrainingServer
 from specdecode.entrypoints.server import create_app
 

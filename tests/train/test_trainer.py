@@ -240,7 +240,7 @@ def test_positions_not_trained_on_do_not_move_the_loss(tiny_target, method):
     tokens = torch.randint(4, V, (2, 24), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(2, 24, dtype=torch.bool)
     mask[:, :8] = False  # the prompts
-    mask[1, 14:17] = False  # a second user turn
+    mask[1, 14] = False  # a second user turn, one token long (a draft of 2 could cross it)
     mask[0, 22:] = False  # the record's last positions (EOS, padding)
     batch = trainer.target_batch(target, tokens, mask, net.hidden_layers)
     noise = 5 * torch.randn(batch.logits.shape, generator=torch.Generator().manual_seed(2))
@@ -250,3 +250,10 @@ def test_positions_not_trained_on_do_not_move_the_loss(tiny_target, method):
         trained = net.training_loss(replace(batch, logits=batch.logits + noise * mask[..., None]))
     assert float(untrained[0]) == pytest.approx(float(loss), rel=1e-6) and untrained[1] == pytest.approx(metrics)
     assert float(trained[0]) != pytest.approx(float(loss), rel=1e-3)
+    if method != "draft_model":  # (a distilled model learns every labelled position's distribution)
+        # the prompt's last position: its logits give the answer's first token, which the target
+        # samples itself, so no drafter learns them (nor a draft across the user turn before it)
+        first = mask & ~torch.nn.functional.pad(mask[:, :-1], (1, 0), value=True)  # [B, T]
+        with torch.no_grad():
+            moved = net.training_loss(replace(batch, logits=batch.logits + noise * first[..., None]))
+        assert float(moved[0]) == pytest.approx(float(loss), rel=1e-6), method
