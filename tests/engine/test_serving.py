@@ -313,9 +313,13 @@ def test_the_adaptive_budget_learns_how_much_prefill_a_step_carries(plain):
     engine.step()
     after_prompt = engine.budget.prefill_seconds
     assert after_prompt > 0
+    seen = []
+    observe = engine.budget.observe_prefill
+    engine.budget.observe_prefill = lambda seconds: (seen.append(seconds), observe(seconds))
     while engine.has_unfinished():
         engine.step()
     assert 0 < engine.budget.prefill_seconds < after_prompt
+    assert seen and set(seen) == {0.0}  # exactly 0: a timed no-op added the OS's pauses to the mean
 
 
 def test_a_reused_request_id_starts_with_nothing_learned(plain):
