@@ -273,14 +273,13 @@ class DFlashNet(nn.Module):
         are enough, so every label is as likely (K per window would repeat a short answer's);
         evaluation spreads K over each window's, so held-out figures compare like with like.
         (With no root anywhere the anchors are arbitrary; the loss masks them.)"""
-        mask = roots
-        B, T = mask.shape
+        B, T = roots.shape
         if not self.training:
-            count = mask.sum(dim=1, keepdim=True)  # [B, 1]
-            nth = ((torch.arange(K, device=mask.device) + 0.5) * count / K).long()  # [B, K]: the nth trained
-            at = torch.searchsorted(mask.long().cumsum(dim=1), nth + 1).clamp(max=T - 1)  # (none: any, all masked)
-            return torch.arange(B, device=mask.device).repeat_interleave(K), at.reshape(-1)
-        weights = mask.flatten().float()  # [B·T]
+            count = roots.sum(dim=1, keepdim=True)  # [B, 1]
+            nth = ((torch.arange(K, device=roots.device) + 0.5) * count / K).long()  # [B, K]: the nth root
+            at = torch.searchsorted(roots.long().cumsum(dim=1), nth + 1).clamp(max=T - 1)  # (none: any, all masked)
+            return torch.arange(B, device=roots.device).repeat_interleave(K), at.reshape(-1)
+        weights = roots.flatten().float()  # [B·T]
         n = int(weights.sum())
         if n == 0:  # nothing to learn: any anchors, all masked
             weights, n = torch.ones_like(weights), B * T

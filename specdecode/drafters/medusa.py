@@ -119,7 +119,7 @@ class MedusaNet(nn.Module):
         T = h.shape[1]
         losses: list[Tensor] = []
         metrics: dict[str, float] = {}
-        run = batch.mask  # [B, T - k + 1]: t and the labels t .. t + k - 1 all learned (no head across a user turn)
+        run = batch.mask  # [B, T - k + 1] before head k: the labels t .. t + k - 1 all learned (none across a user turn)
         for k in range(1, min(self.config.num_heads, T - 1) + 1):
             logq = torch.log_softmax(self.logits(self.heads[k - 1](h[:, : T - k])), dim=-1)  # [B, T-k, Vd]
             p_logits = batch.logits[:, k:].float()  # [B, T-k, V]
