@@ -112,10 +112,7 @@ class _Request(BaseModel):
             raise self.as_sent(from_spec_error(e)) from None
 
     def as_sent(self, e: APIError) -> APIError:
-        """``e`` with the length field named as the client sent it (max_completion_tokens, say)."""
-        sent = getattr(self, "max_completion_tokens", None)
-        if e.param == "max_tokens" and sent is not None and e.message.startswith("max_tokens"):
-            return bad_request("max_completion_tokens" + e.message[len("max_tokens") :], "max_completion_tokens")
+        """``e`` with its fields named as the client sent them (a chat request may say max_completion_tokens)."""
         return e
 
     @property
@@ -161,6 +158,11 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+
+    def as_sent(self, e: APIError) -> APIError:
+        if e.param == "max_tokens" and self.max_completion_tokens is not None and e.message.startswith("max_tokens"):
+            return bad_request("max_completion_tokens" + e.message[len("max_tokens") :], "max_completion_tokens")
+        return e
 
     def plain_messages(self) -> list[dict[str, str]]:
         if not self.messages:
