@@ -27,6 +27,7 @@ static inline __attribute__((always_inline)) __m512bh q8_to_bf16(const uint8_t* 
   return _mm512_cvtne2ps_pbh(hi, lo);  /* elements 0-15 from lo, 16-31 from hi */
 }
 
+#ifndef __AMX_BF16__
 /* Rows [0, MB) of x times one 32-column tile; Q8 (a constant in each instance) picks the layout. */
 static inline __attribute__((always_inline)) void tile(
     const int MB, const int Q8, const uint16_t* x, int K, const float* xs, const uint8_t* wp,
@@ -88,6 +89,113 @@ static inline __attribute__((always_inline)) void tile(
     _mm256_storeu_si256((__m256i*)(y + (size_t)r * ldy + 16), (__m256i)_mm512_cvtneps_pbh(o[r][1]));
   }
 }
+#endif
+
+#ifdef __AMX_BF16__
+#include <sys/syscall.h>
+#include <unistd.h>
+/* The AMX build ("amx" in cpu_int4.py): the same layouts and arithmetic, but a group's 16 k
+   pairs are multiplied by up to 16 rows in two tile instructions (one per 16 columns) instead
+   of 2 vdpbf16ps per row and pair, so a verify pass of several positions costs about what one
+   does. The weights are decoded to bf16 into a 2 KB buffer (a tile's rows are the k pairs in
+   the vdpbf16ps order), each group's products come back in fp32 and get the group's scale
+   and zero as above. Every row count runs here, 1 included: the tile unit adds a group's
+   pairs in another order than vdpbf16ps (a last-bit difference in ~0.1% of sums), so a
+   build that switched units by row count would make a row's logits depend on its batch. */
+#define ROW_BLOCK 16
+typedef struct {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+} TileConfig;
+
+static int amx_granted;
+/* Linux lets a process use the tile registers only after asking (ARCH_REQ_XCOMP_PERM for
+   XFEATURE_XTILEDATA); without it the first tile instruction is SIGILL. Asked at load. */
+__attribute__((constructor)) static void request_amx(void) {
+  amx_granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+int amx_available(void) { return amx_granted; }
+
+/* tmm0 / tmm1: the products of MB rows and columns 0-15 / 16-31; tmm2: MB rows of one group
+   of x; tmm3 / tmm4: the group's decoded weights for the two column halves. Loaded for every
+   job: another library (oneDNN) may have configured this thread's tiles in between. */
+static void tile_config(int MB) {
+  TileConfig c;
+  memset(&c, 0, sizeof c);
+  c.palette = 1;
+  for (int t = 0; t < 5; t++) c.colsb[t] = 64;
+  c.rows[0] = c.rows[1] = c.rows[2] = MB;
+  c.rows[3] = c.rows[4] = 16;
+  _tile_loadconfig(&c);
+}
+
+static inline __attribute__((always_inline)) void tile(
+    const int MB, const int Q8, const uint16_t* x, int K, const float* xs, const uint8_t* wp,
+    const uint16_t* sz, int G, uint16_t* y, int ldy) {
+  const int group_bytes = Q8 ? 1024 : 512;
+  __m512bh wb[2][2][16];  /* [group parity][column half][k pair]: the next group decodes into the other */
+  float c[16][32] __attribute__((aligned(64)));
+  __m512 o[16][2];
+  tile_config(MB);
+#pragma GCC unroll 16
+  for (int r = 0; r < MB; r++) o[r][0] = o[r][1] = _mm512_setzero_ps();
+  for (int g = 0; g < G; g++) {
+    const uint8_t* gp = wp + (size_t)g * group_bytes;
+    __m512bh(*w)[16] = wb[g & 1];
+#pragma GCC unroll 16
+    for (int i = 0; i < group_bytes / 64; i++) _mm_prefetch((const char*)(gp + 2048 + 64 * i), _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int p = 0; p < 16; p++) {
+      if (Q8) {
+        w[0][p] = q8_to_bf16(gp + p * 64);
+        w[1][p] = q8_to_bf16(gp + p * 64 + 32);
+      } else {
+        __m256i b = _mm256_loadu_si256((const __m256i*)(gp + p * 32));
+        w[0][p] = int4_to_bf16(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(b)));
+        w[1][p] = int4_to_bf16(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(b, 1)));
+      }
+    }
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(2, x + g * 32, K * 2);
+    _tile_loadd(3, w[0], 64);
+    _tile_loadd(4, w[1], 64);
+    _tile_dpbf16ps(0, 2, 3);
+    _tile_dpbf16ps(1, 2, 4);
+    _tile_stored(0, c, 128);
+    _tile_stored(1, &c[0][16], 128);
+    const uint16_t* sp = sz + (size_t)g * (Q8 ? 32 : 64);
+    __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)sp));
+    __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + 16)));
+    if (Q8) {
+#pragma GCC unroll 16
+      for (int r = 0; r < MB; r++) {
+        o[r][0] = _mm512_fmadd_ps(s0, _mm512_load_ps(c[r]), o[r][0]);
+        o[r][1] = _mm512_fmadd_ps(s1, _mm512_load_ps(c[r] + 16), o[r][1]);
+      }
+    } else {
+      __m512 z0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + 32)));
+      __m512 z1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + 48)));
+#pragma GCC unroll 16
+      for (int r = 0; r < MB; r++) {
+        __m512 xv = _mm512_set1_ps(xs[r * G + g]);
+        o[r][0] = _mm512_fmadd_ps(s0, _mm512_load_ps(c[r]), _mm512_fmadd_ps(z0, xv, o[r][0]));
+        o[r][1] = _mm512_fmadd_ps(s1, _mm512_load_ps(c[r] + 16), _mm512_fmadd_ps(z1, xv, o[r][1]));
+      }
+    }
+  }
+  _tile_release();
+#pragma GCC unroll 16
+  for (int r = 0; r < MB; r++) {
+    _mm256_storeu_si256((__m256i*)(y + (size_t)r * ldy), (__m256i)_mm512_cvtneps_pbh(o[r][0]));
+    _mm256_storeu_si256((__m256i*)(y + (size_t)r * ldy + 16), (__m256i)_mm512_cvtneps_pbh(o[r][1]));
+  }
+}
+#else
+#define ROW_BLOCK 8
+int amx_available(void) { return 0; }
+#endif
 
 typedef void (*tile_fn)(const uint16_t*, int, const float*, const uint8_t*, const uint16_t*, int, uint16_t*, int);
 #define TILE(MB, Q8, NAME) static void NAME(const uint16_t* x, int K, const float* xs, const uint8_t* wp, \
@@ -96,21 +204,32 @@ TILE(1, 0, i4t1) TILE(2, 0, i4t2) TILE(3, 0, i4t3) TILE(4, 0, i4t4)
 TILE(5, 0, i4t5) TILE(6, 0, i4t6) TILE(7, 0, i4t7) TILE(8, 0, i4t8)
 TILE(1, 1, q8t1) TILE(2, 1, q8t2) TILE(3, 1, q8t3) TILE(4, 1, q8t4)
 TILE(5, 1, q8t5) TILE(6, 1, q8t6) TILE(7, 1, q8t7) TILE(8, 1, q8t8)
+#if ROW_BLOCK == 16
+TILE(9, 0, i4t9) TILE(10, 0, i4t10) TILE(11, 0, i4t11) TILE(12, 0, i4t12)
+TILE(13, 0, i4t13) TILE(14, 0, i4t14) TILE(15, 0, i4t15) TILE(16, 0, i4t16)
+TILE(9, 1, q8t9) TILE(10, 1, q8t10) TILE(11, 1, q8t11) TILE(12, 1, q8t12)
+TILE(13, 1, q8t13) TILE(14, 1, q8t14) TILE(15, 1, q8t15) TILE(16, 1, q8t16)
+static const tile_fn INT4_TILES[17] = {0, i4t1, i4t2, i4t3, i4t4, i4t5, i4t6, i4t7, i4t8,
+                                       i4t9, i4t10, i4t11, i4t12, i4t13, i4t14, i4t15, i4t16};
+static const tile_fn Q8_TILES[17] = {0, q8t1, q8t2, q8t3, q8t4, q8t5, q8t6, q8t7, q8t8,
+                                     q8t9, q8t10, q8t11, q8t12, q8t13, q8t14, q8t15, q8t16};
+#else
 static const tile_fn INT4_TILES[9] = {0, i4t1, i4t2, i4t3, i4t4, i4t5, i4t6, i4t7, i4t8};
 static const tile_fn Q8_TILES[9] = {0, q8t1, q8t2, q8t3, q8t4, q8t5, q8t6, q8t7, q8t8};
+#endif
 
-/* A job is one 32-column tile and one block of 8 rows, the row blocks of a tile consecutive:
+/* A job is one 32-column tile and one block of ROW_BLOCK rows, the row blocks of a tile consecutive:
    a thread decodes a tile's weights from memory for its first row block and finds them in
    cache for the next, and every thread gets an equal share of the columns. (Row blocks
    outermost gave one thread all of 8 rows and the other the rest, each streaming every
    weight: 9 positions cost 1.7x 8.) Each row's result is the same whatever the order. */
 static void run_tiles(const tile_fn* tiles, int Q8, const uint16_t* x, int M, int K, const float* xs,
                       const uint8_t* wp, const uint16_t* sz, int N, uint16_t* y, int threads) {
-  const int G = K / 32, NT = N / 32, MBN = (M + 7) / 8;
+  const int G = K / 32, NT = N / 32, MBN = (M + ROW_BLOCK - 1) / ROW_BLOCK;
   const size_t tile_bytes = (size_t)G * (Q8 ? 1024 : 512), tile_scales = (size_t)G * (Q8 ? 32 : 64);
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int job = 0; job < NT * MBN; job++) {
-    int t = job / MBN, r0 = job % MBN * 8, mbs = M - r0 < 8 ? M - r0 : 8;
+    int t = job / MBN, r0 = job % MBN * ROW_BLOCK, mbs = M - r0 < ROW_BLOCK ? M - r0 : ROW_BLOCK;
     tiles[mbs](x + (size_t)r0 * K, K, xs ? xs + r0 * G : 0, wp + t * tile_bytes, sz + t * tile_scales, G,
                y + (size_t)r0 * N + t * 32, N);
   }
