@@ -67,25 +67,56 @@ static void add_into(uint16_t* x, const uint16_t* y, int64_t n) {
   for (int64_t e = 0; e < n; e += 16) store16(x + e, _mm512_add_ps(load16(x + e), load16(y + e)));
 }
 
+/* r[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once: one shuffle-add tree instead of
+   16 horizontal reductions (~8 dependent ops each). Each vector's lanes are added in the same
+   order wherever it sits among the 16, so a key's score does not depend on its neighbours. */
+static inline __m512 sum16x16(const __m512* v) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; i++) /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; i++) /* per 128-bit lane: that lane's sums of v[4i .. 4i+3] */
+    x[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                            _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                            _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 /* Attention of token i's G query heads that share kv head `kh`: softmax(q k^T * scale) v over
-   the token's visible keys, in slot order, fp32 throughout; out rounded to bf16. */
-static void attend(const BlockWeights* w, const Pass* p, int i, int kh, const uint16_t* q, const uint16_t* kc,
-                   const uint16_t* vc, uint16_t* out, int64_t* keys, float* sc) {
-  const int D = w->head_dim, G = w->heads / w->kv_heads;
+   the token's visible keys, in slot order, fp32 throughout; out rounded to bf16. G and DC (head_dim
+   / 16) are constants in the common instances (attend), so q and the outputs stay in registers;
+   scores go 16 keys at a time through one reduction tree; the outputs sum the keys in slot
+   order. */
+static inline __attribute__((always_inline)) void attend_gd(
+    const int G, const int DC, const BlockWeights* w, const Pass* p, int i, int kh, const uint16_t* q,
+    const uint16_t* kc, const uint16_t* vc, uint16_t* out, int64_t* keys, float* sc) {
+  const int D = DC * 16;
   const int n = visible_keys(p, i, keys);
   const int64_t hoff = (int64_t)kh * p->head_stride;
+  const __m512 scale = _mm512_set1_ps(w->scale);
   __m512 qv[8][16]; /* G <= 8, D <= 256 */
   for (int g = 0; g < G; g++)
-    for (int d = 0; d < D; d += 16) qv[g][d / 16] = load16(q + (int64_t)g * D + d);
-  for (int j = 0; j < n; j++) {
-    const uint16_t* k = kc + keys[j] * p->slot_stride + hoff;
-    __m512 acc[8];
-    for (int g = 0; g < G; g++) acc[g] = _mm512_setzero_ps();
-    for (int d = 0; d < D; d += 16) {
-      __m512 kv = load16(k + d);
-      for (int g = 0; g < G; g++) acc[g] = _mm512_fmadd_ps(qv[g][d / 16], kv, acc[g]);
+    for (int c = 0; c < DC; c++) qv[g][c] = load16(q + (int64_t)g * D + 16 * c);
+  for (int j0 = 0; j0 < n; j0 += 16) {
+    const int nj = n - j0 < 16 ? n - j0 : 16;
+    __m512 acc[8][16]; /* [head][key]: 16 lanes of partial sums */
+    for (int jj = 0; jj < 16; jj++) {
+      __m512 a[8];
+      for (int g = 0; g < G; g++) a[g] = _mm512_setzero_ps();
+      if (jj < nj) {
+        const uint16_t* k = kc + keys[j0 + jj] * p->slot_stride + hoff;
+        for (int c = 0; c < DC; c++) {
+          __m512 kv = load16(k + 16 * c);
+          for (int g = 0; g < G; g++) a[g] = _mm512_fmadd_ps(qv[g][c], kv, a[g]);
+        }
+      }
+      for (int g = 0; g < G; g++) acc[g][jj] = a[g];
     }
-    for (int g = 0; g < G; g++) sc[(int64_t)g * n + j] = _mm512_reduce_add_ps(acc[g]) * w->scale;
+    const __mmask16 m = (__mmask16)((1u << nj) - 1);
+    for (int g = 0; g < G; g++) _mm512_mask_storeu_ps(sc + (int64_t)g * n + j0, m, _mm512_mul_ps(sum16x16(acc[g]), scale));
   }
   for (int g = 0; g < G; g++) {  /* softmax in 16-lane chunks; the tail masked */
     float* s = sc + (int64_t)g * n;
@@ -104,18 +135,43 @@ static void attend(const BlockWeights* w, const Pass* p, int i, int kh, const ui
     const float inv = 1.0f / _mm512_reduce_add_ps(sum);
     for (int j = 0; j < n; j++) s[j] *= inv;
   }
-  __m512 o[8][16];
+  __m512 o[8][16]; /* G x DC independent sums (a chain per chunk would wait on the FMA latency every key) */
   for (int g = 0; g < G; g++)
-    for (int d = 0; d < D; d += 16) o[g][d / 16] = _mm512_setzero_ps();
+    for (int c = 0; c < DC; c++) o[g][c] = _mm512_setzero_ps();
   for (int j = 0; j < n; j++) {
     const uint16_t* v = vc + keys[j] * p->slot_stride + hoff;
-    for (int d = 0; d < D; d += 16) {
-      __m512 vv = load16(v + d);
-      for (int g = 0; g < G; g++) o[g][d / 16] = _mm512_fmadd_ps(_mm512_set1_ps(sc[(int64_t)g * n + j]), vv, o[g][d / 16]);
+    __m512 pj[8];
+    for (int g = 0; g < G; g++) pj[g] = _mm512_set1_ps(sc[(int64_t)g * n + j]);
+    for (int c = 0; c < DC; c++) {
+      __m512 vv = load16(v + 16 * c);
+      for (int g = 0; g < G; g++) o[g][c] = _mm512_fmadd_ps(pj[g], vv, o[g][c]);
     }
   }
   for (int g = 0; g < G; g++)
-    for (int d = 0; d < D; d += 16) store16(out + (int64_t)g * D + d, o[g][d / 16]);
+    for (int c = 0; c < DC; c++) store16(out + (int64_t)g * D + 16 * c, o[g][c]);
+}
+
+#define ATTEND_GD(G, DC) static void attend_##G##_##DC(const BlockWeights* w, const Pass* p, int i, int kh, \
+    const uint16_t* q, const uint16_t* kc, const uint16_t* vc, uint16_t* out, int64_t* keys, float* sc) \
+  { attend_gd(G, DC, w, p, i, kh, q, kc, vc, out, keys, sc); }
+ATTEND_GD(1, 4) ATTEND_GD(2, 4) ATTEND_GD(3, 4) ATTEND_GD(4, 4) ATTEND_GD(5, 4) ATTEND_GD(6, 4) ATTEND_GD(7, 4) ATTEND_GD(8, 4)
+ATTEND_GD(1, 8) ATTEND_GD(2, 8) ATTEND_GD(3, 8) ATTEND_GD(4, 8) ATTEND_GD(5, 8) ATTEND_GD(6, 8) ATTEND_GD(7, 8) ATTEND_GD(8, 8)
+typedef void (*attend_fn)(const BlockWeights*, const Pass*, int, int, const uint16_t*, const uint16_t*,
+                          const uint16_t*, uint16_t*, int64_t*, float*);
+static const attend_fn ATTEND_64[9] = {0, attend_1_4, attend_2_4, attend_3_4, attend_4_4, attend_5_4, attend_6_4,
+                                       attend_7_4, attend_8_4};
+static const attend_fn ATTEND_128[9] = {0, attend_1_8, attend_2_8, attend_3_8, attend_4_8, attend_5_8, attend_6_8,
+                                        attend_7_8, attend_8_8};
+
+/* head_dim 64 and 128 (most models) through their instances; any other through the same code
+   with G and D read at run time (the same arithmetic, so the same results). */
+static void attend(const BlockWeights* w, const Pass* p, int i, int kh, const uint16_t* q, const uint16_t* kc,
+                   const uint16_t* vc, uint16_t* out, int64_t* keys, float* sc) {
+  const int D = w->head_dim, G = w->heads / w->kv_heads;
+  if (D == 64 || D == 128)
+    (D == 64 ? ATTEND_64 : ATTEND_128)[G](w, p, i, kh, q, kc, vc, out, keys, sc);
+  else
+    attend_gd(G, D / 16, w, p, i, kh, q, kc, vc, out, keys, sc);
 }
 
 /* Up to 3 rows x 8 outputs of y = x @ w^T: 24 fp32 accumulators in registers; each 32-wide
