@@ -118,8 +118,9 @@ __attribute__((constructor)) static void request_amx(void) {
 int amx_available(void) { return amx_granted; }
 
 /* tmm0 / tmm1: the products of MB rows and columns 0-15 / 16-31; tmm2: MB rows of one group
-   of x; tmm3 / tmm4: the group's decoded weights for the two column halves. Loaded for every
-   job: another library (oneDNN) may have configured this thread's tiles in between. */
+   of x; tmm3 / tmm4: the group's decoded weights for the two column halves. Loaded by each
+   thread at the start of every call (another library, oneDNN, may configure this thread's
+   tiles between our calls) and again only where a job's row count differs from its last. */
 static void tile_config(int MB) {
   TileConfig c;
   memset(&c, 0, sizeof c);
@@ -137,7 +138,6 @@ static inline __attribute__((always_inline)) void tile(
   __m512bh wb[2][2][16];  /* [group parity][column half][k pair]: the next group decodes into the other */
   float c[16][32] __attribute__((aligned(64)));
   __m512 o[16][2];
-  tile_config(MB);
 #pragma GCC unroll 16
   for (int r = 0; r < MB; r++) o[r][0] = o[r][1] = _mm512_setzero_ps();
   for (int g = 0; g < G; g++) {
@@ -185,7 +185,6 @@ static inline __attribute__((always_inline)) void tile(
       }
     }
   }
-  _tile_release();
 #pragma GCC unroll 16
   for (int r = 0; r < MB; r++) {
     _mm256_storeu_si256((__m256i*)(y + (size_t)r * ldy), (__m256i)_mm512_cvtneps_pbh(o[r][0]));
@@ -227,11 +226,23 @@ static void run_tiles(const tile_fn* tiles, int Q8, const uint16_t* x, int M, in
                       const uint8_t* wp, const uint16_t* sz, int N, uint16_t* y, int threads) {
   const int G = K / 32, NT = N / 32, MBN = (M + ROW_BLOCK - 1) / ROW_BLOCK;
   const size_t tile_bytes = (size_t)G * (Q8 ? 1024 : 512), tile_scales = (size_t)G * (Q8 ? 32 : 64);
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int job = 0; job < NT * MBN; job++) {
-    int t = job / MBN, r0 = job % MBN * ROW_BLOCK, mbs = M - r0 < ROW_BLOCK ? M - r0 : ROW_BLOCK;
-    tiles[mbs](x + (size_t)r0 * K, K, xs ? xs + r0 * G : 0, wp + t * tile_bytes, sz + t * tile_scales, G,
-               y + (size_t)r0 * N + t * 32, N);
+#pragma omp parallel num_threads(threads)
+  {
+    int rows = 0; /* the row count this thread's tiles are configured for (AMX) */
+#pragma omp for schedule(static)
+    for (int job = 0; job < NT * MBN; job++) {
+      int t = job / MBN, r0 = job % MBN * ROW_BLOCK, mbs = M - r0 < ROW_BLOCK ? M - r0 : ROW_BLOCK;
+#ifdef __AMX_BF16__
+      if (mbs != rows) tile_config(mbs);
+#endif
+      rows = mbs;
+      tiles[mbs](x + (size_t)r0 * K, K, xs ? xs + r0 * G : 0, wp + t * tile_bytes, sz + t * tile_scales, G,
+                 y + (size_t)r0 * N + t * 32, N);
+    }
+#ifdef __AMX_BF16__
+    if (rows) _tile_release();
+#endif
+    (void)rows;
   }
 }
 
