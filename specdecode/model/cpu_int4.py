@@ -5,7 +5,7 @@ has (AMX, else AVX512-BF16, else AVX2 + FMA + F16C), deciding whether this machi
 packing int4 weights and GGUF Q8_0 blocks into their layouts (one layout for every build),
 and calling them through ctypes.
 Does not own: the quantized Linear modules (quant.py), which fall back to torch's stock
-kernel wherever neither build is available (no compiler, an older CPU, or CUDA).
+kernel wherever no build is available (no compiler, an older CPU, or CUDA).
 """
 
 from __future__ import annotations
@@ -86,6 +86,16 @@ def cpu_isa() -> str | None:
 
 
 COMPILE_TIMEOUT_S = 300  # a build takes ~3 s
+QUIET_ISAS = ("amx",)  # builds whose flags a compiler may not know (GCC < 11): checked first, skipped quietly
+
+
+def _compiler_takes(compiler: str, flags: tuple[str, ...]) -> bool:
+    """Whether ``compiler`` accepts ``flags`` (compiling an empty C file, ~20 ms)."""
+    cmd = [compiler, *flags, "-x", "c", "-c", "-o", os.devnull, "-"]
+    try:
+        return subprocess.run(cmd, input=b"int x;\n", capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def _file_hash(path: Path) -> str:
@@ -113,6 +123,8 @@ def cpu_lib(isa: str | None = None) -> ctypes.CDLL | None:
     # or a crash) killed every later process with SIGBUS in dlopen, which Python cannot catch
     try:
         if not target.is_file() or not check.is_file() or check.read_text() != _file_hash(target):
+            if isa in QUIET_ISAS and not _compiler_takes(compiler, isa_flags):
+                return None  # an older compiler (GCC < 11): the next build serves, without a warning every load
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 out = Path(tmp) / "lib.so"
@@ -169,7 +181,8 @@ def pick_cpu_kernel(kernel: str) -> str:
         return cpu_isa() or "stock"
     if kernel != "stock" and cpu_lib(kernel) is None:
         needs = ", ".join(CPU_ISAS[kernel][0])
-        raise SpecDecodeError(f"the {kernel} int4 kernel needs a CPU with {needs} and a C compiler")
+        extra = " that knows -mamx-tile (GCC 11+), and Linux 5.16+" if kernel == "amx" else ""
+        raise SpecDecodeError(f"the {kernel} int4 kernel needs a CPU with {needs} and a C compiler{extra}")
     return kernel
 
 

@@ -1,8 +1,8 @@
 """Quantized linears: int8 per output channel and group-wise int4, weight-only; and on our CPU
 kernel, int4 / GGUF Q8_0 times int8-quantized activations ("-a8", opt-in).
 
-Owns: `Int8Linear` (``torch._weight_int8pack_mm``), `Int4Linear` (on CPU our kernel, AVX512-BF16 or AVX2,
-compiled on first use, else torch's ``_weight_int4pack_mm_for_cpu``; on CUDA
+Owns: `Int8Linear` (``torch._weight_int8pack_mm``), `Int4Linear` (on CPU our kernel, AMX,
+AVX512-BF16 or AVX2, compiled on first use, else torch's ``_weight_int4pack_mm_for_cpu``; on CUDA
 ``_weight_int4pack_mm``), `Q8Linear` (GGUF Q8_0 blocks as they are, on our CPU kernel),
 the quantize / dequantize helpers that define their numerics,
 `quantize_model_` (swap a Transformer's linears in place), the parsing of the ``quantization``

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from specdecode.config import SpecDecodeError
+from specdecode.model import cpu_int4
 from specdecode.model.cpu_int4 import CPU_ISAS, cpu_lib
 from specdecode.model.loader import load_model
 from specdecode.model.quant import (
@@ -178,6 +180,31 @@ def test_a_kernel_cache_that_cannot_be_written_falls_back_to_torch(tmp_path, mon
         monkeypatch.undo()
         cpu_lib.cache_clear()
     assert cpu_lib(OURS[0]) is not None
+
+
+def test_a_compiler_without_amx_flags_skips_that_build_quietly(tmp_path, monkeypatch):
+    """On an AMX CPU with GCC < 11 (no -mamx-tile) the AMX build is skipped without a warning
+    (it used to warn at every load, the failure not being kept) and "auto" takes the next
+    build; asking for "amx" by name says what it needs."""
+    needs = set(CPU_ISAS["amx"][0])
+    if not needs <= cpu_int4._cpu_flags() or "avx512_bf16" not in OURS:
+        pytest.skip("needs an AMX CPU")
+    cc = tmp_path / "cc"
+    cc.write_text('#!/bin/sh\nfor a in "$@"; do case "$a" in -mamx*) echo "unrecognized option $a" >&2; exit 1;; '
+                  'esac; done\nexec gcc "$@"\n')  # fmt: skip
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    cpu_lib.cache_clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert cpu_lib("amx") is None and cpu_int4.cpu_isa() == "avx512_bf16"
+        with pytest.raises(SpecDecodeError, match="GCC 11"):
+            cpu_int4.pick_cpu_kernel("amx")
+    finally:
+        monkeypatch.undo()
+        cpu_lib.cache_clear()
 
 
 def test_a_damaged_kernel_in_the_cache_is_rebuilt(tmp_path):

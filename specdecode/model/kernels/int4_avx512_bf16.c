@@ -97,9 +97,9 @@ static inline __attribute__((always_inline)) void tile(
 /* The AMX build ("amx" in cpu_int4.py): the same layouts and arithmetic, but a group's 16 k
    pairs are multiplied by up to 16 rows in two tile instructions (one per 16 columns) instead
    of 2 vdpbf16ps per row and pair, so a verify pass of several positions costs about what one
-   does. The weights are decoded to bf16 into a 2 KB buffer (a tile's rows are the k pairs in
-   the vdpbf16ps order), each group's products come back in fp32 and get the group's scale
-   and zero as above. Every row count runs here, 1 included: the tile unit adds a group's
+   does. The weights are decoded to bf16 into a 2 KB buffer per group, two alternating (a
+   tile's rows are the k pairs in the vdpbf16ps order); each group's products come back in
+   fp32 and get the group's scale and zero as above. Every row count runs here, 1 included: the tile unit adds a group's
    pairs in another order than vdpbf16ps (a last-bit difference in ~0.1% of sums), so a
    build that switched units by row count would make a row's logits depend on its batch. */
 #define ROW_BLOCK 16
