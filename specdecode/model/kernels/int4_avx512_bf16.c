@@ -27,6 +27,53 @@ static inline __attribute__((always_inline)) __m512bh q8_to_bf16(const uint8_t* 
   return _mm512_cvtne2ps_pbh(hi, lo);  /* elements 0-15 from lo, 16-31 from hi */
 }
 
+/* k pair p of a group's weights (at gp) as bf16: columns 0-15 into w[0], 16-31 into w[1]. */
+static inline __attribute__((always_inline)) void decode_pair(const int Q8, const uint8_t* gp, int p, __m512bh* w0,
+                                                              __m512bh* w1) {
+  if (Q8) {
+    *w0 = q8_to_bf16(gp + p * 64);
+    *w1 = q8_to_bf16(gp + p * 64 + 32);
+  } else {
+    __m256i b = _mm256_loadu_si256((const __m256i*)(gp + p * 32));
+    *w0 = int4_to_bf16(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(b)));
+    *w1 = int4_to_bf16(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(b, 1)));
+  }
+}
+
+/* o[r] += group g's products acc[r] (fp32, 32 columns) times its scales (sp), plus, for int4,
+   its zeros times the row's input sum xs[r * G + g]. */
+static inline __attribute__((always_inline)) void add_group(const int MB, const int Q8, const uint16_t* sp,
+                                                            const float* xs, int G, int g, const __m512 (*acc)[2],
+                                                            __m512 (*o)[2]) {
+  __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)sp));
+  __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + 16)));
+  if (Q8) {
+#pragma GCC unroll 16
+    for (int r = 0; r < MB; r++) {
+      o[r][0] = _mm512_fmadd_ps(s0, acc[r][0], o[r][0]);
+      o[r][1] = _mm512_fmadd_ps(s1, acc[r][1], o[r][1]);
+    }
+  } else {
+    __m512 z0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + 32)));
+    __m512 z1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + 48)));
+#pragma GCC unroll 16
+    for (int r = 0; r < MB; r++) {
+      __m512 xv = _mm512_set1_ps(xs[r * G + g]);
+      o[r][0] = _mm512_fmadd_ps(s0, acc[r][0], _mm512_fmadd_ps(z0, xv, o[r][0]));
+      o[r][1] = _mm512_fmadd_ps(s1, acc[r][1], _mm512_fmadd_ps(z1, xv, o[r][1]));
+    }
+  }
+}
+
+/* Rows [0, MB) of 32 outputs, rounded to bf16. */
+static inline __attribute__((always_inline)) void store_rows(const int MB, __m512 (*o)[2], uint16_t* y, int ldy) {
+#pragma GCC unroll 16
+  for (int r = 0; r < MB; r++) {
+    _mm256_storeu_si256((__m256i*)(y + (size_t)r * ldy), (__m256i)_mm512_cvtneps_pbh(o[r][0]));
+    _mm256_storeu_si256((__m256i*)(y + (size_t)r * ldy + 16), (__m256i)_mm512_cvtneps_pbh(o[r][1]));
+  }
+}
+
 #ifndef __AMX_BF16__
 /* Rows [0, MB) of x times one 32-column tile; Q8 (a constant in each instance) picks the layout. */
 static inline __attribute__((always_inline)) void tile(
@@ -46,14 +93,7 @@ static inline __attribute__((always_inline)) void tile(
 #pragma GCC unroll 4
     for (int p = 0; p < 16; p++) {
       __m512bh w0, w1;
-      if (Q8) {
-        w0 = q8_to_bf16(gp + p * 64);
-        w1 = q8_to_bf16(gp + p * 64 + 32);
-      } else {
-        __m256i b = _mm256_loadu_si256((const __m256i*)(gp + p * 32));
-        w0 = int4_to_bf16(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(b)));
-        w1 = int4_to_bf16(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(b, 1)));
-      }
+      decode_pair(Q8, gp, p, &w0, &w1);
 #pragma GCC unroll 8
       for (int r = 0; r < MB; r++) {
         uint32_t pair;
@@ -63,31 +103,9 @@ static inline __attribute__((always_inline)) void tile(
         acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
       }
     }
-    const uint16_t* sp = sz + (size_t)g * (Q8 ? 32 : 64);
-    __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)sp));
-    __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + 16)));
-    if (Q8) {
-#pragma GCC unroll 8
-      for (int r = 0; r < MB; r++) {
-        o[r][0] = _mm512_fmadd_ps(s0, acc[r][0], o[r][0]);
-        o[r][1] = _mm512_fmadd_ps(s1, acc[r][1], o[r][1]);
-      }
-    } else {
-      __m512 z0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + 32)));
-      __m512 z1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + 48)));
-#pragma GCC unroll 8
-      for (int r = 0; r < MB; r++) {
-        __m512 xv = _mm512_set1_ps(xs[r * G + g]);
-        o[r][0] = _mm512_fmadd_ps(s0, acc[r][0], _mm512_fmadd_ps(z0, xv, o[r][0]));
-        o[r][1] = _mm512_fmadd_ps(s1, acc[r][1], _mm512_fmadd_ps(z1, xv, o[r][1]));
-      }
-    }
+    add_group(MB, Q8, sz + (size_t)g * (Q8 ? 32 : 64), xs, G, g, (const __m512(*)[2])acc, o);
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < MB; r++) {
-    _mm256_storeu_si256((__m256i*)(y + (size_t)r * ldy), (__m256i)_mm512_cvtneps_pbh(o[r][0]));
-    _mm256_storeu_si256((__m256i*)(y + (size_t)r * ldy + 16), (__m256i)_mm512_cvtneps_pbh(o[r][1]));
-  }
+  store_rows(MB, o, y, ldy);
 }
 #endif
 
@@ -147,14 +165,7 @@ static inline __attribute__((always_inline)) void tile(
     for (int i = 0; i < group_bytes / 64; i++) _mm_prefetch((const char*)(gp + 2048 + 64 * i), _MM_HINT_T0);
 #pragma GCC unroll 4
     for (int p = 0; p < 16; p++) {
-      if (Q8) {
-        w[0][p] = q8_to_bf16(gp + p * 64);
-        w[1][p] = q8_to_bf16(gp + p * 64 + 32);
-      } else {
-        __m256i b = _mm256_loadu_si256((const __m256i*)(gp + p * 32));
-        w[0][p] = int4_to_bf16(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(b)));
-        w[1][p] = int4_to_bf16(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(b, 1)));
-      }
+      decode_pair(Q8, gp, p, &w[0][p], &w[1][p]);
     }
     _tile_zero(0);
     _tile_zero(1);
@@ -165,31 +176,9 @@ static inline __attribute__((always_inline)) void tile(
     _tile_dpbf16ps(1, 2, 4);
     _tile_stored(0, c, 128);
     _tile_stored(1, &c[0][16], 128);
-    const uint16_t* sp = sz + (size_t)g * (Q8 ? 32 : 64);
-    __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)sp));
-    __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + 16)));
-    if (Q8) {
-#pragma GCC unroll 16
-      for (int r = 0; r < MB; r++) {
-        o[r][0] = _mm512_fmadd_ps(s0, _mm512_load_ps(c[r]), o[r][0]);
-        o[r][1] = _mm512_fmadd_ps(s1, _mm512_load_ps(c[r] + 16), o[r][1]);
-      }
-    } else {
-      __m512 z0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + 32)));
-      __m512 z1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + 48)));
-#pragma GCC unroll 16
-      for (int r = 0; r < MB; r++) {
-        __m512 xv = _mm512_set1_ps(xs[r * G + g]);
-        o[r][0] = _mm512_fmadd_ps(s0, _mm512_load_ps(c[r]), _mm512_fmadd_ps(z0, xv, o[r][0]));
-        o[r][1] = _mm512_fmadd_ps(s1, _mm512_load_ps(c[r] + 16), _mm512_fmadd_ps(z1, xv, o[r][1]));
-      }
-    }
+    add_group(MB, Q8, sz + (size_t)g * (Q8 ? 32 : 64), xs, G, g, (const __m512(*)[2])c, o);  /* c's rows: 2 vectors */
   }
-#pragma GCC unroll 16
-  for (int r = 0; r < MB; r++) {
-    _mm256_storeu_si256((__m256i*)(y + (size_t)r * ldy), (__m256i)_mm512_cvtneps_pbh(o[r][0]));
-    _mm256_storeu_si256((__m256i*)(y + (size_t)r * ldy + 16), (__m256i)_mm512_cvtneps_pbh(o[r][1]));
-  }
+  store_rows(MB, o, y, ldy);
 }
 #else
 #define ROW_BLOCK 8
