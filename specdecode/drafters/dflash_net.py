@@ -255,8 +255,8 @@ class DFlashNet(nn.Module):
         at = anchors[:, None] + torch.arange(S, device=device)  # [R, S]
         valid = (at < T) & mask[rows[:, None], at.clamp(max=T - 1)] & roots[rows, anchors][:, None]  # [R, S]
         valid = valid.long().cumprod(dim=1).bool()  # labels up to a gap only: no block across a user turn
-        p_logits = batch.logits[rows[:, None], at.clamp(max=T - 1)].float()  # [R, S, V]
-        p = self.head.restrict(torch.softmax(p_logits, dim=-1))  # [R, S, Vd]
+        where = (rows[:, None], at.clamp(max=T - 1))
+        p = batch.probs_at(self.head.vocab_ids)[where]  # [R, S, Vd]
         log_q = torch.log_softmax(logits, dim=-1)
         ce = -(p * log_q).sum(dim=-1)  # [R, S]
         decay = self.config.position_decay
@@ -264,7 +264,7 @@ class DFlashNet(nn.Module):
         weight = torch.exp(-j / decay) if decay is not None else torch.ones_like(j)
         w = weight[None, :] * valid.float()  # [R, S]
         loss = (ce * w).sum() / w.sum().clamp_min(1e-6)
-        return loss, self._metrics(p_logits, logits.detach(), valid)
+        return loss, self._metrics(p, batch.argmax()[where], logits.detach(), valid)
 
     def _anchors(self, roots: Tensor, K: int) -> tuple[Tensor, Tensor]:
         """rows [R], anchors [R] (R = B·K): blocks rooted where ``roots`` [B, T] (trained positions
@@ -287,19 +287,18 @@ class DFlashNet(nn.Module):
         return picked // T, picked % T
 
     @torch.no_grad()
-    def _metrics(self, p_logits: Tensor, q_logits: Tensor, valid: Tensor) -> dict[str, float]:
+    def _metrics(self, p: Tensor, greedy: Tensor, q_logits: Tensor, valid: Tensor) -> dict[str, float]:
         """acc@k (top-1 agreement at block position k), alpha@1 (Σ min(p, q) at the first),
         tau_greedy (1 + the leading agreements: tokens per round under greedy, were S drafted)."""
         S = valid.shape[1]
-        agree = (p_logits.argmax(-1) == self.head.vocab_ids[q_logits.argmax(-1)]) & valid  # [R, S]
+        agree = (greedy == self.head.vocab_ids[q_logits.argmax(-1)]) & valid  # [R, S]
         metrics: dict[str, float] = {}
         for k in ACC_POSITIONS:
             if k <= S:
                 n = valid[:, k - 1].sum().clamp_min(1)
                 metrics[f"acc@{k}"] = float(agree[:, k - 1].sum() / n)
         first = valid[:, 0]
-        p_first = self.head.restrict(torch.softmax(p_logits[:, 0], -1))
-        overlap = torch.minimum(p_first, torch.softmax(q_logits[:, 0], -1)).sum(-1)  # [R]
+        overlap = torch.minimum(p[:, 0], torch.softmax(q_logits[:, 0], -1)).sum(-1)  # [R]
         metrics["alpha@1"] = float((overlap * first).sum() / first.sum().clamp_min(1))
         leading = agree.long().cumprod(dim=1).sum(dim=1).float()  # [R]
         metrics["tau_greedy"] = 1.0 + float(leading.mean())

@@ -76,10 +76,6 @@ class DraftVocabHead(nn.Module):
         w = self.linear.weight  # a quantized linear (packed integer weight) casts by itself
         return self.linear(x.to(w.dtype) if w.is_floating_point() else x)
 
-    def restrict(self, p: Tensor) -> Tensor:
-        """[..., V] target probabilities or logits -> [..., Vd] at the draft vocabulary."""
-        return p[..., self.vocab_ids]
-
     def sample(
         self, logits: Tensor, batch: Batch, vocab_size: int, start: int = 0, drafting: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:

@@ -167,14 +167,13 @@ class FeatureNet(nn.Module):
         losses, metrics = [], {}
         states, steps_tokens, out = [], [], None
         valid = mask[:, :n]  # [B, n]: entries on a label, then every step's too (no draft across a user turn)
+        p_all, greedy = batch.probs_at(self.head.vocab_ids), batch.argmax()  # [B, T, Vd], [B, T]
         for k in range(1, K + 1):
             states.append(g if k == 1 else out)
             steps_tokens.append(tokens[:, k : k + n])
             logits, out_all = self._unrolled(states, steps_tokens, n)
             q_logits, out = logits[:, -n:], out_all[:, -n:]  # step k's entries
-            p_logits = batch.logits[:, k : k + n]  # [B, n, V]: the target's for token t+k+1
-            # p at the draft vocabulary only, without materialising the full softmax
-            p = (self.head.restrict(p_logits).float() - p_logits.float().logsumexp(-1, keepdim=True)).exp()
+            p = p_all[:, k : k + n]  # [B, n, Vd]: the target's for token t+k+1, at the draft vocabulary
             valid = valid & mask[:, k : k + n]
             logq = q_logits.float().log_softmax(dim=-1)
             ce = -(p * logq).sum(-1)
@@ -192,7 +191,7 @@ class FeatureNet(nn.Module):
                 err = ((c.detach().sigmoid() - overlap).abs() * valid).sum() / valid.sum().clamp(min=1)
                 metrics[f"conf_err@{k}"] = float(err)
             with torch.no_grad():
-                hit = (self.head.vocab_ids[q_logits.argmax(-1)] == p_logits.argmax(-1)).float()
+                hit = (self.head.vocab_ids[q_logits.argmax(-1)] == greedy[:, k : k + n]).float()
                 metrics[f"acc@{k}"] = float((hit * valid).sum() / valid.sum().clamp(min=1))
                 if k == 1:
                     metrics["alpha@1"] = float((overlap * valid).sum() / valid.sum().clamp(min=1))

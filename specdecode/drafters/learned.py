@@ -49,9 +49,42 @@ class TrainBatch:
 
     tokens: Tensor  # [B, T] int64
     hidden: Tensor  # [B, T, F]
-    logits: Tensor  # [B, T, V] fp32 or bf16
+    logits: Tensor | None  # [B, T, V] fp32 or bf16; None when only ``top`` is kept
     mask: Tensor  # [B, T] bool
     target: "Transformer"  # frozen: nets borrow its embedding, norm and LM head
+    # the target's k largest logits (values [B, T, k] fp32, token ids [B, T, k], largest first), the
+    # rest taken as -inf: the trainer's cache keeps these, and [B, T, V] is never built (~800 MB a step)
+    top: tuple[Tensor, Tensor] | None = None
+
+    def probs_at(self, ids: Tensor) -> Tensor:
+        """The target's probability of each token of ``ids`` [Vd] (normalised over its whole
+        vocabulary, or its top k): [B, T, Vd] fp32."""
+        if self.top is None:
+            assert self.logits is not None
+            logits = self.logits.float()
+            return (logits[..., ids] - logits.logsumexp(-1, keepdim=True)).exp()
+        values, top_ids = self.top
+        p = torch.softmax(values.float(), dim=-1)  # [B, T, k]
+        slot = torch.full((self.target.config.vocab_size,), len(ids), dtype=torch.long, device=ids.device)
+        slot[ids] = torch.arange(len(ids), device=ids.device)  # token id -> column; len(ids): not in ids
+        out = p.new_zeros(*p.shape[:-1], len(ids) + 1).scatter_add_(-1, slot[top_ids.long()], p)
+        return out[..., :-1]
+
+    def argmax(self) -> Tensor:
+        """The target's most likely next token at each position: [B, T]."""
+        if self.top is None:
+            assert self.logits is not None
+            return self.logits.argmax(dim=-1)
+        return self.top[1][..., 0].long()
+
+    def full_logits(self) -> Tensor:
+        """[B, T, V]: the logits, or the top k with -inf elsewhere (for a net over the whole vocabulary)."""
+        if self.top is None:
+            assert self.logits is not None
+            return self.logits
+        values, top_ids = self.top
+        V = self.target.config.vocab_size
+        return values.new_full((*values.shape[:2], V), float("-inf")).scatter_(-1, top_ids.long(), values)
 
 
 class DraftNet(Protocol):

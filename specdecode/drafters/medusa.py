@@ -120,16 +120,16 @@ class MedusaNet(nn.Module):
         losses: list[Tensor] = []
         metrics: dict[str, float] = {}
         run = batch.mask  # [B, T - k + 1] before head k: the labels t .. t + k - 1 all learned (none across a user turn)
+        p_all, greedy = batch.probs_at(self.head.vocab_ids), batch.argmax()  # [B, T, Vd], [B, T]
         for k in range(1, min(self.config.num_heads, T - 1) + 1):
             logq = torch.log_softmax(self.logits(self.heads[k - 1](h[:, : T - k])), dim=-1)  # [B, T-k, Vd]
-            p_logits = batch.logits[:, k:].float()  # [B, T-k, V]
-            p = (self.head.restrict(p_logits) - p_logits.logsumexp(-1, keepdim=True)).exp()  # [B, T-k, Vd]
+            p = p_all[:, k:]  # [B, T-k, Vd]
             run = run[:, : T - k] & batch.mask[:, k:]
             mask = run.float()  # [B, T-k]
             count = mask.sum().clamp(min=1.0)
             losses.append((-(p * logq).sum(dim=-1) * mask).sum() / count)
             with torch.no_grad():
-                hit = (self.head.vocab_ids[logq.argmax(dim=-1)] == p_logits.argmax(dim=-1)).float()  # [B, T-k]
+                hit = (self.head.vocab_ids[logq.argmax(dim=-1)] == greedy[:, k:]).float()  # [B, T-k]
                 metrics[f"acc@{k}"] = float((hit * mask).sum() / count)
                 if k == 1:
                     overlap = torch.minimum(p, logq.exp()).sum(dim=-1)  # [B, T-1] Σ_v min(p, q)

@@ -302,9 +302,7 @@ class Transformer(nn.Module):
         hiddens[-1] = x
         if logits_at is not None:
             x = step.unpack(x).gather(1, logits_at[:, :, None].expand(-1, -1, x.shape[-1]))
-        logits = (self.lm_head(x) if store is None else self.cpu_blocks.head(x, self.lm_head)).float()
-        if cfg.final_logit_softcap is not None:
-            logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
+        logits = self.head_logits(x, fused=store is not None)
         if packed:
             logits = logits.reshape(-1, logits.shape[-1])  # [N, V]
         elif logits_at is None:
@@ -312,6 +310,16 @@ class Transformer(nn.Module):
         if not hidden_layers:
             return logits
         return logits, [step.unpack(hiddens[i]) for i in hidden_layers]
+
+    def head_logits(self, x: Tensor, fused: bool = False) -> Tensor:
+        """Final-normed hidden states [..., H] -> fp32 logits [..., V] (soft-capped where the
+        architecture caps them); ``fused``: through the fused CPU block's head."""
+        if fused and self.cpu_blocks is not None:
+            logits = self.cpu_blocks.head(x, self.lm_head).float()
+        else:
+            logits = self.lm_head(x).float()
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _layers(
         self, x: Tensor, positions: Tensor, cache: KVCache, block_mask: Tensor | None, valid: Tensor | None,

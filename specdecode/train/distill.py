@@ -100,7 +100,7 @@ class DistillNet(nn.Module):
         B, T = batch.tokens.shape
         positions = torch.arange(T, device=batch.tokens.device).expand(B, T)
         logits = self.model(batch.tokens, positions, NoCache(B, batch.tokens.device))
-        return distill_loss(logits, batch.logits, batch.mask)
+        return distill_loss(logits, batch.full_logits(), batch.mask)
 
     def saved_state(self) -> dict[str, Tensor]:
         """The whole model under transformers' names (a draft model borrows nothing at run time)."""

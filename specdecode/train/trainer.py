@@ -103,16 +103,37 @@ class TargetCache:
         missing = [int(r) for r in rows if int(r) not in self.rows]
         if missing:
             idx = torch.tensor(missing)
-            fresh = target_batch(target, windows.tokens[idx], windows.trained[idx], hidden_layers)
-            values, indices = fresh.logits.topk(self.topk, dim=-1)  # [n, T, K]
+            hidden, values, indices = target_top(target, windows.tokens[idx], hidden_layers, self.topk)
             for i, r in enumerate(missing):
-                self.rows[r] = (fresh.hidden[i].to(torch.bfloat16), values[i], indices[i].to(torch.int32))
+                self.rows[r] = (hidden[i].to(torch.bfloat16), values[i], indices[i].to(torch.int32))
         hidden, values, indices = (torch.stack(t) for t in zip(*(self.rows[int(r)] for r in rows)))
-        V = target.config.vocab_size
-        logits = values.new_full((*values.shape[:2], V), float("-inf")).scatter_(-1, indices.long(), values)
         device = target.embed.weight.device
-        return TrainBatch(tokens=windows.tokens[rows].to(device), hidden=hidden.float(), logits=logits,
-                          mask=windows.trained[rows].to(device), target=target)  # fmt: skip
+        return TrainBatch(tokens=windows.tokens[rows].to(device), hidden=hidden.float(), logits=None,
+                          mask=windows.trained[rows].to(device), target=target, top=(values, indices))  # fmt: skip
+
+
+def target_top(
+    target: Transformer, tokens: Tensor, hidden_layers: tuple[int, ...], k: int, chunk: int = 128
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The frozen target's features [B, T, F] (fp32) and its k largest logits per position (values
+    fp32, token ids; [B, T, k] each), the LM head run ``chunk`` positions at a time: [B, T, V] fp32
+    logits would be ~800 MB for 8 windows of 512 (and on this CPU's VM, fresh pages cost more than
+    the head's arithmetic)."""
+    device = target.embed.weight.device
+    tokens = tokens.to(device)
+    B, T = tokens.shape
+    positions = torch.arange(T, device=device).expand(B, T)
+    none = torch.zeros(B, 0, dtype=torch.long, device=device)  # the forward's own head runs on no position
+    with torch.inference_mode():
+        _, hiddens = target(tokens, positions, NoCache(B, device), logits_at=none, hidden_layers=(*hidden_layers, -1))
+        final = hiddens[-1].reshape(B * T, -1)  # [B·T, H] final-normed
+        tops = [target.head_logits(final[i : i + chunk]).topk(k, dim=-1) for i in range(0, B * T, chunk)]
+        values = torch.cat([t.values for t in tops]).reshape(B, T, k)
+        indices = torch.cat([t.indices for t in tops]).reshape(B, T, k)
+        hidden = torch.cat(hiddens[:-1], dim=-1) if hidden_layers else final.new_zeros(B, T, 0)
+        hidden = hidden.float()
+    # copies made outside inference mode are plain tensors, which autograd may read
+    return hidden.clone(), values.clone(), indices.clone()
 
 
 def batch_rows(step: int, batch_size: int, num_windows: int, seed: int) -> Tensor:
