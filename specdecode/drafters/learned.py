@@ -40,7 +40,7 @@ CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 class TrainBatch:
     """One training step's data: a batch of corpus windows and the frozen target's view of them.
 
-    ``logits[b, t]`` is the target's distribution for token ``t + 1`` (as in decoding);
+    ``logits[b, t]`` (or ``top``) is the target's distribution for token ``t + 1`` (as in decoding);
     ``hidden[b, t]`` its features at token ``t`` (the net's ``hidden_layers``,
     concatenated in that order). ``mask[b, t]``: ``logits[b, t]`` is a label to learn (a real
     token and, in a chat record, token ``t + 1`` is the assistant's: where serving drafts).

@@ -51,6 +51,8 @@ class TrainConfig:
     time_limit: float | None = None  # seconds of training; the run ends at --steps or here, whichever
     #   comes first, and the schedule follows whichever is further along
     overwrite: bool = False  # replace a drafter or checkpoint already in `out` (else refused without --resume)
+    bf16: bool = False  # mixed precision: the net's training pass under torch.autocast(bfloat16); its weights,
+    #   gradients and AdamW stay fp32, held-out evaluation runs fp32 (transformers' --bf16)
 
 
     def __post_init__(self) -> None:
@@ -134,7 +136,7 @@ class TrainConfig:
             save_every=args.save_every, max_tokens=args.max_tokens, heldout=args.heldout, seed=args.seed,
             threads=args.threads, dtype=args.dtype, device=args.device, resume=args.resume,
             progress=not args.quiet, cache_topk=args.cache_topk, time_limit=args.time_limit, init=args.init,
-            finetune=args.finetune, overwrite=args.overwrite,
+            finetune=args.finetune, overwrite=args.overwrite, bf16=args.bf16,
         )  # fmt: skip
 
 
@@ -172,6 +174,9 @@ def add_train_arguments(t: argparse.ArgumentParser) -> None:
     t.add_argument("--overwrite", action="store_true",
                    help="replace a drafter or checkpoint already in --out (else refused, as HF's output_dir)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--bf16", action="store_true",
+                   help="mixed precision: the net's matmuls in bfloat16 (torch.autocast; weights and AdamW stay "
+                        "fp32); several times faster on CPUs with AMX and on GPUs")
     t.add_argument("--init", default=None,
                    help="start from this trained folder (same method and target) with its weights frozen: only "
                         "what it lacks trains, e.g. --net-config '{\"confidence_head\": true}'")

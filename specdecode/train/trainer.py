@@ -243,12 +243,16 @@ def restore(ckpt: dict[str, Any], net: torch.nn.Module, opt: torch.optim.Optimiz
         torch.cuda.set_rng_state_all(ckpt["cuda_rng"])
 
 
-def train_step(net: Any, opt: torch.optim.Optimizer, batch: TrainBatch, lr: float) -> tuple[float, dict[str, float]]:
-    """One AdamW step at rate ``lr`` (gradients clipped to norm 1); the loss and the net's metrics."""
+def train_step(
+    net: Any, opt: torch.optim.Optimizer, batch: TrainBatch, lr: float, bf16: bool = False
+) -> tuple[float, dict[str, float]]:
+    """One AdamW step at rate ``lr`` (gradients clipped to norm 1); the loss and the net's metrics.
+    ``bf16``: the forward under autocast to bfloat16 (backward follows its casts); fp32 weights."""
     for group in opt.param_groups:
         group["lr"] = lr
     net.train()
-    loss, metrics = net.training_loss(batch)
+    with torch.autocast(batch.tokens.device.type, dtype=torch.bfloat16, enabled=bf16):
+        loss, metrics = net.training_loss(batch)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 1.0)
@@ -354,7 +358,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             batch = cache.batch(target, corpus.train, rows, net.hidden_layers)
         else:
             batch = target_batch(target, corpus.train.tokens[rows], corpus.train.trained[rows], net.hidden_layers)
-        loss, metrics = train_step(net, opt, batch, cfg.learning_rate(step, before + time.perf_counter() - t0))
+        lr = cfg.learning_rate(step, before + time.perf_counter() - t0)
+        loss, metrics = train_step(net, opt, batch, lr, cfg.bf16)
         step += 1
         tokens += int(corpus.train.mask[rows].sum())
         log["train_loss"].append(loss)

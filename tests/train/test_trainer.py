@@ -282,3 +282,23 @@ def test_top_k_batches_read_as_the_dense_logits_they_keep(tiny_target):
         assert torch.allclose(top.probs_at(some), ref.probs_at(some), atol=1e-6)
         assert torch.equal(top.argmax(), ref.argmax())
         assert torch.equal(top.full_logits(), cut)
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa", "dflash"])
+def test_bf16_mixed_precision_trains_fp32_weights(tiny_target, corpus, tmp_path, method, monkeypatch):
+    """--bf16: the net's training pass runs under autocast (its matmuls see bfloat16), the loss
+    still falls, and the weights and optimizer it updates stay fp32."""
+    seen: list[torch.dtype] = []
+    linear = torch.nn.functional.linear
+
+    def spy(x, w, b=None):
+        out = linear(x, w, b)
+        seen.append(out.dtype)  # autocast casts below F.linear: its output shows the matmul's dtype
+        return out
+
+    monkeypatch.setattr(torch.nn.functional, "linear", spy)  # nn.Linear calls F.linear
+    log = train(config(tiny_target, corpus, tmp_path / "out", method, bf16=True))
+    assert log["end"]["loss"] < 0.8 * log["start"]["loss"], (log["start"], log["end"])
+    assert torch.bfloat16 in seen  # autocast on: the net's linears run in bf16 during training
+    ckpt = torch.load(tmp_path / "out" / CHECKPOINT_FILE, weights_only=False)
+    assert all(t.dtype == torch.float32 for t in ckpt["net"].values() if t.is_floating_point())
