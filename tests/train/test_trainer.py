@@ -302,3 +302,30 @@ def test_bf16_mixed_precision_trains_fp32_weights(tiny_target, corpus, tmp_path,
     assert torch.bfloat16 in seen  # autocast on: the net's linears run in bf16 during training
     ckpt = torch.load(tmp_path / "out" / CHECKPOINT_FILE, weights_only=False)
     assert all(t.dtype == torch.float32 for t in ckpt["net"].values() if t.is_floating_point())
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="glibc on Linux")
+def test_keep_freed_memory_reuses_pages_across_steps():
+    """`specdecode train` keeps what a step frees: a 64 MB tensor allocated again and again faults
+    its pages in once, not every time (glibc maps and unmaps each one by default). In a child
+    process: the setting is process-wide."""
+    import subprocess
+    import sys
+
+    script = """
+import resource, sys, torch
+from specdecode.train.trainer import keep_freed_memory
+if sys.argv[1] == "keep":
+    assert keep_freed_memory()
+torch.ones(2**24)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    x = torch.ones(2**24); del x  # 64 MB, written
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+    faults = {
+        mode: int(subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, check=True).stdout)
+        for mode in ("plain", "keep")
+    }
+    pages = 2**26 // 4096  # one tensor's
+    assert faults["plain"] >= 4 * pages and faults["keep"] <= 1.5 * pages, faults
