@@ -41,7 +41,7 @@ class _Pool:
 
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
-    states: dict[int, torch.Tensor] = field(default_factory=dict)  # a scored node's output state
+    state_at: dict[int, int] = field(default_factory=dict)  # a scored node's column in the state bank
     scores: list[float] = field(default_factory=list)
     depths: list[int] = field(default_factory=list)
 
@@ -78,28 +78,42 @@ def grow_tree(
 
     logq, tok = (t.tolist() for t in best(root_logits))  # [B][k], read once (not a device sync per row)
     frontier = [[p.add(t, -1, s) for t, s in zip(tok[b], logq[b])] for b, p in enumerate(pools)]
+    # the output states of the root (column 0) and of every scored level's frontier, [B, 1 + levels · topk, F]
+    bank = None if root_states is None else root_states[:, None]
     for _ in range(depth - 1):
         block = [sorted({n for f in fr for n in p.path(f)}) for p, fr in zip(pools, frontier)]
         T = max(len(nodes) for nodes in block)
-        tokens = torch.zeros(B, T, dtype=torch.long)
-        depths = torch.ones(B, T, dtype=torch.long)
-        mask = torch.eye(T, dtype=torch.bool).repeat(B, 1, 1)  # padding sees only itself
-        at = torch.zeros(B, topk, dtype=torch.long)
-        parent_states = None if root_states is None else root_states[:, None].repeat(1, T, 1)  # [B, T, F]
-        for b, (p, nodes) in enumerate(zip(pools, block)):
+        # built on the host as lists, one tensor each: item writes into tensors cost ~1 µs apiece
+        tokens, depths, mask, at, parent_col = [], [], [], [], []
+        for p, nodes, fr in zip(pools, block, frontier):
             where = {n: i for i, n in enumerate(nodes)}
+            pad = T - len(nodes)
+            tokens.append([p.tokens[n] for n in nodes] + [0] * pad)
+            depths.append([p.depths[n] for n in nodes] + [1] * pad)
+            rows = [[False] * T for _ in range(T)]
             for i, n in enumerate(nodes):
-                tokens[b, i], depths[b, i] = p.tokens[n], p.depths[n]
                 for a in p.path(n):
-                    mask[b, i, where[a]] = True
-                if parent_states is not None and p.parents[n] >= 0:
-                    parent_states[b, i] = p.states[p.parents[n]]
-            at[b, : len(frontier[b])] = torch.tensor([where[f] for f in frontier[b]])
-        logits, states = score(tokens.to(device), depths.to(device), mask.to(device), at.to(device), parent_states)
+                    rows[i][where[a]] = True
+            for i in range(len(nodes), T):  # padding sees only itself
+                rows[i][i] = True
+            mask.append(rows)
+            at.append([where[f] for f in fr] + [0] * (topk - len(fr)))
+            if bank is not None:
+                parent_col.append([p.state_at[p.parents[n]] if p.parents[n] >= 0 else 0 for n in nodes] + [0] * pad)
+        parent_states = None  # [B, T, F]: each block node's parent's output state (the root's for padding)
+        if bank is not None:
+            col = torch.tensor(parent_col, device=bank.device)
+            parent_states = bank.gather(1, col[:, :, None].expand(-1, -1, bank.shape[-1]))
+        logits, states = score(
+            torch.tensor(tokens, device=device), torch.tensor(depths, device=device),
+            torch.tensor(mask, dtype=torch.bool, device=device), torch.tensor(at, device=device), parent_states,
+        )  # fmt: skip
         logq, tok = (t.tolist() for t in best(logits))  # [B][k][k], read once per depth
+        if states is not None and bank is not None:
+            for b, p in enumerate(pools):
+                p.state_at.update({f: bank.shape[1] + i for i, f in enumerate(frontier[b])})
+            bank = torch.cat([bank, states.to(bank.dtype)], dim=1)
         for b, p in enumerate(pools):
-            if states is not None:
-                p.states.update({f: states[b, i] for i, f in enumerate(frontier[b])})
             fresh = [
                 p.add(t, f, p.scores[f] + s)
                 for i, f in enumerate(frontier[b])
@@ -122,12 +136,10 @@ def _rerank(pools: list[_Pool], root_tokens: list[int], budget: int, device: tor
         index = {n: i + 1 for i, n in enumerate(kept)}  # node 0 is the root
         rows.append(([p.tokens[n] for n in kept], [index[p.parents[n]] if p.parents[n] >= 0 else 0 for n in kept]))
     N = 1 + max(len(t) for t, _ in rows)
-    tokens = torch.full((len(rows), N), -1, dtype=torch.long)
-    parents = torch.full((len(rows), N), -1, dtype=torch.long)
-    for b, ((toks, pars), root) in enumerate(zip(rows, root_tokens)):
-        tokens[b, : len(toks) + 1] = torch.tensor([root, *toks])
-        parents[b, 1 : len(pars) + 1] = torch.tensor(pars, dtype=torch.long)
-    return Draft.from_tree(TreeBatch.from_parents(tokens.to(device), parents.to(device)))
+    tokens = [[root, *toks] + [-1] * (N - 1 - len(toks)) for (toks, _), root in zip(rows, root_tokens)]
+    parents = [[-1, *pars] + [-1] * (N - 1 - len(pars)) for _, pars in rows]
+    tree = TreeBatch.from_parents(torch.tensor(tokens, device=device), torch.tensor(parents, device=device))
+    return Draft.from_tree(tree)
 
 
 def fill_static_tree(score: ScoreFn, root_logits: torch.Tensor, root_tokens: list[int], shape: TreeShape) -> Draft:
