@@ -1,14 +1,13 @@
 """The training loop of `specdecode train`: a frozen target teaches a drafter's net.
 
-Owns: resolving the method's net (its drafter's ``Net``), making each `TrainBatch` from
-the target (features at the net's ``hidden_layers`` and logits, under inference mode,
-copied out so that the net's autograd sees plain constants), AdamW with the config's schedule, held-out
-evaluation at the start, every ``eval_every`` steps and at the end, checkpoints
+Owns: resolving the method's net (its drafter's ``Net``), AdamW with the config's schedule,
+held-out evaluation at the start, every ``eval_every`` steps and at the end, checkpoints
 (``checkpoint.pt``: the net's trainable tensors, optimizer, step, RNG and log; written
 every ``save_every`` steps and at the end) and resume from them, and writing the drafter
 folder and ``train_log.json``.
-Does not own: the nets and their losses (drafters/*, train/distill.py), the folder
-format (drafters/learned.py), reading the corpus (corpus.py).
+Does not own: the target's outputs each `TrainBatch` is made of (target_outputs.py), the
+nets and their losses (drafters/*, train/distill.py), the folder format
+(drafters/learned.py), reading the corpus (corpus.py).
 
 The batch at step s is a pure function of (seed, s): epoch e = s·B // N draws its own
 seeded permutation of the N windows. With the RNG state in the checkpoint, a resumed run
@@ -43,11 +42,11 @@ from specdecode.drafters.learned import (
     target_fingerprint,
     write_whole,
 )
-from specdecode.kv_cache import NoCache
 from specdecode.model.transformer import Transformer
 from specdecode.train.config import CHECKPOINT_FILE, TrainConfig
 from specdecode.train.corpus import Windows, find_files, read_corpus
 from specdecode.train.distill import DistillNet
+from specdecode.train.target_outputs import TargetCache, target_batch
 
 LOG_FILE = "train_log.json"
 
@@ -73,68 +72,6 @@ def net_class(method: str) -> type:
     if net is None or net.method != method:  # (layer_skip inherits draft_model's, untrained)
         raise SpecDecodeError(f"method {method!r} has no network to train; trainable: {', '.join(trainable_methods())}")
     return net
-
-
-def target_batch(target: Transformer, tokens: Tensor, mask: Tensor, hidden_layers: tuple[int, ...]) -> TrainBatch:
-    """The frozen target's features (fp32) and logits for a batch of windows; ``mask`` [B, T]:
-    the positions trained on (`Windows.trained`)."""
-    device = target.embed.weight.device
-    tokens, mask = tokens.to(device), mask.to(device)
-    B, T = tokens.shape
-    positions = torch.arange(T, device=device).expand(B, T)
-    with torch.inference_mode():  # ~15% faster than no_grad on CPU
-        out = target(tokens, positions, NoCache(B, device), hidden_layers=hidden_layers)
-        if hidden_layers:
-            logits, hidden = out[0], torch.cat(out[1], dim=-1)
-        else:
-            logits, hidden = out, torch.zeros(B, T, 0, device=device)
-    # copies made outside inference mode are plain tensors, which autograd may read
-    logits, hidden = logits.clone(), hidden.float() if hidden.dtype != torch.float32 else hidden.clone()
-    return TrainBatch(tokens=tokens, hidden=hidden, logits=logits, mask=mask, target=target)
-
-
-class TargetCache:
-    """Each training window's target outputs after its first use: features (bf16), top-k logits."""
-
-    def __init__(self, topk: int) -> None:
-        self.topk = topk
-        self.rows: dict[int, tuple[Tensor, Tensor, Tensor]] = {}  # window -> hidden, values, indices
-
-    def batch(self, target: Transformer, windows: Windows, rows: Tensor, hidden_layers: tuple[int, ...]) -> TrainBatch:
-        missing = [int(r) for r in rows if int(r) not in self.rows]
-        if missing:
-            idx = torch.tensor(missing)
-            hidden, values, indices = target_top(target, windows.tokens[idx], hidden_layers, self.topk)
-            for i, r in enumerate(missing):
-                self.rows[r] = (hidden[i].to(torch.bfloat16), values[i], indices[i].to(torch.int32))
-        hidden, values, indices = (torch.stack(t) for t in zip(*(self.rows[int(r)] for r in rows)))
-        device = target.embed.weight.device
-        return TrainBatch(tokens=windows.tokens[rows].to(device), hidden=hidden.float(), logits=None,
-                          mask=windows.trained[rows].to(device), target=target, top=(values, indices))  # fmt: skip
-
-
-def target_top(
-    target: Transformer, tokens: Tensor, hidden_layers: tuple[int, ...], k: int, chunk: int = 128
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The frozen target's features [B, T, F] (fp32) and its k largest logits per position (values
-    fp32, token ids; [B, T, k] each), the LM head run ``chunk`` positions at a time: [B, T, V] fp32
-    logits would be ~800 MB for 8 windows of 512 (and on this CPU's VM, fresh pages cost more than
-    the head's arithmetic)."""
-    device = target.embed.weight.device
-    tokens = tokens.to(device)
-    B, T = tokens.shape
-    positions = torch.arange(T, device=device).expand(B, T)
-    none = torch.zeros(B, 0, dtype=torch.long, device=device)  # the forward's own head runs on no position
-    with torch.inference_mode():
-        _, hiddens = target(tokens, positions, NoCache(B, device), logits_at=none, hidden_layers=(*hidden_layers, -1))
-        final = hiddens[-1].reshape(B * T, -1)  # [B·T, H] final-normed
-        tops = [target.head_logits(final[i : i + chunk]).topk(k, dim=-1) for i in range(0, B * T, chunk)]
-        values = torch.cat([t.values for t in tops]).reshape(B, T, k)
-        indices = torch.cat([t.indices for t in tops]).reshape(B, T, k)
-        hidden = torch.cat(hiddens[:-1], dim=-1) if hidden_layers else final.new_zeros(B, T, 0)
-        hidden = hidden.float()
-    # copies made outside inference mode are plain tensors, which autograd may read
-    return hidden.clone(), values.clone(), indices.clone()
 
 
 def keep_freed_memory() -> bool:

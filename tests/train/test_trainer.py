@@ -14,7 +14,7 @@ import torch
 
 from specdecode.config import SamplingParams, SpecDecodeError
 from specdecode.model.loader import load_model
-from specdecode.train import trainer
+from specdecode.train import target_outputs, trainer
 from specdecode.train.config import TrainConfig
 from specdecode.train.trainer import CHECKPOINT_FILE, LOG_FILE, train
 from tests.tiny import make_tiny_checkpoint
@@ -242,7 +242,7 @@ def test_positions_not_trained_on_do_not_move_the_loss(tiny_target, method):
     mask[:, :8] = False  # the prompts
     mask[1, 14] = False  # a second user turn, one token long (a draft of 2 could cross it)
     mask[0, 22:] = False  # the record's last positions (EOS, padding)
-    batch = trainer.target_batch(target, tokens, mask, net.hidden_layers)
+    batch = target_outputs.target_batch(target, tokens, mask, net.hidden_layers)
     noise = 5 * torch.randn(batch.logits.shape, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         loss, metrics = net.training_loss(batch)
@@ -257,31 +257,6 @@ def test_positions_not_trained_on_do_not_move_the_loss(tiny_target, method):
         with torch.no_grad():
             moved = net.training_loss(replace(batch, logits=batch.logits + noise * first[..., None]))
         assert float(moved[0]) == pytest.approx(float(loss), rel=1e-6), method
-
-
-def test_top_k_batches_read_as_the_dense_logits_they_keep(tiny_target):
-    """The cache keeps the target's top k logits (`target_top`, the head run in chunks); a batch
-    holding only those reads as the dense batch with -inf outside them: the same probabilities
-    at any token ids, the same greedy token, the same full logits."""
-    from specdecode.drafters.learned import TrainBatch
-
-    target = load_model(tiny_target, dtype="float32", device="cpu", progress=False).model
-    V = target.config.vocab_size
-    tokens = torch.randint(4, V, (3, 20), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones(3, 20, dtype=torch.bool)
-    dense = trainer.target_batch(target, tokens, mask, (1,))
-    for k in (V, 5):
-        hidden, values, ids = trainer.target_top(target, tokens, (1,), k, chunk=7)  # chunks across rows
-        assert torch.allclose(hidden, dense.hidden)
-        kept = dense.logits.topk(k, dim=-1)
-        assert torch.allclose(values, kept.values, atol=1e-5) and torch.equal(ids, kept.indices)
-        cut = torch.full_like(dense.logits, float("-inf")).scatter_(-1, ids, values)
-        ref = replace(dense, logits=cut)
-        top = TrainBatch(tokens, hidden, None, mask, target, top=(values, ids.to(torch.int32)))
-        some = torch.tensor([0, 3, 7, V - 1, 11])  # any ids, in any order
-        assert torch.allclose(top.probs_at(some), ref.probs_at(some), atol=1e-6)
-        assert torch.equal(top.argmax(), ref.argmax())
-        assert torch.equal(top.full_logits(), cut)
 
 
 @pytest.mark.parametrize("method", ["eagle", "medusa", "dflash"])
