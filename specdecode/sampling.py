@@ -24,6 +24,13 @@ from specdecode.config import SamplingParams
 Generators = Sequence[torch.Generator | None]
 
 
+def argmax(x: Tensor) -> Tensor:
+    """``x.argmax(-1)``, faster: on CPU torch's argmax takes 2-4x as long as ``max``'s indices
+    (~0.3 against 0.1 ms for a 9-position verify pass over the default model's 49,152 logits in
+    fp32, 4x in bf16). Both return the first index on ties, and NaN wins as in argmax."""
+    return x.max(dim=-1).indices
+
+
 def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     """Turn logits into the distribution tokens are sampled from, per row.
 
@@ -48,7 +55,7 @@ def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: T
     ).tolist()  # the one host sync: decides which work is needed at all
 
     if any_greedy:
-        one_hot = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)  # [B, T, V]
+        one_hot = torch.zeros_like(logits).scatter_(-1, argmax(logits)[..., None], 1.0)  # [B, T, V]
         if all_greedy:
             return one_hot
 
@@ -108,7 +115,7 @@ def sample(probs: Tensor, generators: Generators) -> Tensor:
     """
     race = fill_per_row(torch.empty_like(probs, dtype=torch.float32), generators, Tensor.exponential_)  # [B, V]
     # Exp(1) can round to 0; the clamp keeps 0 / 0 (a NaN that argmax would pick) out.
-    return (probs.float() / race.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(-1)
+    return argmax(probs.float() / race.clamp_min_(torch.finfo(torch.float32).tiny))
 
 
 def fill_per_row(

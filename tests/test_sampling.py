@@ -64,6 +64,19 @@ def test_greedy_is_one_hot_at_first_argmax():
     torch.testing.assert_close(probs[1], torch.softmax(logits[1], dim=-1))  # the other row is untouched
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 7), (9, 4099), (2, 3, 257)])
+def test_argmax_is_torch_argmax_with_ties_and_nan(dtype, shape):
+    g = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        x = torch.randint(0, 3, shape, generator=g).to(dtype)  # many ties for the maximum
+        if trial % 2:
+            x.view(-1, shape[-1])[0, int(torch.randint(0, shape[-1], (1,), generator=g))] = float("nan")
+        if trial % 5 == 0:
+            x = torch.randn(shape, generator=g).to(dtype)
+        assert torch.equal(sampling.argmax(x), x.argmax(dim=-1)), (trial, dtype, shape)
+
+
 def test_top_k_keeps_the_k_largest():
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(4, 3, 50, generator=g)

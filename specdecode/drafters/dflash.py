@@ -33,6 +33,7 @@ from specdecode.drafters.dflash_net import DFlashNet
 from specdecode.drafters.draft_vocab import check_confidence_threshold, stop_after_unsure
 from specdecode.drafters.learned import load_net, resolve_weights
 from specdecode.engine.batch import Batch
+from specdecode.sampling import argmax
 from specdecode.drafters.draft_cache import DraftKVCache
 
 
@@ -101,7 +102,7 @@ class DFlashDrafter:
         head = self.net.head
         q = None
         if batch.all_greedy:  # one-hot q: the verifier needs no distribution
-            tokens = head.vocab_ids[logits.argmax(dim=-1)]
+            tokens = head.vocab_ids[argmax(logits)]
         else:
             tokens, q = head.sample(logits, batch, self.ctx.target.config.vocab_size)  # [B, γ], [B, γ, V]
         confidence = None

@@ -29,7 +29,7 @@ from specdecode.kv_cache import KVCache
 from specdecode.model.loader import keeps_gguf_blocks, load_model
 from specdecode.model.transformer import Transformer
 from specdecode.drafters.draft_tree import fill_static_tree, grow_tree
-from specdecode.sampling import logits_to_probs, sample
+from specdecode.sampling import argmax, logits_to_probs, sample
 from specdecode.train.distill import DistillNet
 from specdecode.tree import MAX_TREE_NODES, TreeShape, check_node_budget, parse_token_tree
 
@@ -131,7 +131,7 @@ class DraftModelDrafter:
         drafts, qs = [], []
         for k in range(num_tokens):
             if batch.all_greedy:  # one-hot q: the verifier needs no distribution
-                token = logits.argmax(dim=-1)
+                token = argmax(logits)
             else:
                 q = logits_to_probs(logits[:, None], batch.temperature, batch.top_k, batch.top_p)[:, 0]  # [B, V]
                 token = sample(q, batch.draft_generators(k))

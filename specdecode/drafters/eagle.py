@@ -35,6 +35,7 @@ from specdecode.drafters.draft_vocab import check_confidence_threshold
 from specdecode.drafters.eagle_net import FeatureNet
 from specdecode.drafters.learned import PendingFeatures, load_net, resolve_weights
 from specdecode.engine.batch import Batch, Sequence, pad_right
+from specdecode.sampling import argmax
 from specdecode.drafters.draft_cache import DraftKVCache
 from specdecode.tree import check_node_budget
 
@@ -142,7 +143,7 @@ class EagleDrafter:
                 confs.append(torch.sigmoid(self.net.confidence(out).float())[:, 0])
             q = None
             if batch.all_greedy:  # one-hot q: the verifier needs no distribution
-                token = self.net.head.vocab_ids[logits.argmax(dim=-1)]
+                token = self.net.head.vocab_ids[argmax(logits)]
             else:
                 drafting = alive if self.threshold > 0 else None  # a stopped row's draws are scratch
                 token, q = self.net.head.sample(logits[:, None], batch, self.vocab_size, k, drafting)

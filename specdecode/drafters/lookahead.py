@@ -47,6 +47,7 @@ from specdecode.config import MAX_SPECULATIVE_TOKENS, SpecConfig, SpecDecodeErro
 from specdecode.drafters.base import AuxBranch, Draft, DrafterContext
 from specdecode.drafters.ngram import merge_into_tree
 from specdecode.engine.batch import Batch
+from specdecode.sampling import argmax
 from specdecode.tree import MAX_TREE_NODES, TreeBatch
 
 WINDOW_SEED = 0  # the seed of the generator that draws each row's first window from its prompt
@@ -228,7 +229,7 @@ class LookaheadDrafter:
     ) -> None:
         if aux_logits is None:  # the engine ran without our window (not expected); keep it as it is
             return
-        last_level = aux_logits[:, (self.N - 2) * self.W :].argmax(dim=-1).cpu().numpy()  # [B, W]
+        last_level = argmax(aux_logits[:, (self.N - 2) * self.W :]).cpu().numpy()  # [B, W]
         for row, out in zip(self._rows, last_level):
             row.step(out, self.stats)
         if self.options.pool_from_output:

@@ -36,6 +36,7 @@ from specdecode.drafters.draft_vocab import DraftVocabHead
 from specdecode.drafters.learned import TrainBatch, load_net, resolve_weights
 from specdecode.engine.batch import Batch
 from specdecode.model.transformer import Transformer
+from specdecode.sampling import argmax
 from specdecode.tree import MAX_TREE_NODES, TreeBatch, TreeShape, parse_token_tree
 
 ACCEPTANCE = ("exact", "typical")
@@ -209,7 +210,7 @@ class MedusaDrafter:
         if self.tree is not None:
             return self._fill_tree(batch, logits)
         if batch.all_greedy or self.typical is not None:
-            tokens = self.net.head.vocab_ids[logits.argmax(dim=-1)]  # [B, K], q one-hot
+            tokens = self.net.head.vocab_ids[argmax(logits)]  # [B, K], q one-hot
             return Draft(tokens=tokens, typical=self.typical)
         tokens, q = self.net.head.sample(logits, batch, self.target.config.vocab_size)  # [B, K], [B, K, V]
         return Draft(tokens=tokens, q=q)

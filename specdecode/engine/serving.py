@@ -39,7 +39,7 @@ from specdecode.engine.requests import EngineStats, Request, RequestEvent
 from specdecode.engine.step import Engine
 from specdecode.model.loader import LoadedModel
 from specdecode.paged_cache import PagedKVCache, new_paged_cache
-from specdecode.sampling import logits_to_probs, sample, sampling_tensors
+from specdecode.sampling import argmax, logits_to_probs, sample, sampling_tensors
 
 DEFAULT_KV_BYTES = 256 << 20  # KV pool size when num_blocks is not given (at least one full sequence)
 
@@ -280,7 +280,7 @@ class ServingEngine(Engine):
     def _sample_first(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         params = [s.params for s in seqs]
         if all(p.greedy for p in params):
-            return logits.argmax(dim=-1).tolist()
+            return argmax(logits).tolist()
         p = logits_to_probs(logits[:, None], *sampling_tensors(params, self.device))[:, 0]  # [B, V]
         return sample(p, [s.generator for s in seqs]).tolist()
 

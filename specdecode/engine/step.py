@@ -30,7 +30,7 @@ from specdecode.drafters.registry import create_drafter
 from specdecode.engine.batch import Batch, Sequence, SpecStats
 from specdecode.kv_cache import KVCache
 from specdecode.model.loader import LoadedModel
-from specdecode.sampling import logits_to_probs
+from specdecode.sampling import argmax, logits_to_probs
 from specdecode.tree import commit_paths
 from specdecode.verify import greedy_verify, rejection_sample, tree_greedy_verify, tree_rejection_sample, typical_verify
 
@@ -230,9 +230,9 @@ class Engine:
 def _argmax_at(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """[B, T] the target's argmax at each real position of a pass, from its packed logits
     [N, V] (``valid``'s True entries, row-major); 0 at padding, which verification never reads."""
-    argmax = torch.zeros(valid.numel(), dtype=torch.long, device=logits.device)
-    argmax[valid.reshape(-1)] = logits.argmax(dim=-1)
-    return argmax.view(valid.shape)
+    out = torch.zeros(valid.numel(), dtype=torch.long, device=logits.device)
+    out[valid.reshape(-1)] = argmax(logits)
+    return out.view(valid.shape)
 
 
 def _probs_at(logits: torch.Tensor, valid: torch.Tensor, batch: Batch, zero_padding: bool = False) -> torch.Tensor:
