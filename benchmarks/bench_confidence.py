@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from args import decode_tokens, nonneg_float, positive_int, run, unit_float
+from timing import Timer
 
 from specdecode import LLM, SamplingParams
 from specdecode.config import SpecDecodeError
@@ -68,15 +69,17 @@ def main() -> int:
         llm.generate([warm], short)
     ratios: dict[str, list[float]] = {name: [] for name, _ in variants}
     drafts: dict[str, list[float]] = {name: [] for name, _ in variants}
+    # decode rounds: the drafter hears every round's outcome, drafted or not (counting them as the
+    # tokens after the first less the accepted ones missed a last round that a stop cut short)
+    rounds = {name: Timer(llm.engine.drafter, "on_verified") for name, llm in variants}
     for text in prompts:
         ids = online.encode_chat(text)
         plain = online.generate([ids], params, speculative=False)[0].metrics
         for name, llm in variants:
-            out = llm.generate([ids], params)[0]
-            m = out.metrics
+            rounds[name].calls = 0
+            m = llm.generate([ids], params)[0].metrics
             ratios[name].append(m.decode_tokens_per_s / plain.decode_tokens_per_s)
-            rounds = len(out.token_ids) - 1 - m.num_accepted_tokens  # decode rounds: the first token is prefill's
-            drafts[name].append(m.num_draft_tokens / max(rounds, 1))
+            drafts[name].append(m.num_draft_tokens / max(rounds[name].calls, 1))
     for name, llm in variants:
         acceptance = getattr(llm.engine.budget, "acceptance", None)  # a fixed budget keeps no estimates
         ece = ""

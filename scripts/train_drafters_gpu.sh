@@ -17,7 +17,8 @@
 # answered at once), MAX_NEW (256), TRAIN_BATCH (16 windows of SEQ 512 tokens), RESUME_S (unset:
 # no second stage), PASSAGES (1; 0 skips the passages pass), METHODS, DATA (1; 0 reuses OUT/data),
 # INIT (unset: from scratch; a prefix such as specdecode/weights/smollm2-135m continues each method's
-# folder INIT-METHOD on the new data, --init --finetune, at LR_INIT, 5e-4).
+# folder INIT-METHOD on the new data, --init --finetune, at LR_INIT, 5e-4), BF16 (0; 1 trains in mixed
+# precision, `specdecode train --bf16`: tested on CPU only, where it was 2x faster).
 # On a lent GPU machine, scripts/device_bundle.sh (here) and scripts/device_train.sh (there) wrap it.
 # A device call is limited to 600 s: split a run in two, e.g. TRAIN_S=250 REGEN_S=90 (data and a
 # first stage), then DATA=0 TRAIN_S=0 RESUME_S=480 (every method resumed to 480 s in all).
@@ -25,7 +26,7 @@ set -euo pipefail
 TARGET=${1:?usage: $0 TARGET OUT}
 OUT=${2:?usage: $0 TARGET OUT}
 TRAIN_S=${TRAIN_S:-200}; REGEN_S=${REGEN_S:-120}; NUM_GREEDY=${NUM_GREEDY:-3000}; NUM_SAMPLED=${NUM_SAMPLED:-1200}
-BATCH=${BATCH:-128}; MAX_NEW=${MAX_NEW:-256}; TRAIN_BATCH=${TRAIN_BATCH:-16}; SEQ=${SEQ:-512}; METHODS=${METHODS:-"eagle eagle3 mtp medusa dflash"}
+BF16=${BF16:-0}; BATCH=${BATCH:-128}; MAX_NEW=${MAX_NEW:-256}; TRAIN_BATCH=${TRAIN_BATCH:-16}; SEQ=${SEQ:-512}; METHODS=${METHODS:-"eagle eagle3 mtp medusa dflash"}
 mkdir -p "$OUT/data" "$OUT/code" "$OUT/logs"
 STDLIB=$(python -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
 for f in cgitb compileall crypt dataclasses gettext glob heapq imp nntplib opcode secrets smtplib sndhdr \
@@ -59,10 +60,11 @@ train_all() {  # $1: the time limit; further arguments go to every run
   local limit=$1; shift
   for m in $METHODS; do
     case $m in eagle) net='{"train_steps":2}'; lr=2e-3 ;; eagle3) net='{}'; lr=2e-3 ;; *) net='{}'; lr=1e-3 ;; esac
-    local init=()
-    if [ -n "${INIT:-}" ]; then init=(--init "$INIT-$m" --finetune); lr=${LR_INIT:-5e-4}; fi
+    local opts=()
+    if [ -n "${INIT:-}" ]; then opts=(--init "$INIT-$m" --finetune); lr=${LR_INIT:-5e-4}; fi
+    if [ "$BF16" = 1 ]; then opts+=(--bf16); fi
     python -m specdecode.entrypoints.cli train --method "$m" --target "$TARGET" --data "$OUT/data" "$OUT/code" \
-      ${init[@]+"${init[@]}"} --net-config "$net" --lr $lr --batch-size $TRAIN_BATCH --seq-len $SEQ --warmup 100 --steps 1000000 \
+      ${opts[@]+"${opts[@]}"} --net-config "$net" --lr $lr --batch-size $TRAIN_BATCH --seq-len $SEQ --warmup 100 --steps 1000000 \
       --time-limit "$limit" --eval-every 0 --eval-batches 16 --save-every 1000000 --max-tokens 4000000 \
       --cache-topk 64 --threads 2 "$@" --out "$OUT/$m" > "$OUT/logs/train_$m.$limit.log" 2>&1 &
   done
