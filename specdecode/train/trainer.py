@@ -213,8 +213,12 @@ def train_step(
 
 def init_from(net: torch.nn.Module, folder: str, target: Transformer, freeze: bool = True) -> None:
     """Load a trained folder's weights into ``net``; with ``freeze`` they stay fixed, so that only
-    what the folder lacks (a new confidence head, say) trains."""
+    what the folder lacks (a new confidence head, say) trains. A decoder layer the folder lacks
+    (``num_layers`` raised) starts as the identity: its attention and MLP output projections are
+    zeroed, so the net drafts as the folder's did until training moves them (as a zero-initialised
+    residual branch, or LoRA's B)."""
     from specdecode.model.loader import check_shapes
+    from specdecode.model.transformer import Block
 
     _, state = read_net(net.method, folder, target)
     own = net.state_dict()
@@ -224,6 +228,13 @@ def init_from(net: torch.nn.Module, folder: str, target: Transformer, freeze: bo
     # e.g. --net-config changed draft_vocab or num_layers
     check_shapes(state, own, f"--init {folder}", "this net; drop the --net-config keys that change it")
     net.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        for prefix, module in net.named_modules():
+            if isinstance(module, Block) and not any(k.startswith(prefix + ".") for k in state):
+                for out in (module.attn.o, module.mlp.down):
+                    out.weight.zero_()
+                    if out.bias is not None:
+                        out.bias.zero_()
     for name, p in net.named_parameters():
         if name in state and freeze:
             p.requires_grad_(False)

@@ -225,6 +225,24 @@ def test_finetune_continues_training_the_folder(tiny_target, corpus, tmp_path):
         replace(cfg, init=None)
 
 
+def test_init_with_more_layers_starts_as_the_folder_and_trains_the_new_one(tiny_target, corpus, tmp_path):
+    """--init a one-layer eagle with num_layers 2 (--finetune): the new top layer starts as the
+    identity, so the run's first held-out figures are the folder's, and then it trains."""
+    first = tmp_path / "eagle"
+    trained = train(config(tiny_target, corpus, first, method="eagle", steps=10, lr=1e-2,
+                           net_config={"draft_vocab": 0, "num_layers": 1}))  # fmt: skip
+    cfg = config(tiny_target, corpus, tmp_path / "deeper", method="eagle", steps=10, lr=1e-2, init=str(first),
+                 finetune=True, net_config={"draft_vocab": 0, "num_layers": 2})  # fmt: skip
+    log = train(cfg)
+    for k in ("loss", "acc@1", "alpha@1"):
+        assert log["start"][k] == pytest.approx(trained["end"][k], rel=1e-3), (k, log["start"], trained["end"])
+    assert log["end"]["loss"] < log["start"]["loss"]
+    from safetensors.torch import load_file
+
+    after = load_file(str(tmp_path / "deeper" / "model.safetensors"))
+    assert after["body.layers.1.attn.o.weight"].abs().sum() > 0 and after["body.layers.1.mlp.down.weight"].abs().sum() > 0
+
+
 @pytest.mark.parametrize("method", TINY_NETS)
 def test_positions_not_trained_on_do_not_move_the_loss(tiny_target, method):
     """A chat record's prompt positions (mask False) are context only: the target's logits there
