@@ -228,6 +228,8 @@ def test_finetune_continues_training_the_folder(tiny_target, corpus, tmp_path):
 def test_init_with_more_layers_starts_as_the_folder_and_trains_the_new_one(tiny_target, corpus, tmp_path):
     """--init a one-layer eagle with num_layers 2 (--finetune): the new top layer starts as the
     identity, so the run's first held-out figures are the folder's, and then it trains."""
+    from safetensors.torch import load_file
+
     first = tmp_path / "eagle"
     trained = train(config(tiny_target, corpus, first, method="eagle", steps=10, lr=1e-2,
                            net_config={"draft_vocab": 0, "num_layers": 1}))  # fmt: skip
@@ -237,8 +239,6 @@ def test_init_with_more_layers_starts_as_the_folder_and_trains_the_new_one(tiny_
     for k in ("loss", "acc@1", "alpha@1"):
         assert log["start"][k] == pytest.approx(trained["end"][k], rel=1e-3), (k, log["start"], trained["end"])
     assert log["end"]["loss"] < log["start"]["loss"]
-    from safetensors.torch import load_file
-
     after = load_file(str(tmp_path / "deeper" / "model.safetensors"))
     assert after["body.layers.1.attn.o.weight"].abs().sum() > 0 and after["body.layers.1.mlp.down.weight"].abs().sum() > 0
 
