@@ -36,7 +36,8 @@ class Draft:
     ``confidence`` [B, γ] (chains, optional): the drafter's estimate that draft token k is
     accepted given tokens 1..k-1 were (a trained head's, or the draft's own probability of
     the token); an adaptive verification budget calibrates and uses it in place of its
-    online estimates for greedy rows (a sampled row's follows the tokens it drew).
+    online estimates for greedy rows (a sampled row's follows the tokens it drew); NaN where
+    the drafter has none (eagle's prompt-lookup rows).
 
     ``evidence`` (chains, optional): per row, a small integer saying how the drafter found its
     proposal, by which an adaptive verification budget counts acceptance apart (ngram: the

@@ -19,25 +19,34 @@ q is one-hot and the tree verifier's multi-draft rule keeps it lossless. With
 that probability: the stop reads only the drafts, so the output stays the target's.
 Under an adaptive budget a chain also reports each token's confidence: the net's confidence
 head where it has one, else that same draft probability.
+
+With ``prompt_lookup_max`` a row whose last n tokens occurred before (``prompt_lookup_min`` <=
+n <= ``prompt_lookup_max``, vLLM's `ngram` keys) drafts what followed them, up to γ tokens,
+instead of the net's draft (Arctic Inference pairs suffix decoding with its speculator the
+same way); other rows draft with the net, ``num_steps`` deep. Copies (code that repeats its
+names, summaries that quote) are long and cheap; the net covers the rest. Lookup drafts are
+deterministic (one-hot q), so the round stays lossless whichever source a row took.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar
 
 import torch
 
 from specdecode.config import SpecConfig, SpecDecodeError, is_int
 from specdecode.drafters.base import Draft, DrafterContext
+from specdecode.drafters.draft_cache import DraftKVCache
 from specdecode.drafters.draft_tree import grow_tree
 from specdecode.drafters.draft_vocab import check_confidence_threshold
 from specdecode.drafters.eagle_net import FeatureNet
 from specdecode.drafters.learned import PendingFeatures, load_net, resolve_weights
+from specdecode.drafters.ngram import NgramOptions, lookup_rows
 from specdecode.engine.batch import Batch, Sequence, pad_right
 from specdecode.sampling import argmax
-from specdecode.drafters.draft_cache import DraftKVCache
-from specdecode.tree import check_node_budget
+from specdecode.tree import TreeBatch, check_node_budget
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,11 @@ class EagleOptions:
     # chains: draft no further after a token whose draft probability is below this (Hugging Face's
     # assistant_confidence_threshold: that token is still proposed); 0 = always draft γ
     confidence_threshold: float = 0.0
+    # prompt lookup beside the net (module docstring); None = off. num_steps: the net's draft depth
+    # (chain length or tree depth) when γ is the lookup's; None = γ
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    num_steps: int | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -58,6 +72,14 @@ class EagleOptions:
         check_confidence_threshold(self.confidence_threshold)
         if self.confidence_threshold > 0 and self.topk > 1:
             raise SpecDecodeError("confidence_threshold applies to chains (topk = 1); trees rank by confidence already")
+        if self.prompt_lookup_max is None:
+            if self.prompt_lookup_min is not None or self.num_steps is not None:
+                raise SpecDecodeError("prompt_lookup_min and num_steps need prompt_lookup_max (prompt lookup)")
+            return
+        lookup = NgramOptions(self.prompt_lookup_min, self.prompt_lookup_max)  # validated as ngram's keys are
+        object.__setattr__(self, "prompt_lookup_min", lookup.prompt_lookup_min)
+        if self.num_steps is not None and (not is_int(self.num_steps) or self.num_steps < 1):
+            raise SpecDecodeError(f"num_steps must be an integer >= 1, got {self.num_steps!r}")
 
 
 class EagleDrafter:
@@ -76,7 +98,13 @@ class EagleDrafter:
         self.device = ctx.device
         self.gamma = spec.num_speculative_tokens
         self.topk: int = spec.options.topk
-        self.budget: int = spec.options.num_draft_tokens or self.gamma * self.topk
+        o: EagleOptions = spec.options
+        on = o.prompt_lookup_max is not None
+        self.lookup: tuple[int, int] | None = (o.prompt_lookup_min, o.prompt_lookup_max) if on else None
+        self.steps: int = o.num_steps or self.gamma  # the net's depth
+        if self.steps > self.gamma:
+            raise SpecDecodeError(f"num_steps ({self.steps}) must be at most num_speculative_tokens ({self.gamma})")
+        self.budget: int = o.num_draft_tokens or self.steps * self.topk
         self.threshold: float = float(spec.options.confidence_threshold)
         # an adaptive budget plans on per-token confidences: a trained head's, else the draft's own
         # probability of its token (calibrated on the default model: docs/benchmarks.md, issue 4)
@@ -85,7 +113,9 @@ class EagleDrafter:
         self.cache = DraftKVCache(self.net.body)
 
     def max_draft_tokens(self, num_tokens: int) -> int:
-        return num_tokens if self.topk == 1 else self.budget
+        if self.topk == 1:
+            return num_tokens
+        return max(self.budget, num_tokens) if self.lookup else self.budget  # a lookup row's chain: γ nodes
 
     def prefill(self, batch: Batch, rows: list[int], hidden: list[torch.Tensor] | None = None) -> None:
         assert hidden is not None, "eagle reads the target's features"
@@ -129,24 +159,36 @@ class EagleDrafter:
         return logits[:, 0], out[:, 0]
 
     def propose(self, batch: Batch, num_tokens: int) -> Draft:
-        logits, out = self._feed_pending(batch)
+        logits, out = self._feed_pending(batch)  # every row's, lookup rows' too: the cache stays whole
         roots = [s.token_ids[-1] for s in batch.seqs]
+        depth = min(num_tokens, self.steps)
+        found, matched = self._look_up(batch, num_tokens)  # found[b] = [] where the net drafts
         if self.topk > 1:
-            return grow_tree(self._score_block, logits, roots, num_tokens, self.topk, self.budget, root_states=out,
-                             vocab_ids=self.net.head.vocab_ids, limits=batch.draft_limits)  # fmt: skip
+            return self._tree(batch, logits, out, roots, depth, found)
+        net_rows = torch.tensor([not f for f in found], dtype=torch.bool, device=self.device)
+        draft = self._chain(batch, logits, out, depth, net_rows)
+        return draft if self.lookup is None else self._with_chains(draft, found, matched)
+
+    def _look_up(self, batch: Batch, num_tokens: int) -> tuple[list[list[int]], list[int]]:
+        """Each row's prompt-lookup draft (within its draft limit) and matched n; [] and 0 without lookup."""
+        if self.lookup is None:
+            return [[] for _ in batch.seqs], [0] * len(batch)
+        limits = batch.draft_limits or [num_tokens] * len(batch)
+        return lookup_rows(batch.seqs, *self.lookup, [min(num_tokens, n) for n in limits])
+
+    def _chain(self, batch: Batch, logits: torch.Tensor, out: torch.Tensor, depth: int, alive: torch.Tensor) -> Draft:
+        """The net's chains, ``depth`` long, for the rows ``alive`` [B] (the others' are -1)."""
         drafts, qs, confs = [], [], []
-        alive = torch.ones(len(roots), dtype=torch.bool, device=self.device)  # rows still drafting
         head_confidence = self.report_confidence and self.net.confidence is not None
         own_confidence = self.report_confidence and self.net.confidence is None  # the draft probability instead
-        for k in range(num_tokens):
+        for k in range(depth):
             if head_confidence:  # from the feature that gives d_k's logits
                 confs.append(torch.sigmoid(self.net.confidence(out).float())[:, 0])
             q = None
             if batch.all_greedy:  # one-hot q: the verifier needs no distribution
                 token = self.net.head.vocab_ids[argmax(logits)]
-            else:
-                drafting = alive if self.threshold > 0 else None  # a stopped row's draws are scratch
-                token, q = self.net.head.sample(logits[:, None], batch, self.vocab_size, k, drafting)
+            else:  # a stopped (or lookup) row's draws are scratch: its own stream is for its own drafts
+                token, q = self.net.head.sample(logits[:, None], batch, self.vocab_size, k, alive)
                 token, q = token[:, 0], q[:, 0]  # [B], [B, V]
                 qs.append(q)
             token = torch.where(alive, token, -1)
@@ -157,8 +199,8 @@ class EagleDrafter:
                 if own_confidence:
                     confs.append(own)
                 if self.threshold > 0:  # d_k stays; a row unsure of it drafts nothing after it
-                    alive &= own >= self.threshold
-            if k + 1 == num_tokens or (self.threshold > 0 and not bool(alive.any())):
+                    alive = alive & (own >= self.threshold)
+            if k + 1 == depth or not bool(alive.any()):
                 break
             # entry (own output, d_k): its output predicts d_{k+1}; a stopped row's entry is scratch too
             positions = self.cache.lengths[:, None]
@@ -168,6 +210,54 @@ class EagleDrafter:
         q_all = torch.stack(qs, dim=1) if qs else None  # [B, k, V], k <= γ when every row stopped early
         confidence = torch.stack(confs, dim=1) if confs else None  # [B, k]
         return Draft(tokens=torch.stack(drafts, dim=1), q=q_all, confidence=confidence)
+
+    def _with_chains(self, draft: Draft, found: list[list[int]], matched: list[int]) -> Draft:
+        """The net's chains with the lookup rows' chains in their place: one-hot q, no confidence
+        (NaN: an adaptive budget plans those rows on its own estimates), the matched n as evidence
+        (0: the net's draft)."""
+        B, w = draft.tokens.shape
+        rows = [b for b, f in enumerate(found) if f]
+        W = max([w, *map(len, found)])
+        tokens = torch.full((B, W), -1, dtype=torch.long, device=self.device)
+        tokens[:, :w] = draft.tokens
+        for b in rows:
+            tokens[b, : len(found[b])] = torch.tensor(found[b], device=self.device)
+        q = confidence = None
+        if draft.q is not None:
+            q = draft.q.new_zeros(B, W, draft.q.shape[-1])  # [B, W, V]
+            q[:, :w] = draft.q
+            for b in rows:
+                q[b] = 0.0
+                q[b, torch.arange(len(found[b])), tokens[b, : len(found[b])]] = 1.0
+        if draft.confidence is not None:
+            confidence = draft.confidence.new_full((B, W), float("nan"))
+            confidence[:, :w] = draft.confidence
+            confidence[rows] = float("nan")
+        return Draft(tokens=tokens, q=q, confidence=confidence, evidence=matched)
+
+    def _tree(
+        self, batch: Batch, logits: torch.Tensor, out: torch.Tensor, roots: list[int], depth: int,
+        found: list[list[int]],
+    ) -> Draft:  # fmt: skip
+        """EAGLE-2 trees ``depth`` deep; a lookup row's tree is its chain."""
+        grow = partial(grow_tree, self._score_block, logits, roots, depth, self.topk, self.budget, root_states=out,
+                       vocab_ids=self.net.head.vocab_ids)  # fmt: skip
+        if not any(found):
+            return grow(limits=batch.draft_limits)
+        limits = batch.draft_limits or [depth] * len(roots)
+        tokens, parents = [[r] for r in roots], [[-1] for _ in roots]
+        if not all(found):  # the net's rows
+            tree = grow(limits=[0 if f else n for f, n in zip(found, limits)]).tree
+            assert tree is not None
+            tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        for b, chain in enumerate(found):
+            if chain:
+                tokens[b], parents[b] = [roots[b], *chain], list(range(-1, len(chain)))
+        N = max(map(len, tokens))
+        tokens, parents = ([r + [-1] * (N - len(r)) for r in rows] for rows in (tokens, parents))
+        return Draft.from_tree(
+            TreeBatch.from_parents(torch.tensor(tokens, device=self.device), torch.tensor(parents, device=self.device))
+        )
 
     def _score_block(
         self, tokens: torch.Tensor, depths: torch.Tensor, mask: torch.Tensor, at: torch.Tensor,

@@ -20,7 +20,7 @@ import torch
 
 from specdecode.config import SpecConfig, SpecDecodeError, is_int
 from specdecode.drafters.base import Draft, DrafterContext
-from specdecode.engine.batch import Batch
+from specdecode.engine.batch import Batch, Sequence
 from specdecode.tree import TreeBatch, check_node_budget
 
 
@@ -106,6 +106,18 @@ def lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
     return continuation(tokens, start, k, n)
 
 
+def lookup_rows(seqs: list[Sequence], min_n: int, max_n: int, depths: list[int]) -> tuple[list[list[int]], list[int]]:
+    """Per row of ``seqs``: up to ``depths[b]`` tokens that followed the most recent earlier match
+    of its longest suffix n-gram ([] where none reaches ``min_n``), and that n (0: none)."""
+    chains, matched = [], []
+    for seq, depth in zip(seqs, depths):
+        tokens = np.asarray(seq.token_ids, dtype=np.int64)
+        n, start = longest_match(tokens, min_n, max_n)
+        chains.append(continuation(tokens, start, depth, n).tolist() if n and depth > 0 else [])
+        matched.append(n)
+    return chains, matched
+
+
 def lookup_all(tokens: np.ndarray, min_n: int, max_n: int, k: int, max_matches: int) -> list[np.ndarray]:
     """Up to ``max_matches`` distinct continuations: longest suffix n-gram first, then most recent."""
     levels = match_levels(tokens, max_n)
@@ -163,14 +175,12 @@ class NgramDrafter:
 
     def propose(self, batch: Batch, num_tokens: int) -> Draft:
         lo, hi = self.options.prompt_lookup_min, self.options.prompt_lookup_max
-        rows = [np.asarray(seq.token_ids, dtype=np.int64) for seq in batch.seqs]
         if self.options.max_matches > 1:
-            return self._propose_tree(rows, num_tokens)
+            return self._propose_tree([np.asarray(seq.token_ids, dtype=np.int64) for seq in batch.seqs], num_tokens)
+        # each row's n is its evidence: a longer match is likelier a copy (see Draft.evidence)
+        chains, matched = lookup_rows(batch.seqs, lo, hi, [num_tokens] * len(batch))
         out = np.full((len(batch), num_tokens), -1, dtype=np.int64)
-        matched = [0] * len(batch)  # each row's n: a longer match is likelier a copy (see Draft.evidence)
-        for row, tokens in enumerate(rows):
-            matched[row], start = longest_match(tokens, lo, hi)
-            found = continuation(tokens, start, num_tokens, matched[row])
+        for row, found in enumerate(chains):
             out[row, : len(found)] = found
         return Draft(tokens=torch.from_numpy(out).to(self.device), q=None, evidence=matched)
 

@@ -195,7 +195,8 @@ class AdaptiveBudget:
             # head fed d_<k), and a plan that keeps d_j by them verifies a token no longer drawn
             # from q_j, which the rejection rule assumes (lossy). Those rows plan on the online estimates.
             drawn = proposal.q is not None
-            raw = [h + row[w:] if not (drawn and r.seq.params.temperature > 0) else row
+            raw = [row if drawn and r.seq.params.temperature > 0  # NaN: the drafter has no estimate of that token
+                   else [e if math.isnan(c) else c for c, e in zip(h, row)] + row[w:]
                    for h, row, r in zip(head, raw, reqs)]  # fmt: skip
         self.acceptance.planned(reqs, raw, evidence)
         survival = self.acceptance.sts.survival_rows(raw)
