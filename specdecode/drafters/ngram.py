@@ -108,13 +108,14 @@ def lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
 
 def lookup_rows(seqs: list[Sequence], min_n: int, max_n: int, depths: list[int]) -> tuple[list[list[int]], list[int]]:
     """Per row of ``seqs``: up to ``depths[b]`` tokens that followed the most recent earlier match
-    of its longest suffix n-gram ([] where none reaches ``min_n``), and that n (0: none)."""
+    of its longest suffix n-gram ([] where none reaches ``min_n``, or its depth is 0), and that n
+    (0 where it drafts nothing)."""
     chains, matched = [], []
     for seq, depth in zip(seqs, depths):
         tokens = np.asarray(seq.token_ids, dtype=np.int64)
         n, start = longest_match(tokens, min_n, max_n)
         chains.append(continuation(tokens, start, depth, n).tolist() if n and depth > 0 else [])
-        matched.append(n)
+        matched.append(n if chains[-1] else 0)
     return chains, matched
 
 

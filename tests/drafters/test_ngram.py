@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specdecode.config import SpecConfig, SpecDecodeError
-from specdecode.drafters.ngram import NgramDrafter, NgramOptions, longest_match, lookup
+from specdecode.drafters.ngram import NgramDrafter, NgramOptions, longest_match, lookup, lookup_rows
 
 
 def arr(*xs):
@@ -31,6 +31,14 @@ def test_no_match_and_min_length():
     toks = arr(1, 2, 9, 2)
     assert lookup(toks, 2, 3, 4).tolist() == []  # only a 1-gram matches
     assert lookup(toks, 1, 3, 4).tolist() == [9, 2]
+
+
+def test_lookup_rows_cuts_each_row_at_its_depth():
+    """eagle's prompt lookup: per row the continuation within its own depth, and the matched n."""
+    rows = [SimpleNamespace(token_ids=[1, 2, 3, 4, 5, 1, 2, 3]), SimpleNamespace(token_ids=[1, 2, 3, 4]),
+            SimpleNamespace(token_ids=[7, 8, 7, 8])]  # fmt: skip
+    chains, matched = lookup_rows(rows, 2, 3, [1, 4, 0])
+    assert chains == [[4], [], []] and matched == [3, 0, 0]  # a depth of 0 drafts nothing, whatever matched
 
 
 def test_a_draft_past_the_end_repeats_a_loop():
