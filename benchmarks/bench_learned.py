@@ -42,6 +42,11 @@ METHODS = {
     "eagle_g2": {"method": "eagle", "num_speculative_tokens": 2},  # the default before
     "eagle_tree": {"method": "eagle", "num_speculative_tokens": 3, "topk": 4, "num_draft_tokens": 8},
     "eagle_g8": {"method": "eagle", "num_speculative_tokens": 8},
+    # prompt lookup beside the net: a row whose suffix n-gram occurred before drafts up to 8 copied tokens
+    "eagle_lookup": {"method": "eagle", "num_speculative_tokens": 8, "num_steps": 1, "prompt_lookup_max": 5},
+    "eagle_tree_lookup": {"method": "eagle", "num_speculative_tokens": 8, "num_steps": 3, "topk": 4,
+                          "num_draft_tokens": 8, "prompt_lookup_max": 5},  # fmt: skip
+    "ngram": {"method": "ngram", "num_speculative_tokens": 8},  # the lookup alone, for reference
     "eagle3": {"method": "eagle3", "num_speculative_tokens": 1},
     "mtp": {"method": "mtp", "num_speculative_tokens": 1},
     "medusa": {"method": "medusa", "num_speculative_tokens": 3},
@@ -85,7 +90,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quantization", default=None, help="none, int8, int4, gguf: the target's and the nets' weights")
     ap.add_argument("--methods", nargs="+", type=method_arg,
-                    default=["layer_skip", "eagle", "eagle_tree", "eagle_g8", "eagle3", "mtp", "medusa", "dflash"])
+                    default=["layer_skip", "eagle", "eagle_tree", "eagle_g8", "eagle_lookup", "eagle3", "mtp", "medusa",
+                             "dflash"])
     ap.add_argument("--temperatures", nargs="+", type=nonneg_float, default=[0.0, 0.7])
     ap.add_argument("--max-tokens", type=decode_tokens, default=128)
     ap.add_argument("--threads", type=positive_int, default=None)
