@@ -23,19 +23,20 @@ import torch
 
 from specdecode.config import SpecConfig, SpecDecodeError, is_int
 from specdecode.drafters.base import Draft, DrafterContext
-from specdecode.engine.batch import Batch, pad_right
 from specdecode.drafters.draft_cache import DraftKVCache
+from specdecode.drafters.draft_tree import fill_static_tree, grow_tree
+from specdecode.drafters.lookup import LookupKeys, look_up, splice_chains, trees_with_lookup
+from specdecode.engine.batch import Batch, pad_right
 from specdecode.kv_cache import KVCache
 from specdecode.model.loader import keeps_gguf_blocks, load_model
 from specdecode.model.transformer import Transformer
-from specdecode.drafters.draft_tree import fill_static_tree, grow_tree
 from specdecode.sampling import argmax, logits_to_probs, sample
 from specdecode.train.distill import DistillNet
 from specdecode.tree import MAX_TREE_NODES, TreeShape, check_node_budget, parse_token_tree
 
 
 @dataclass(frozen=True)
-class DraftModelOptions:
+class DraftModelOptions(LookupKeys):
     model: str | None = None  # path or alias of the draft checkpoint
     topk: int = 1  # children per expanded node (SGLang's speculative_eagle_topk); 1 = a chain
     num_draft_tokens: int | None = None  # tree node budget (SGLang's name); None = γ · topk
@@ -47,7 +48,8 @@ class DraftModelOptions:
         self.check_shape()
 
     def check_shape(self) -> None:
-        """The chain / tree options (shared with layer_skip, which drafts the same way)."""
+        """The chain / tree and prompt-lookup options (shared with layer_skip, which drafts the same way)."""
+        LookupKeys.__post_init__(self)
         if not is_int(self.topk) or not 1 <= self.topk <= 16:
             raise SpecDecodeError(f"topk must be an integer in [1, 16], got {self.topk!r}")
         budget = self.num_draft_tokens
@@ -82,7 +84,9 @@ class DraftModelDrafter:
         self.ctx = ctx
         self.gamma = spec.num_speculative_tokens
         self.topk: int = spec.options.topk
-        self.budget: int = spec.options.num_draft_tokens or self.gamma * self.topk
+        self.lookup: tuple[int, int] | None = spec.options.lookup()
+        self.steps: int = spec.options.steps(self.gamma)  # the model's depth (γ is the lookup's)
+        self.budget: int = spec.options.num_draft_tokens or self.steps * self.topk
         tree = spec.options.speculative_token_tree
         vocab = ctx.target.config.vocab_size  # the draft's too (check_same_vocab)
         self.static_tree: TreeShape | None = parse_token_tree(tree, vocab, self.gamma) if tree is not None else None
@@ -101,9 +105,10 @@ class DraftModelDrafter:
         return loaded.model
 
     def max_draft_tokens(self, num_tokens: int) -> int:
-        if self.static_tree is not None:
-            return self.static_tree.num_nodes - 1
-        return num_tokens if self.topk == 1 else self.budget
+        if self.topk == 1 and self.static_tree is None:
+            return num_tokens
+        nodes = self.static_tree.num_nodes - 1 if self.static_tree is not None else self.budget
+        return max(nodes, num_tokens) if self.lookup else nodes  # a lookup row's chain: γ nodes
 
     def _feed(self, rows: list[list[int]], cache: KVCache) -> torch.Tensor:
         """Run the draft on each row's pending tokens and commit them in ``cache``; return logits
@@ -124,23 +129,31 @@ class DraftModelDrafter:
         seen = self.cache.lengths.tolist()
         logits = self._feed([s.token_ids[n:] for s, n in zip(batch.seqs, seen)], self.cache)
         roots = [s.token_ids[-1] for s in batch.seqs]
-        if self.static_tree is not None:
-            return fill_static_tree(self._score_block, logits, roots, self.static_tree)
-        if self.topk > 1:
-            return grow_tree(self._score_block, logits, roots, num_tokens, self.topk, self.budget, limits=batch.draft_limits)
+        depth = min(num_tokens, self.steps)
+        found, matched = look_up(batch, self.lookup, num_tokens)  # found[b] = [] where the model drafts
+        if self.static_tree is not None or self.topk > 1:
+            def grow(limits: list[int] | None) -> Draft:
+                if self.static_tree is not None:  # its own shape; a lookup row's is replaced
+                    return fill_static_tree(self._score_block, logits, roots, self.static_tree)
+                return grow_tree(self._score_block, logits, roots, depth, self.topk, self.budget, limits=limits)
+
+            return trees_with_lookup(grow, batch, roots, depth, found, self.ctx.device)
         drafts, qs = [], []
-        for k in range(num_tokens):
+        alive = torch.tensor([not f for f in found], dtype=torch.bool, device=self.ctx.device)  # the model's rows
+        for k in range(depth):
             if batch.all_greedy:  # one-hot q: the verifier needs no distribution
                 token = argmax(logits)
-            else:
+            else:  # a lookup row's draws are scratch: its own stream is for its own drafts
                 q = logits_to_probs(logits[:, None], batch.temperature, batch.top_k, batch.top_p)[:, 0]  # [B, V]
-                token = sample(q, batch.draft_generators(k))
+                token = sample(q, batch.draft_generators(k, alive))
                 qs.append(q)
-            drafts.append(token)
-            if k + 1 < num_tokens:  # the last draft token is fed next round, if accepted
-                logits = self._feed_one(token)
+            drafts.append(torch.where(alive, token, -1))
+            if k + 1 == depth or not bool(alive.any()):
+                break
+            logits = self._feed_one(token)  # the last draft token is fed next round, if accepted
         q_all = torch.stack(qs, dim=1) if qs else None  # [B, γ, V]
-        return Draft(tokens=torch.stack(drafts, dim=1), q=q_all)
+        draft = Draft(tokens=torch.stack(drafts, dim=1), q=q_all)
+        return draft if self.lookup is None else splice_chains(draft, found, matched)
 
     def _score_block(
         self, tokens: torch.Tensor, depths: torch.Tensor, mask: torch.Tensor, at: torch.Tensor, _states: None

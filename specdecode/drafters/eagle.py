@@ -20,18 +20,13 @@ that probability: the stop reads only the drafts, so the output stays the target
 Under an adaptive budget a chain also reports each token's confidence: the net's confidence
 head where it has one, else that same draft probability.
 
-With ``prompt_lookup_max`` a row whose last n tokens occurred before (``prompt_lookup_min`` <=
-n <= ``prompt_lookup_max``, vLLM's `ngram` keys) drafts what followed them, up to γ tokens,
-instead of the net's draft (Arctic Inference pairs suffix decoding with its speculator the
-same way); other rows draft with the net, ``num_steps`` deep. Copies (code that repeats its
-names, summaries that quote) are long and cheap; the net covers the rest. Lookup drafts are
-deterministic (one-hot q), so the round stays lossless whichever source a row took.
+With ``prompt_lookup_max`` rows whose recent tokens occurred before draft the copy instead
+(lookup.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import ClassVar
 
 import torch
@@ -43,27 +38,23 @@ from specdecode.drafters.draft_tree import grow_tree
 from specdecode.drafters.draft_vocab import check_confidence_threshold
 from specdecode.drafters.eagle_net import FeatureNet
 from specdecode.drafters.learned import PendingFeatures, load_net, resolve_weights
-from specdecode.drafters.ngram import NgramOptions, lookup_rows
+from specdecode.drafters.lookup import LookupKeys, look_up, splice_chains, trees_with_lookup
 from specdecode.engine.batch import Batch, Sequence, pad_right
 from specdecode.sampling import argmax
-from specdecode.tree import TreeBatch, check_node_budget
+from specdecode.tree import check_node_budget
 
 
 @dataclass(frozen=True)
-class EagleOptions:
+class EagleOptions(LookupKeys):
     model: str | None = None  # folder from `specdecode train`; None = the weights shipped for this target
     topk: int = 1  # children per expanded node; 1 = a chain
     num_draft_tokens: int | None = None  # tree node budget; None = γ · topk
     # chains: draft no further after a token whose draft probability is below this (Hugging Face's
     # assistant_confidence_threshold: that token is still proposed); 0 = always draft γ
     confidence_threshold: float = 0.0
-    # prompt lookup beside the net (module docstring); None = off. num_steps: the net's draft depth
-    # (chain length or tree depth) when γ is the lookup's; None = γ
-    prompt_lookup_max: int | None = None
-    prompt_lookup_min: int | None = None
-    num_steps: int | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # the prompt-lookup keys (lookup.py)
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
             raise SpecDecodeError(f"model must be a folder path, got {self.model!r}")
         if not is_int(self.topk) or not 1 <= self.topk <= 16:
@@ -72,14 +63,6 @@ class EagleOptions:
         check_confidence_threshold(self.confidence_threshold)
         if self.confidence_threshold > 0 and self.topk > 1:
             raise SpecDecodeError("confidence_threshold applies to chains (topk = 1); trees rank by confidence already")
-        if self.prompt_lookup_max is None:
-            if self.prompt_lookup_min is not None or self.num_steps is not None:
-                raise SpecDecodeError("prompt_lookup_min and num_steps need prompt_lookup_max (prompt lookup)")
-            return
-        lookup = NgramOptions(self.prompt_lookup_min, self.prompt_lookup_max)  # validated as ngram's keys are
-        object.__setattr__(self, "prompt_lookup_min", lookup.prompt_lookup_min)
-        if self.num_steps is not None and (not is_int(self.num_steps) or self.num_steps < 1):
-            raise SpecDecodeError(f"num_steps must be an integer >= 1, got {self.num_steps!r}")
 
 
 class EagleDrafter:
@@ -98,13 +81,9 @@ class EagleDrafter:
         self.device = ctx.device
         self.gamma = spec.num_speculative_tokens
         self.topk: int = spec.options.topk
-        o: EagleOptions = spec.options
-        on = o.prompt_lookup_max is not None
-        self.lookup: tuple[int, int] | None = (o.prompt_lookup_min, o.prompt_lookup_max) if on else None
-        self.steps: int = o.num_steps or self.gamma  # the net's depth
-        if self.steps > self.gamma:
-            raise SpecDecodeError(f"num_steps ({self.steps}) must be at most num_speculative_tokens ({self.gamma})")
-        self.budget: int = o.num_draft_tokens or self.steps * self.topk
+        self.lookup: tuple[int, int] | None = spec.options.lookup()
+        self.steps: int = spec.options.steps(self.gamma)  # the net's depth (γ is the lookup's)
+        self.budget: int = spec.options.num_draft_tokens or self.steps * self.topk
         self.threshold: float = float(spec.options.confidence_threshold)
         # an adaptive budget plans on per-token confidences: a trained head's, else the draft's own
         # probability of its token (calibrated on the default model: docs/benchmarks.md, issue 4)
@@ -162,19 +141,12 @@ class EagleDrafter:
         logits, out = self._feed_pending(batch)  # every row's, lookup rows' too: the cache stays whole
         roots = [s.token_ids[-1] for s in batch.seqs]
         depth = min(num_tokens, self.steps)
-        found, matched = self._look_up(batch, num_tokens)  # found[b] = [] where the net drafts
+        found, matched = look_up(batch, self.lookup, num_tokens)  # found[b] = [] where the net drafts
         if self.topk > 1:
             return self._tree(batch, logits, out, roots, depth, found)
         net_rows = torch.tensor([not f for f in found], dtype=torch.bool, device=self.device)
         draft = self._chain(batch, logits, out, depth, net_rows)
-        return draft if self.lookup is None else self._with_chains(draft, found, matched)
-
-    def _look_up(self, batch: Batch, num_tokens: int) -> tuple[list[list[int]], list[int]]:
-        """Each row's prompt-lookup draft (within its draft limit) and matched n; [] and 0 without lookup."""
-        if self.lookup is None:
-            return [[] for _ in batch.seqs], [0] * len(batch)
-        limits = batch.draft_limits or [num_tokens] * len(batch)
-        return lookup_rows(batch.seqs, *self.lookup, [min(num_tokens, n) for n in limits])
+        return draft if self.lookup is None else splice_chains(draft, found, matched)
 
     def _chain(self, batch: Batch, logits: torch.Tensor, out: torch.Tensor, depth: int, alive: torch.Tensor) -> Draft:
         """The net's chains, ``depth`` long, for the rows ``alive`` [B] (the others' are -1)."""
@@ -211,53 +183,16 @@ class EagleDrafter:
         confidence = torch.stack(confs, dim=1) if confs else None  # [B, k]
         return Draft(tokens=torch.stack(drafts, dim=1), q=q_all, confidence=confidence)
 
-    def _with_chains(self, draft: Draft, found: list[list[int]], matched: list[int]) -> Draft:
-        """The net's chains with the lookup rows' chains in their place: one-hot q, no confidence
-        (NaN: an adaptive budget plans those rows on its own estimates), the matched n as evidence
-        (0: the net's draft)."""
-        B, w = draft.tokens.shape
-        rows = [b for b, f in enumerate(found) if f]
-        W = max([w, *map(len, found)])
-        tokens = torch.full((B, W), -1, dtype=torch.long, device=self.device)
-        tokens[:, :w] = draft.tokens
-        for b in rows:
-            tokens[b, : len(found[b])] = torch.tensor(found[b], device=self.device)
-        q = confidence = None
-        if draft.q is not None:
-            q = draft.q.new_zeros(B, W, draft.q.shape[-1])  # [B, W, V]
-            q[:, :w] = draft.q
-            for b in rows:
-                q[b] = 0.0
-                q[b, torch.arange(len(found[b])), tokens[b, : len(found[b])]] = 1.0
-        if draft.confidence is not None:
-            confidence = draft.confidence.new_full((B, W), float("nan"))
-            confidence[:, :w] = draft.confidence
-            confidence[rows] = float("nan")
-        return Draft(tokens=tokens, q=q, confidence=confidence, evidence=matched)
-
     def _tree(
         self, batch: Batch, logits: torch.Tensor, out: torch.Tensor, roots: list[int], depth: int,
         found: list[list[int]],
     ) -> Draft:  # fmt: skip
         """EAGLE-2 trees ``depth`` deep; a lookup row's tree is its chain."""
-        grow = partial(grow_tree, self._score_block, logits, roots, depth, self.topk, self.budget, root_states=out,
-                       vocab_ids=self.net.head.vocab_ids)  # fmt: skip
-        if not any(found):
-            return grow(limits=batch.draft_limits)
-        limits = batch.draft_limits or [depth] * len(roots)
-        tokens, parents = [[r] for r in roots], [[-1] for _ in roots]
-        if not all(found):  # the net's rows
-            tree = grow(limits=[0 if f else n for f, n in zip(found, limits)]).tree
-            assert tree is not None
-            tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
-        for b, chain in enumerate(found):
-            if chain:
-                tokens[b], parents[b] = [roots[b], *chain], list(range(-1, len(chain)))
-        N = max(map(len, tokens))
-        tokens, parents = ([r + [-1] * (N - len(r)) for r in rows] for rows in (tokens, parents))
-        return Draft.from_tree(
-            TreeBatch.from_parents(torch.tensor(tokens, device=self.device), torch.tensor(parents, device=self.device))
-        )
+        def grow(limits: list[int] | None) -> Draft:
+            return grow_tree(self._score_block, logits, roots, depth, self.topk, self.budget, root_states=out,
+                             vocab_ids=self.net.head.vocab_ids, limits=limits)  # fmt: skip
+
+        return trees_with_lookup(grow, batch, roots, depth, found, self.device)
 
     def _score_block(
         self, tokens: torch.Tensor, depths: torch.Tensor, mask: torch.Tensor, at: torch.Tensor,

@@ -1,0 +1,155 @@
+"""Prompt lookup beside a model drafter (``prompt_lookup_max`` on `eagle` and `draft_model`):
+rows whose suffix n-gram occurred before draft its continuation, the others draft with the
+model, in the same round. Greedy equals plain greedy (chains, dynamic and static trees, alone
+and batched, both kinds of row seen); sampled output follows the target's exact joint
+distribution; an adaptive budget plans the lookup rows on its own estimates; bad options get
+one line."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch
+
+from specdecode import LLM
+from specdecode.config import SpecConfig, SpecDecodeError
+from specdecode.drafters.eagle_net import FeatureNet
+from specdecode.model.loader import load_model
+from tests.engine.checks import (
+    SAMPLING_VOCAB,
+    assert_greedy_matches_plain,
+    assert_samples_follow_target,
+    sampling_target,
+)
+from tests.learned import trained_folder
+from tests.tiny import early_exit_checkpoint, make_tiny_checkpoint
+
+PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4, 4, 6], [11], [2, 3, 2, 3, 2, 3, 2, 3, 2]]
+TREE = {"topk": 3, "num_draft_tokens": 6}
+STATIC = {"speculative_token_tree": [[0], [1], [0, 0]]}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lookup")
+    target = make_tiny_checkpoint(root / "target", "llama", seed=0)
+    model = load_model(str(target), dtype=torch.float32, device="cpu").model
+    models = {"eagle": str(trained_folder(FeatureNet, model, root / "eagle", draft_vocab=0)),
+              "draft_model": str(early_exit_checkpoint(target, root / "draft", 1))}  # fmt: skip
+    return str(target), models, LLM(model=str(target), dtype="float32", device="cpu")
+
+
+def count_sources(drafter, monkeypatch) -> dict[str, int]:
+    """Counts the rows each round gave to lookup and to the model (wraps the drafter module's `look_up`)."""
+    seen = {"lookup": 0, "model": 0}
+    module = sys.modules[type(drafter).propose.__module__]
+    look_up = module.look_up
+
+    def spy(batch, lookup, num_tokens):
+        found, matched = look_up(batch, lookup, num_tokens)
+        seen["lookup"] += sum(1 for f in found if f)
+        seen["model"] += sum(1 for f in found if not f)
+        return found, matched
+
+    monkeypatch.setattr(module, "look_up", spy)
+    return seen
+
+
+@pytest.mark.parametrize(
+    "method,shape,steps",
+    [("eagle", {}, 1), ("eagle", TREE, 2), ("draft_model", {}, 2), ("draft_model", TREE, 2),
+     ("draft_model", STATIC, 2)],
+)  # fmt: skip
+def test_greedy_equals_plain(setup, monkeypatch, method, shape, steps):
+    target, models, plain = setup
+    spec = {"method": method, "model": models[method], "num_speculative_tokens": 4, "prompt_lookup_max": 3, **shape}
+    if shape is not STATIC:
+        spec["num_steps"] = steps
+    llm = LLM(model=target, speculative_config=spec, dtype="float32", device="cpu")
+    seen = count_sources(llm.engine.drafter, monkeypatch)
+    batch = []
+    for max_tokens in (1, 17, 40):
+        batch = assert_greedy_matches_plain(llm, plain, PROMPTS, max_tokens, (method, shape))
+    assert seen["lookup"] > 0 and seen["model"] > 0, seen
+    # lookup drafts run deeper than the model's and are accepted there
+    assert any(len(o.metrics.accepted_per_position) > steps and o.metrics.accepted_per_position[steps] > 0
+               for o in batch), [o.metrics.accepted_per_position for o in batch]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "method,shape,prompt_lookup_min,temperature,top_k,top_p",
+    [("eagle", {}, 1, 1.0, 0, 1.0), ("eagle", {}, 2, 0.8, 3, 1.0), ("eagle", {"topk": 2}, 2, 1.0, 0, 0.9),
+     ("draft_model", {}, 2, 1.0, 0, 0.85), ("draft_model", {"topk": 2}, 2, 0.9, 0, 1.0),
+     ("draft_model", {"speculative_token_tree": [[0], [1], [0, 0]]}, 2, 1.0, 0, 1.0)],
+)  # fmt: skip
+def test_sampled_joint_distribution_matches_target(tmp_path, monkeypatch, method, shape, prompt_lookup_min,
+                                                   temperature, top_k, top_p):  # fmt: skip
+    target = sampling_target(tmp_path / "t")
+    if method == "eagle":
+        model = load_model(str(target), dtype=torch.float32, device="cpu").model
+        drafter = trained_folder(FeatureNet, model, tmp_path / "net", steps=20, draft_vocab=5)  # q = 0 on one token
+    else:
+        drafter = make_tiny_checkpoint(tmp_path / "d", "llama", seed=5, logit_scale=0.5, vocab_size=SAMPLING_VOCAB)
+    steps = {} if "speculative_token_tree" in shape else {"num_steps": 1}
+    spec = {"method": method, "model": str(drafter), "num_speculative_tokens": 2, "prompt_lookup_max": 2,
+            "prompt_lookup_min": prompt_lookup_min, **steps, **shape}  # fmt: skip
+    llm = LLM(model=str(target), speculative_config=spec, dtype="float32", device="cpu")
+    seen = count_sources(llm.engine.drafter, monkeypatch)
+    assert_samples_follow_target(llm, 3, temperature, top_k, top_p=top_p)
+    # with V = 6 every row's last token occurred before: 1-grams give only lookup rows, 2-grams both
+    assert seen["lookup"] > 0 and (prompt_lookup_min == 1 or seen["model"] > 0), seen
+
+
+def test_an_adaptive_budget_plans_lookup_rows_on_its_own_estimates(setup, monkeypatch):
+    """A lookup row has no draft probability to report: its confidences are NaN, which the
+    budget replaces by its online estimates; greedy stays exact."""
+    target, models, plain = setup
+    spec = {"method": "eagle", "model": models["eagle"], "num_speculative_tokens": 4, "num_steps": 2,
+            "prompt_lookup_max": 3, "verify_budget": "adaptive"}  # fmt: skip
+    llm = LLM(model=target, speculative_config=spec, dtype="float32", device="cpu")
+    acceptance, seen = llm.engine.budget.acceptance, []
+    planned = acceptance.planned
+
+    def spy(reqs, raw, evidence=None):
+        seen.append(raw)
+        return planned(reqs, raw, evidence)
+
+    monkeypatch.setattr(acceptance, "planned", spy)
+    proposals, propose = [], llm.engine.drafter.propose
+
+    def keep(batch, n):
+        proposals.append(propose(batch, n))
+        return proposals[-1]
+
+    monkeypatch.setattr(llm.engine.drafter, "propose", keep)
+    assert_greedy_matches_plain(llm, plain, PROMPTS, 24, "adaptive")
+    nan_rows = [d for d in proposals if d.confidence is not None and bool(d.confidence.isnan().all(dim=1).any())]
+    assert nan_rows, "some round should have had a lookup row"
+    assert seen and all(not math.isnan(c) for raw in seen for row in raw for c in row)
+
+
+@pytest.mark.parametrize("method", ["eagle", "draft_model", "layer_skip"])
+@pytest.mark.parametrize(
+    "extra,message",
+    [({"prompt_lookup_min": 2}, "need prompt_lookup_max"), ({"num_steps": 1}, "need prompt_lookup_max"),
+     ({"prompt_lookup_max": 2, "prompt_lookup_min": 3}, "prompt_lookup_min <= prompt_lookup_max"),
+     ({"prompt_lookup_max": 0}, "prompt_lookup_max must be an integer >= 1"),
+     ({"prompt_lookup_max": 3, "num_steps": 0}, "num_steps must be an integer >= 1"),
+     ({"prompt_lookup_max": 3, "num_steps": "2"}, "num_steps must be an integer >= 1")],
+)  # fmt: skip
+def test_bad_options_get_one_line(method, extra, message):
+    model = {"model": "some/draft"} if method == "draft_model" else {}
+    with pytest.raises(SpecDecodeError, match=message) as e:
+        SpecConfig.parse({"method": method, "num_speculative_tokens": 4, **model, **extra})
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("method", ["eagle", "draft_model"])
+def test_num_steps_past_gamma_gets_one_line(setup, method):
+    target, models, _ = setup
+    spec = {"method": method, "model": models[method], "num_speculative_tokens": 2, "num_steps": 3,
+            "prompt_lookup_max": 3}  # fmt: skip
+    with pytest.raises(SpecDecodeError, match=r"num_steps \(3\) must be at most num_speculative_tokens \(2\)"):
+        LLM(model=target, speculative_config=spec, dtype="float32", device="cpu")
