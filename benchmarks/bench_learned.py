@@ -47,6 +47,7 @@ METHODS = {
     "eagle_tree_lookup": {"method": "eagle", "num_speculative_tokens": 8, "num_steps": 3, "topk": 4,
                           "num_draft_tokens": 8, "prompt_lookup_max": 5},  # fmt: skip
     "ngram": {"method": "ngram", "num_speculative_tokens": 8},  # the lookup alone, for reference
+    "layer_skip_lookup": {"method": "layer_skip", "num_speculative_tokens": 8, "num_steps": 1, "prompt_lookup_max": 5},
     "eagle3": {"method": "eagle3", "num_speculative_tokens": 1},
     "mtp": {"method": "mtp", "num_speculative_tokens": 1},
     "medusa": {"method": "medusa", "num_speculative_tokens": 3},
@@ -217,12 +218,15 @@ def plot(rows: list[dict], names: list[str], path: str, what: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for name in names:
+    tab20 = plt.get_cmap("tab20").colors
+    colors = tab20[::2] + tab20[1::2]  # 20 distinct: the default cycle repeats after 10 methods
+    for i, name in enumerate(names):
         sel = [r for r in rows if r["method"] == name and r["temperature"] == 0.0]
         if not sel:
             continue
         pos = [sum(r["accepted_per_position"][k] for r in sel) / len(sel) for k in range(sel[0]["gamma"])]
-        ax.plot(range(1, len(pos) + 1), pos, marker="o", label=f"{name} (γ={sel[0]['gamma']})")
+        ax.plot(range(1, len(pos) + 1), pos, marker="o", color=colors[i % len(colors)],
+                label=f"{name} (γ={sel[0]['gamma']})")  # fmt: skip
     deepest = max(r["gamma"] for r in rows)
     ax.set_xticks(range(1, deepest + 1))  # whole positions (one γ = 1 method alone gave 0.96..1.04)
     ax.set_xlim(0.5, deepest + 0.5)

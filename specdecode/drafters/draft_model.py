@@ -55,8 +55,9 @@ class DraftModelOptions(LookupKeys):
         budget = self.num_draft_tokens
         check_node_budget(budget)
         if self.speculative_token_tree is not None:
-            if self.topk != 1 or budget is not None:
-                raise SpecDecodeError("speculative_token_tree (a static tree) excludes topk and num_draft_tokens")
+            if self.topk != 1 or budget is not None or self.num_steps is not None:  # its shape sets them
+                raise SpecDecodeError("speculative_token_tree (a static tree) excludes topk, num_draft_tokens and "
+                                      "num_steps")  # fmt: skip
             if parse_token_tree(self.speculative_token_tree).num_nodes - 1 > MAX_TREE_NODES:
                 raise SpecDecodeError(f"speculative_token_tree has more than {MAX_TREE_NODES} nodes")
 

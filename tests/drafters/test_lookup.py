@@ -146,6 +146,13 @@ def test_bad_options_get_one_line(method, extra, message):
     assert "\n" not in str(e.value)
 
 
+def test_a_static_tree_takes_no_num_steps():
+    spec = {"method": "draft_model", "model": "some/draft", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+            "num_steps": 1, **STATIC}  # fmt: skip
+    with pytest.raises(SpecDecodeError, match="static tree.* excludes topk, num_draft_tokens and num_steps"):
+        SpecConfig.parse(spec)
+
+
 @pytest.mark.parametrize("method", ["eagle", "draft_model"])
 def test_num_steps_past_gamma_gets_one_line(setup, method):
     target, models, _ = setup
