@@ -146,10 +146,10 @@ class DraftModelDrafter:
                 token = argmax(logits)
             else:  # a lookup row's draws are scratch: its own stream is for its own drafts
                 q = logits_to_probs(logits[:, None], batch.temperature, batch.top_k, batch.top_p)[:, 0]  # [B, V]
-                token = sample(q, batch.draft_generators(k, alive))
+                token = sample(q, batch.draft_generators(k, alive if self.lookup is not None else None))
                 qs.append(q)
             drafts.append(torch.where(alive, token, -1))
-            if k + 1 == depth or not bool(alive.any()):
+            if k + 1 == depth or (self.lookup is not None and not bool(alive.any())):  # no sync without lookup
                 break
             logits = self._feed_one(token)  # the last draft token is fed next round, if accepted
         q_all = torch.stack(qs, dim=1) if qs else None  # [B, γ, V]

@@ -153,6 +153,7 @@ class EagleDrafter:
         drafts, qs, confs = [], [], []
         head_confidence = self.report_confidence and self.net.confidence is not None
         own_confidence = self.report_confidence and self.net.confidence is None  # the draft probability instead
+        stoppable = self.threshold > 0 or self.lookup is not None  # else every row drafts on: no device syncs
         for k in range(depth):
             if head_confidence:  # from the feature that gives d_k's logits
                 confs.append(torch.sigmoid(self.net.confidence(out).float())[:, 0])
@@ -160,7 +161,8 @@ class EagleDrafter:
             if batch.all_greedy:  # one-hot q: the verifier needs no distribution
                 token = self.net.head.vocab_ids[argmax(logits)]
             else:  # a stopped (or lookup) row's draws are scratch: its own stream is for its own drafts
-                token, q = self.net.head.sample(logits[:, None], batch, self.vocab_size, k, alive)
+                drafting = alive if stoppable else None
+                token, q = self.net.head.sample(logits[:, None], batch, self.vocab_size, k, drafting)
                 token, q = token[:, 0], q[:, 0]  # [B], [B, V]
                 qs.append(q)
             token = torch.where(alive, token, -1)
@@ -172,7 +174,7 @@ class EagleDrafter:
                     confs.append(own)
                 if self.threshold > 0:  # d_k stays; a row unsure of it drafts nothing after it
                     alive = alive & (own >= self.threshold)
-            if k + 1 == depth or not bool(alive.any()):
+            if k + 1 == depth or (stoppable and not bool(alive.any())):
                 break
             # entry (own output, d_k): its output predicts d_{k+1}; a stopped row's entry is scratch too
             positions = self.cache.lengths[:, None]
