@@ -25,7 +25,7 @@ from specdecode.config import SpecConfig, SpecDecodeError, is_int
 from specdecode.drafters.base import Draft, DrafterContext
 from specdecode.drafters.draft_cache import DraftKVCache
 from specdecode.drafters.draft_tree import fill_static_tree, grow_tree
-from specdecode.drafters.lookup import LookupKeys, look_up, splice_chains, trees_with_lookup
+from specdecode.drafters.lookup import LookupKeys, look_up, model_rows, splice_chains, trees_with_lookup
 from specdecode.engine.batch import Batch, pad_right
 from specdecode.kv_cache import KVCache
 from specdecode.model.loader import keeps_gguf_blocks, load_model
@@ -140,7 +140,7 @@ class DraftModelDrafter:
 
             return trees_with_lookup(grow, batch, roots, depth, found, self.ctx.device)
         drafts, qs = [], []
-        alive = torch.tensor([not f for f in found], dtype=torch.bool, device=self.ctx.device)  # the model's rows
+        alive = model_rows(found, self.ctx.device)
         for k in range(depth):
             if batch.all_greedy:  # one-hot q: the verifier needs no distribution
                 token = argmax(logits)

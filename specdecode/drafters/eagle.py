@@ -38,7 +38,7 @@ from specdecode.drafters.draft_tree import grow_tree
 from specdecode.drafters.draft_vocab import check_confidence_threshold
 from specdecode.drafters.eagle_net import FeatureNet
 from specdecode.drafters.learned import PendingFeatures, load_net, resolve_weights
-from specdecode.drafters.lookup import LookupKeys, look_up, splice_chains, trees_with_lookup
+from specdecode.drafters.lookup import LookupKeys, look_up, model_rows, splice_chains, trees_with_lookup
 from specdecode.engine.batch import Batch, Sequence, pad_right
 from specdecode.sampling import argmax
 from specdecode.tree import check_node_budget
@@ -144,8 +144,7 @@ class EagleDrafter:
         found, matched = look_up(batch, self.lookup, num_tokens)  # found[b] = [] where the net drafts
         if self.topk > 1:
             return self._tree(batch, logits, out, roots, depth, found)
-        net_rows = torch.tensor([not f for f in found], dtype=torch.bool, device=self.device)
-        draft = self._chain(batch, logits, out, depth, net_rows)
+        draft = self._chain(batch, logits, out, depth, model_rows(found, self.device))
         return draft if self.lookup is None else splice_chains(draft, found, matched)
 
     def _chain(self, batch: Batch, logits: torch.Tensor, out: torch.Tensor, depth: int, alive: torch.Tensor) -> Draft:

@@ -1,7 +1,8 @@
 """Prompt lookup beside a model drafter (`eagle`, `eagle3`, `mtp`, `draft_model`, `layer_skip`).
 
 Owns: the keys (`LookupKeys`, a base of those drafters' options), which rows copy this round
-(`look_up`) and splicing their copies into the model's draft (`splice_chains`, `trees_with_lookup`).
+(`look_up`, `model_rows`) and splicing their copies into the model's draft (`splice_chains`,
+`trees_with_lookup`).
 Does not own: the lookup itself (ngram.py) or the model's drafting.
 
 With ``prompt_lookup_max`` a row whose last n tokens occurred earlier (``prompt_lookup_min`` <=
@@ -67,6 +68,14 @@ def look_up(batch: Batch, lookup: tuple[int, int] | None, num_tokens: int) -> tu
         return [[] for _ in batch.seqs], [0] * len(batch)
     limits = batch.draft_limits or [num_tokens] * len(batch)
     return lookup_rows(batch.seqs, *lookup, [min(num_tokens, n) for n in limits])
+
+
+def model_rows(found: list[list[int]], device: torch.device) -> torch.Tensor:
+    """[B] bool: the rows that draft with the model this round (every row where none copies, made
+    on the device: no host-to-device copy on the hot path when lookup is off or finds nothing)."""
+    if not any(found):
+        return torch.ones(len(found), dtype=torch.bool, device=device)
+    return torch.tensor([not f for f in found], dtype=torch.bool, device=device)
 
 
 def splice_chains(draft: Draft, found: list[list[int]], matched: list[int]) -> Draft:
