@@ -25,7 +25,7 @@ from specdecode.config import SpecConfig, SpecDecodeError, is_int
 from specdecode.drafters.base import Draft, DrafterContext
 from specdecode.drafters.draft_cache import DraftKVCache
 from specdecode.drafters.draft_tree import fill_static_tree, grow_tree
-from specdecode.drafters.lookup import LookupKeys, look_up, model_rows, splice_chains, trees_with_lookup
+from specdecode.drafters.lookup import Lookup, LookupKeys, look_up, model_rows, splice_chains, trees_with_lookup
 from specdecode.engine.batch import Batch, pad_right
 from specdecode.kv_cache import KVCache
 from specdecode.model.loader import keeps_gguf_blocks, load_model
@@ -85,7 +85,7 @@ class DraftModelDrafter:
         self.ctx = ctx
         self.gamma = spec.num_speculative_tokens
         self.topk: int = spec.options.topk
-        self.lookup: tuple[int, int] | None = spec.options.lookup()
+        self.lookup: Lookup | None = spec.options.lookup(ctx.target)
         self.steps: int = spec.options.steps(self.gamma)  # the model's depth (γ is the lookup's)
         self.budget: int = spec.options.num_draft_tokens or self.steps * self.topk
         tree = spec.options.speculative_token_tree

@@ -38,7 +38,7 @@ from specdecode.drafters.draft_tree import grow_tree
 from specdecode.drafters.draft_vocab import check_confidence_threshold
 from specdecode.drafters.eagle_net import FeatureNet
 from specdecode.drafters.learned import PendingFeatures, load_net, resolve_weights
-from specdecode.drafters.lookup import LookupKeys, look_up, model_rows, splice_chains, trees_with_lookup
+from specdecode.drafters.lookup import Lookup, LookupKeys, look_up, model_rows, splice_chains, trees_with_lookup
 from specdecode.engine.batch import Batch, Sequence, pad_right
 from specdecode.sampling import argmax
 from specdecode.tree import check_node_budget
@@ -81,7 +81,7 @@ class EagleDrafter:
         self.device = ctx.device
         self.gamma = spec.num_speculative_tokens
         self.topk: int = spec.options.topk
-        self.lookup: tuple[int, int] | None = spec.options.lookup()
+        self.lookup: Lookup | None = spec.options.lookup(ctx.target)
         self.steps: int = spec.options.steps(self.gamma)  # the net's depth (γ is the lookup's)
         self.budget: int = spec.options.num_draft_tokens or self.steps * self.topk
         self.threshold: float = float(spec.options.confidence_threshold)

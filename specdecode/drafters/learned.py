@@ -255,15 +255,23 @@ def resolve_weights(method: str, model: str | None, target: "LoadedModel") -> st
         if not Path(model).is_dir():
             raise SpecDecodeError(f"{method} model {model!r} is not a folder; train one with `specdecode train --method {method}`")
         return model
+    folder = shipped_folder(method, target)
+    if folder is None:
+        raise SpecDecodeError(
+            f'{method} needs "model": a folder written by `specdecode train --method {method}`; '
+            f"no {method} weights ship for {target.name}"
+        )
+    return folder
+
+
+def shipped_folder(method: str, target: "LoadedModel") -> str | None:
+    """The folder under ``specdecode/weights`` whose config.json names ``method`` and this target, or None."""
     want = target_fingerprint(target.model)
     for folder in sorted(WEIGHTS_DIR.glob("*")) if WEIGHTS_DIR.is_dir() else []:
         meta = read_net_config(folder) if (folder / CONFIG_FILE).is_file() else {}
         if meta.get("specdecode_method") == method and meta.get("target") == want:
             return str(folder)
-    raise SpecDecodeError(
-        f'{method} needs "model": a folder written by `specdecode train --method {method}`; '
-        f"no {method} weights ship for {target.name}"
-    )
+    return None
 
 
 class PendingFeatures:

@@ -1,57 +1,94 @@
-"""Prompt lookup beside a model drafter (`eagle`, `eagle3`, `mtp`, `draft_model`, `layer_skip`).
+"""Lookup beside a model drafter (`eagle`, `eagle3`, `mtp`, `draft_model`, `layer_skip`): copies
+from the row's own text (prompt lookup) and from a datastore of the target's answers (REST).
 
 Owns: the keys (`LookupKeys`, a base of those drafters' options), which rows copy this round
-(`look_up`, `model_rows`) and splicing their copies into the model's draft (`splice_chains`,
-`trees_with_lookup`).
-Does not own: the lookup itself (ngram.py) or the model's drafting.
+(`Lookup`, `look_up`, `model_rows`) and splicing their copies into the model's draft
+(`splice_chains`, `trees_with_lookup`).
+Does not own: the lookups themselves (ngram.py, datastore.py) or the model's drafting.
 
 With ``prompt_lookup_max`` a row whose last n tokens occurred earlier (``prompt_lookup_min`` <=
 n <= ``prompt_lookup_max``, `ngram`'s keys) drafts what followed them, up to γ tokens, in place
-of the model's draft; the other rows draft with the model, ``num_steps`` deep (Arctic Inference
-pairs suffix decoding with its speculator the same way). Copies (code that repeats its names,
-summaries that quote) are long and cheap; the model covers the rest. A lookup draft is a
-deterministic function of the history (one-hot q), so a round stays lossless whichever source
-each row took. The model still runs on every row (its cache stays whole); its draws for a lookup
-row come from a scratch stream (`Batch.draft_generators`), so a seeded row's samples do not depend
-on its neighbours.
+of the model's draft. With ``datastore`` (a folder from ``python -m specdecode.train.datastore``,
+or ``true`` for the one shipped for this target) a row that found no such copy looks up the
+longest suffix of its context (at least ``prompt_lookup_min`` tokens) among the target's earlier
+answers, and drafts their most frequent continuation where at least ``datastore_min_prob`` of
+those occurrences begin with it (counted as c / (n + 1): one occurrence alone is a coin flip). The other
+rows draft with the model, ``num_steps`` deep (Arctic Inference pairs suffix decoding with its
+speculator the same way). Copies are long and cheap; the model covers the rest. A lookup draft is
+a deterministic function of the history and the store (one-hot q), so a round stays lossless
+whichever source each row took. The model still runs on every row (its cache stays whole); its
+draws for a lookup row come from a scratch stream (`Batch.draft_generators`), so a seeded row's
+samples do not depend on its neighbours.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from specdecode.config import SpecDecodeError, is_int
+from specdecode.config import SpecDecodeError, is_int, is_real
 from specdecode.drafters.base import Draft
+from specdecode.drafters.datastore import METHOD as DATASTORE
+from specdecode.drafters.datastore import Datastore, load_datastore
 from specdecode.drafters.ngram import NgramOptions, lookup_rows
 from specdecode.engine.batch import Batch
 from specdecode.tree import TreeBatch
 
+if TYPE_CHECKING:
+    from specdecode.model.loader import LoadedModel
+
+DATASTORE_MAX_N = 8  # the longest context suffix looked up in a datastore
+DATASTORE_EVIDENCE = 100  # a datastore row's evidence is 100 + its match length (prompt lookup's is the length)
+
 
 @dataclass(frozen=True)
 class LookupKeys:
-    """prompt_lookup_max: None = off. num_steps: the model's draft depth (chain length or tree
-    depth) when γ is the lookup's; None = γ."""
+    """prompt_lookup_max: None = no prompt lookup. datastore: a folder, true = the one shipped for
+    the target, None = none. num_steps: the model's draft depth (chain length or tree depth) when
+    γ is the lookup's; None = γ."""
 
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     num_steps: int | None = None
+    datastore: str | bool | None = None
+    datastore_min_prob: float = 0.6
 
     def __post_init__(self) -> None:
-        if self.prompt_lookup_max is None:
+        store, prob = self.datastore, self.datastore_min_prob
+        if store is not None and not (store is True or store is False or (isinstance(store, str) and store)):
+            raise SpecDecodeError(f"datastore must be a folder path or true, got {store!r}")
+        if not is_real(prob) or not math.isfinite(prob) or not 0 <= prob <= 1:
+            raise SpecDecodeError(f"datastore_min_prob must be a number in [0, 1], got {prob!r}")
+        if self.prompt_lookup_max is None and not store:
             if self.prompt_lookup_min is not None or self.num_steps is not None:
-                raise SpecDecodeError("prompt_lookup_min and num_steps need prompt_lookup_max (prompt lookup)")
+                raise SpecDecodeError("prompt_lookup_min and num_steps need prompt_lookup_max (prompt lookup) "
+                                      "or a datastore")  # fmt: skip
             return
-        lookup = NgramOptions(self.prompt_lookup_min, self.prompt_lookup_max)  # validated as ngram's keys are
+        # validated as ngram's keys are (a datastore alone takes prompt_lookup_min as its shortest match)
+        lookup = NgramOptions(self.prompt_lookup_min, self.prompt_lookup_max)
         object.__setattr__(self, "prompt_lookup_min", lookup.prompt_lookup_min)
         if self.num_steps is not None and (not is_int(self.num_steps) or self.num_steps < 1):
             raise SpecDecodeError(f"num_steps must be an integer >= 1, got {self.num_steps!r}")
 
-    def lookup(self) -> tuple[int, int] | None:
-        """(min n, max n), or None when lookup is off."""
-        return None if self.prompt_lookup_max is None else (self.prompt_lookup_min, self.prompt_lookup_max)
+    def lookup(self, target: LoadedModel) -> Lookup | None:
+        """The lookup these keys ask for (its datastore loaded for ``target``), or None when off."""
+        if self.prompt_lookup_max is None and not self.datastore:
+            return None
+        ngram = None if self.prompt_lookup_max is None else (self.prompt_lookup_min, self.prompt_lookup_max)
+        store = None
+        if self.datastore:
+            from specdecode.drafters.learned import shipped_folder, target_fingerprint
+
+            folder = shipped_folder(DATASTORE, target) if self.datastore is True else self.datastore
+            if folder is None:
+                raise SpecDecodeError(f"no datastore ships for {target.name}: give \"datastore\" a folder built by "
+                                      "`python -m specdecode.train.datastore`")  # fmt: skip
+            store = load_datastore(folder, target_fingerprint(target.model))
+        return Lookup(ngram, store, self.prompt_lookup_min, self.datastore_min_prob)
 
     def steps(self, gamma: int) -> int:
         """The model's draft depth for γ, checked against it."""
@@ -61,13 +98,44 @@ class LookupKeys:
         return steps
 
 
-def look_up(batch: Batch, lookup: tuple[int, int] | None, num_tokens: int) -> tuple[list[list[int]], list[int]]:
-    """Each row's lookup draft (within its draft limit; [] where the model drafts) and matched n
+@dataclass(frozen=True)
+class Lookup:
+    """Where a row's draft may come from instead of the model: its own text (``ngram`` = (min n,
+    max n), or None), then ``store`` (or None), matched on at least ``min_n`` tokens."""
+
+    ngram: tuple[int, int] | None
+    store: Datastore | None
+    min_n: int
+    min_prob: float
+
+    def rows(self, batch: Batch, depths: list[int]) -> tuple[list[list[int]], list[int]]:
+        """Each row's copied draft (up to ``depths[b]`` tokens; [] where the model drafts) and its
+        evidence (0 where it drafts nothing)."""
+        if self.ngram is not None:
+            found, evidence = lookup_rows(batch.seqs, *self.ngram, depths)
+        else:
+            found, evidence = [[] for _ in batch.seqs], [0] * len(batch)
+        if self.store is None:
+            return found, evidence
+        for b, (seq, depth) in enumerate(zip(batch.seqs, depths)):
+            if found[b] or depth <= 0:
+                continue
+            n, ends = self.store.match(seq.token_ids[-DATASTORE_MAX_N:], DATASTORE_MAX_N)
+            if n < self.min_n:
+                continue
+            chain, shares = self.store.chain(ends, depth, 0.0)
+            if chain and shares[0] * len(ends) / (len(ends) + 1) >= self.min_prob:
+                found[b], evidence[b] = chain, DATASTORE_EVIDENCE + n
+        return found, evidence
+
+
+def look_up(batch: Batch, lookup: Lookup | None, num_tokens: int) -> tuple[list[list[int]], list[int]]:
+    """Each row's lookup draft (within its draft limit; [] where the model drafts) and its evidence
     (0 where it drafts nothing); all [] and 0 when ``lookup`` is None."""
     if lookup is None:
         return [[] for _ in batch.seqs], [0] * len(batch)
     limits = batch.draft_limits or [num_tokens] * len(batch)
-    return lookup_rows(batch.seqs, *lookup, [min(num_tokens, n) for n in limits])
+    return lookup.rows(batch, [min(num_tokens, n) for n in limits])
 
 
 def model_rows(found: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -80,7 +148,7 @@ def model_rows(found: list[list[int]], device: torch.device) -> torch.Tensor:
 
 def splice_chains(draft: Draft, found: list[list[int]], matched: list[int]) -> Draft:
     """The model's chains with the lookup rows' chains in their place: one-hot q, no confidence
-    (NaN: an adaptive budget plans those rows on its own estimates), the matched n as evidence
+    (NaN: an adaptive budget plans those rows on its own estimates), ``matched`` as evidence
     (0: the model's draft)."""
     B, w = draft.tokens.shape
     device = draft.tokens.device

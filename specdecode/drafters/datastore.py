@@ -1,0 +1,161 @@
+"""A datastore of the target's own answers, looked up as REST does (retrieval drafts).
+
+Owns: `Datastore` (documents of token ids in one array, a suffix array over it read
+backwards, `match` for the longest suffix of a context that occurs in it and `chain` for
+the most frequent continuation of those occurrences), its folder on disk (`save` /
+`load_datastore`: ``config.json`` with the target's fingerprint + ``tokens.npy``) and
+`build_datastore` from chat records.
+Does not own: when a row drafts from it instead of the model (lookup.py) or making the
+records (train/regenerate.py).
+
+The suffix array is over the *reversed* token array, so the occurrences of a context's last
+n tokens are one range that narrows as n grows: the longest match costs one pass of
+binary searches over shrinking ranges (tens of microseconds per row and round at a million
+tokens), not one search per n. It is built when the folder is loaded (prefix doubling with
+numpy sorts, ~1 s per million tokens) rather than shipped: the tokens alone are 2 bytes
+each. A draft is a deterministic function of the context and the store (one-hot q), so a
+round that takes it stays lossless.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specdecode.config import SpecDecodeError, first_line
+
+SENTINEL = -1  # ends every document: a match or a continuation never crosses it
+METHOD, TOKENS_FILE, CONFIG_FILE = "datastore", "tokens.npy", "config.json"
+MAX_OCCURRENCES = 4096  # a continuation is counted over at most this many occurrences (cost bound)
+
+
+def suffix_order(tokens: np.ndarray) -> np.ndarray:
+    """Start positions of the suffixes of ``tokens`` (int, >= SENTINEL) in lexicographic order
+    (prefix doubling: each round sorts by the ranks of the first 2k tokens; a suffix that ends
+    sorts before any that goes on)."""
+    n = len(tokens)
+    rank = tokens.astype(np.int64) - SENTINEL  # >= 0
+    order = np.argsort(rank, kind="stable")
+    k = 1
+    while k < n:
+        nxt = np.zeros(n, dtype=np.int64)
+        nxt[: n - k] = rank[k:] + 1  # 0: past the end
+        key = rank * (int(rank.max()) + 2) + nxt
+        order = np.argsort(key, kind="stable")
+        ranked = key[order]
+        rank = np.empty(n, dtype=np.int64)
+        rank[order] = np.concatenate([[0], np.cumsum(ranked[1:] != ranked[:-1])])
+        if rank[order[-1]] == n - 1:  # every suffix told apart
+            break
+        k *= 2
+    return order
+
+
+class Datastore:
+    """Documents of token ids, separated by SENTINEL, searchable by their suffixes."""
+
+    def __init__(self, tokens: np.ndarray) -> None:
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if tokens.ndim != 1 or (tokens.size and tokens[-1] != SENTINEL) or (tokens < SENTINEL).any():
+            raise SpecDecodeError("a datastore is a 1-D array of token ids >= 0 whose documents each end with -1")
+        self.tokens = tokens
+        rev = np.append(tokens[::-1], SENTINEL)  # read backwards, a match stops at its document's start
+        order = suffix_order(rev)
+        order = order[rev[order] != SENTINEL]  # a match never starts on a separator
+        self._rev_order = order  # [M] suffixes of the reversed array, sorted
+        self._first = rev[order]  # [M] their first token (sorted): the first binary search needs no gather
+        self._rev = rev
+
+    def __len__(self) -> int:
+        return int(self.tokens.size)
+
+    @property
+    def num_documents(self) -> int:
+        return int((self.tokens == SENTINEL).sum())
+
+    def match(self, context: Sequence[int], max_n: int) -> tuple[int, np.ndarray]:
+        """(n, ends): the longest n <= ``max_n`` such that the last n tokens of ``context`` occur
+        in the store, and where those occurrences end (positions in ``tokens``, at most
+        MAX_OCCURRENCES of them); (0, []) if not even the last token occurs."""
+        rev, order = self._rev, self._rev_order
+        lo, hi = np.searchsorted(self._first, [context[-1], context[-1] + 1]) if len(context) else (0, 0)
+        n = 1 if hi > lo else 0
+        while hi > lo and n < min(max_n, len(context)):
+            col = rev[order[lo:hi] + n]  # [hi - lo]: the next token back of each occurrence, sorted
+            a, b = np.searchsorted(col, [context[-1 - n], context[-1 - n] + 1])
+            if b == a:
+                break
+            lo, hi, n = lo + a, lo + b, n + 1
+        if n == 0:
+            return 0, np.empty(0, dtype=np.int64)
+        ends = len(self.tokens) - 1 - order[lo : min(hi, lo + MAX_OCCURRENCES)]  # reversed start -> forward end
+        return n, ends
+
+    def chain(self, ends: np.ndarray, depth: int, min_prob: float) -> tuple[list[int], list[float]]:
+        """The most frequent continuation of the occurrences ending at ``ends``, up to ``depth``
+        tokens, while the share of occurrences that continue with it stays >= ``min_prob``; and
+        that share after each token (its estimated probability, non-increasing)."""
+        tokens, total = self.tokens, max(len(ends), 1)
+        at = ends + 1
+        chain: list[int] = []
+        probs: list[float] = []
+        for _ in range(depth):
+            nxt = tokens[at]  # the array ends with SENTINEL: at never runs past it
+            values, counts = np.unique(nxt, return_counts=True)
+            best = int(counts.argmax())
+            if values[best] == SENTINEL or counts[best] / total < min_prob:
+                break
+            chain.append(int(values[best]))
+            probs.append(float(counts[best]) / total)
+            at = at[nxt == values[best]] + 1
+        return chain, probs
+
+    def save(
+        self, out_dir: str | Path, target_fingerprint: dict[str, Any], extra: dict[str, Any] | None = None
+    ) -> Path:
+        """Write ``config.json`` (method, the target's fingerprint, sizes, ``extra``) and ``tokens.npy``."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        vocab = int(target_fingerprint["vocab_size"])
+        dtype = np.uint16 if vocab <= np.iinfo(np.uint16).max else np.int32  # SENTINEL stored as the max value
+        stored = np.where(self.tokens == SENTINEL, np.iinfo(dtype).max, self.tokens).astype(dtype)
+        np.save(out / TOKENS_FILE, stored)
+        meta = {"specdecode_method": METHOD, "target": target_fingerprint, "tokens": len(self),
+                "documents": self.num_documents, **(extra or {})}  # fmt: skip
+        (out / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        return out
+
+
+def load_datastore(path: str | Path, target_fingerprint: dict[str, Any]) -> Datastore:
+    """The datastore in folder ``path``; a one-line error if it is not one or was built for another target."""
+    folder = Path(path)
+    try:
+        meta = json.loads((folder / CONFIG_FILE).read_text())
+        stored = np.load(folder / TOKENS_FILE)
+    except (OSError, ValueError) as e:
+        raise SpecDecodeError(f"datastore {str(path)!r} is not a datastore folder: {first_line(e)}") from None
+    if not isinstance(meta, dict) or meta.get("specdecode_method") != METHOD:
+        raise SpecDecodeError(f"datastore {str(path)!r}: its config.json is not a datastore's")
+    if meta.get("target") != target_fingerprint:
+        raise SpecDecodeError(f"datastore {str(path)!r} was built for another target ({meta.get('target')}, "
+                              f"this one is {target_fingerprint})")  # fmt: skip
+    if stored.ndim != 1 or stored.dtype not in (np.uint16, np.int32):
+        raise SpecDecodeError(f"datastore {str(path)!r}: {TOKENS_FILE} is not a 1-D uint16 / int32 array")
+    tokens = stored.astype(np.int64)
+    tokens[stored == np.iinfo(stored.dtype).max] = SENTINEL
+    if tokens.size and (tokens[-1] != SENTINEL or tokens.max() >= int(target_fingerprint["vocab_size"])):
+        raise SpecDecodeError(f"datastore {str(path)!r}: {TOKENS_FILE} holds ids outside the vocabulary "
+                              "or does not end a document")  # fmt: skip
+    return Datastore(tokens)
+
+
+def build_datastore(documents: Iterable[Sequence[int]]) -> Datastore:
+    """A datastore over ``documents`` (each a list of token ids; empty ones are skipped)."""
+    parts = [np.append(np.asarray(d, dtype=np.int64), SENTINEL) for d in documents if len(d)]
+    if not parts:
+        raise SpecDecodeError("a datastore needs at least one non-empty document")
+    return Datastore(np.concatenate(parts))

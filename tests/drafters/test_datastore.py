@@ -1,0 +1,241 @@
+"""The datastore (REST-style lookup in the target's own answers, ``"datastore"`` on `eagle` and
+`draft_model`): the suffix array finds the longest match and every occurrence (against brute
+force), the chain is the most frequent continuation, the folder round-trips and refuses another
+target; beside a model drafter greedy equals plain greedy with datastore rows seen, and sampled
+output follows the target's exact joint distribution; the builder keeps each answer with its
+header; bad input gets one line."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from specdecode import LLM
+from specdecode.config import SpecConfig, SpecDecodeError
+from specdecode.drafters.datastore import SENTINEL, build_datastore, load_datastore, suffix_order
+from specdecode.drafters.eagle_net import FeatureNet
+from specdecode.drafters.learned import target_fingerprint
+from specdecode.drafters.lookup import DATASTORE_EVIDENCE
+from specdecode.model.loader import load_model
+from specdecode.train.datastore import HEADER, _ids, answer_tokens
+from specdecode.train.datastore import main as build_main
+from tests.drafters.test_lookup import PROMPTS, TREE, count_sources
+from tests.engine.checks import assert_greedy_matches_plain, assert_samples_follow_target, greedy, sampling_target
+from tests.learned import trained_folder
+from tests.tiny import early_exit_checkpoint, make_tiny_checkpoint, tiny_tokenizer
+
+
+def occurrences(tokens: list[int], pattern: list[int]) -> list[int]:
+    """Where each occurrence of ``pattern`` ends in ``tokens`` (brute force)."""
+    k = len(pattern)
+    return [e for e in range(k - 1, len(tokens)) if tokens[e - k + 1 : e + 1] == pattern]
+
+
+def test_suffix_order_sorts_every_suffix():
+    rng = random.Random(1)
+    for _ in range(100):
+        seq = [rng.randrange(-1, 4) for _ in range(rng.randrange(1, 30))]
+        order = suffix_order(np.array(seq))
+        suffixes = [seq[i:] for i in order]
+        assert sorted(order.tolist()) == list(range(len(seq)))
+        assert all(a <= b for a, b in itertools.pairwise(suffixes)), seq
+
+
+def test_match_finds_the_longest_suffix_and_all_its_occurrences():
+    rng = random.Random(0)
+    for _ in range(300):
+        docs = [[rng.randrange(4) for _ in range(rng.randrange(0, 12))] for _ in range(rng.randrange(1, 6))]
+        if not any(docs):
+            continue
+        store = build_datastore(docs)
+        tokens = store.tokens.tolist()
+        context = [rng.randrange(4) for _ in range(rng.randrange(1, 7))]
+        n, ends = store.match(context, 5)
+        longest = 0
+        for k in range(1, min(5, len(context)) + 1):
+            if not occurrences(tokens, context[-k:]):
+                break
+            longest = k
+        assert n == longest, (docs, context)
+        assert sorted(ends.tolist()) == (occurrences(tokens, context[-n:]) if n else [])
+        assert all(t != SENTINEL for e in ends.tolist() for t in tokens[e - n + 1 : e + 1])  # within a document
+
+
+def test_chain_follows_the_most_frequent_continuation_to_the_end_of_a_document():
+    store = build_datastore([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 4, 6], [1, 2, 3, 4, 6, 8], [7, 1, 2, 9]])
+    n, ends = store.match([0, 1, 2], 4)
+    assert n == 2 and len(ends) == 5
+    # 8 ties with a document's end after 1 2 3 4 6: the chain stops
+    assert store.chain(ends, 5, 0.0) == ([3, 4, 6], [0.8, 0.6, 0.4])
+    assert store.chain(ends, 5, 0.5) == ([3, 4], [0.8, 0.6])
+    assert store.chain(ends, 1, 0.0) == ([3], [0.8])
+    assert store.match([10], 3)[0] == 0
+
+
+def test_a_folder_round_trips_and_refuses_another_target(tmp_path):
+    fingerprint = {"architecture": "llama", "hidden_size": 8, "num_layers": 2, "vocab_size": 100}
+    store = build_datastore([[1, 2, 99], [3]])
+    store.save(tmp_path / "s", fingerprint)
+    again = load_datastore(tmp_path / "s", fingerprint)
+    assert again.tokens.tolist() == [1, 2, 99, SENTINEL, 3, SENTINEL]
+    assert np.load(tmp_path / "s" / "tokens.npy").dtype == np.uint16
+    with pytest.raises(SpecDecodeError, match="built for another target") as e:
+        load_datastore(tmp_path / "s", {**fingerprint, "vocab_size": 50})
+    assert "\n" not in str(e.value)
+    with pytest.raises(SpecDecodeError, match="is not a datastore folder"):
+        load_datastore(tmp_path / "missing", fingerprint)
+    small = {**fingerprint, "vocab_size": 50}  # a config.json edited to another vocabulary: id 99 is outside it
+    (tmp_path / "s" / "config.json").write_text(json.dumps({"specdecode_method": "datastore", "target": small}))
+    with pytest.raises(SpecDecodeError, match="ids outside the vocabulary"):
+        load_datastore(tmp_path / "s", small)
+    with pytest.raises(SpecDecodeError, match="at least one non-empty document"):
+        build_datastore([[], []])
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny target, its eagle net and early-exit draft model, and a datastore of its own greedy
+    answers to other prompts (so that some rows of PROMPTS find them, and some do not)."""
+    root = tmp_path_factory.mktemp("datastore")
+    target = make_tiny_checkpoint(root / "target", "llama", seed=0)
+    model = load_model(str(target), dtype=torch.float32, device="cpu").model
+    models = {"eagle": str(trained_folder(FeatureNet, model, root / "eagle", draft_vocab=0)),
+              "draft_model": str(early_exit_checkpoint(target, root / "draft", 1))}  # fmt: skip
+    plain = LLM(model=str(target), dtype="float32", device="cpu")
+    others = [[5, 9], [7, 1, 2], [3, 3, 8], [12, 4], [6]]
+    answers = [p + o.token_ids for p, o in zip(others, plain.generate(others, greedy(30)))]
+    build_datastore(answers).save(root / "store", target_fingerprint(model))
+    return str(target), models, plain, str(root / "store")
+
+
+def count_datastore_rows(drafter, monkeypatch) -> list[int]:
+    """The evidence of every datastore row proposed (wraps the drafter's propose)."""
+    seen: list[int] = []
+    propose = drafter.propose
+
+    def spy(batch, num_tokens):
+        draft = propose(batch, num_tokens)
+        seen.extend(e for e in draft.evidence or [] if e > DATASTORE_EVIDENCE)
+        return draft
+
+    monkeypatch.setattr(drafter, "propose", spy)
+    return seen
+
+
+@pytest.mark.parametrize(
+    "method,shape,lookup", [("eagle", {}, {}), ("eagle", {}, {"prompt_lookup_max": 3}), ("draft_model", {}, {})]
+)
+def test_greedy_equals_plain(setup, monkeypatch, method, shape, lookup):
+    target, models, plain, store = setup
+    spec = {"method": method, "model": models[method], "num_speculative_tokens": 4, "num_steps": 1,
+            "datastore": store, "datastore_min_prob": 0.3, **lookup, **shape}  # fmt: skip
+    llm = LLM(model=target, speculative_config=spec, dtype="float32", device="cpu")
+    evidence = count_datastore_rows(llm.engine.drafter, monkeypatch)
+    seen = count_sources(llm.engine.drafter, monkeypatch)
+    batch = []
+    for max_tokens in (1, 17, 40):
+        batch = assert_greedy_matches_plain(llm, plain, PROMPTS, max_tokens, (method, lookup))
+    assert evidence and seen["model"] > 0, (evidence, seen)
+    assert any(len(o.metrics.accepted_per_position) > 1 and o.metrics.accepted_per_position[1] > 0 for o in batch)
+
+
+def test_a_tree_takes_datastore_rows_as_chains(setup, monkeypatch):
+    target, models, plain, store = setup
+    spec = {"method": "eagle", "model": models["eagle"], "num_speculative_tokens": 4, "num_steps": 2,
+            "datastore": store, "datastore_min_prob": 0.3, **TREE}  # fmt: skip
+    llm = LLM(model=target, speculative_config=spec, dtype="float32", device="cpu")
+    seen = count_sources(llm.engine.drafter, monkeypatch)
+    assert_greedy_matches_plain(llm, plain, PROMPTS, 40, "tree")
+    assert seen["lookup"] > 0 and seen["model"] > 0, seen
+
+
+@pytest.mark.parametrize("method", ["eagle", "draft_model"])
+def test_sampled_joint_distribution_matches_target(tmp_path, monkeypatch, method):
+    target = sampling_target(tmp_path / "t")
+    model = load_model(str(target), dtype=torch.float32, device="cpu").model
+    if method == "eagle":
+        drafter = trained_folder(FeatureNet, model, tmp_path / "net", steps=20, draft_vocab=5)  # q = 0 on one token
+    else:
+        drafter = make_tiny_checkpoint(tmp_path / "d", "llama", seed=5, logit_scale=0.5, vocab_size=6)
+    rng = random.Random(3)  # random text over the 6 tokens: every 2-gram occurs, continuations disagree
+    build_datastore([[rng.randrange(6) for _ in range(40)] for _ in range(5)]).save(
+        tmp_path / "s", target_fingerprint(model)
+    )
+    spec = {"method": method, "model": str(drafter), "num_speculative_tokens": 2, "num_steps": 1,
+            "datastore": str(tmp_path / "s"), "datastore_min_prob": 0.25, "prompt_lookup_min": 2}  # fmt: skip
+    llm = LLM(model=str(target), speculative_config=spec, dtype="float32", device="cpu")
+    evidence = count_datastore_rows(llm.engine.drafter, monkeypatch)
+    seen = count_sources(llm.engine.drafter, monkeypatch)
+    assert_samples_follow_target(llm, 3, 1.0, 0)
+    assert evidence and seen["model"] > 0, (len(evidence), seen)
+
+
+def test_the_builder_keeps_each_answer_with_its_header(tmp_path):
+    tok = tiny_tokenizer()
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                {"role": "user", "content": "and?"}, {"role": "assistant", "content": "ok"}]  # fmt: skip
+    turns = answer_tokens(messages, tok)
+    assert len(turns) == 2
+    for i, turn in zip((1, 3), turns):
+        before = _ids(tok.apply_chat_template(messages[:i], tokenize=True, add_generation_prompt=True))
+        through = _ids(tok.apply_chat_template(messages[: i + 1], tokenize=True))
+        assert turn == through[len(before) - HEADER :]
+        assert tok.decode(turn).find(messages[i]["content"]) >= 0
+
+
+def test_the_builder_writes_a_folder_and_refuses_bad_input(tmp_path, capsys):
+    target = make_tiny_checkpoint(tmp_path / "t", "llama", seed=0)
+    records = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"answer {i}"}]}
+               for i in range(3)]  # fmt: skip
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    assert build_main(["--data", str(tmp_path / "a.jsonl"), "--out", str(tmp_path / "s"), "--target", str(target)]) == 0
+    model = load_model(str(target), dtype=torch.float32, device="cpu").model
+    assert load_datastore(tmp_path / "s", target_fingerprint(model)).num_documents == 3
+    (tmp_path / "bad.jsonl").write_text('{"text": "plain text"}\n')
+    capsys.readouterr()
+    for data, message in (
+        (tmp_path / "missing", "data path not found"),
+        (tmp_path / "bad.jsonl", "expected a JSON chat record"),
+    ):
+        assert build_main(["--data", str(data), "--out", str(tmp_path / "x"), "--target", str(target)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [({"datastore": ""}, "datastore must be a folder path or true"), ({"datastore": 3}, "datastore must be"),
+     ({"datastore": True, "datastore_min_prob": 1.5}, r"datastore_min_prob must be a number in \[0, 1\]")],
+)  # fmt: skip
+def test_bad_options_get_one_line(extra, message):
+    with pytest.raises(SpecDecodeError, match=message) as e:
+        SpecConfig.parse({"method": "eagle", "num_speculative_tokens": 4, **extra})
+    assert "\n" not in str(e.value)
+
+
+def test_a_missing_or_foreign_datastore_gets_one_line(setup, tmp_path):
+    target, models, _, _ = setup
+    base = {"method": "eagle", "model": models["eagle"], "num_speculative_tokens": 2}
+    with pytest.raises(SpecDecodeError, match="no datastore ships for"):
+        LLM(model=target, speculative_config={**base, "datastore": True}, dtype="float32", device="cpu")
+    with pytest.raises(SpecDecodeError, match="is not a datastore folder"):
+        LLM(
+            model=target,
+            speculative_config={**base, "datastore": str(tmp_path / "nope")},
+            dtype="float32",
+            device="cpu",
+        )
+    other = {"architecture": "llama", "hidden_size": 8, "num_layers": 2, "vocab_size": 100}
+    build_datastore([[1, 2]]).save(tmp_path / "other", other)
+    with pytest.raises(SpecDecodeError, match="built for another target"):
+        LLM(
+            model=target,
+            speculative_config={**base, "datastore": str(tmp_path / "other")},
+            dtype="float32",
+            device="cpu",
+        )
