@@ -46,6 +46,11 @@ METHODS = {
     "eagle_lookup": {"method": "eagle", "num_speculative_tokens": 8, "num_steps": 1, "prompt_lookup_max": 5},
     "eagle_tree_lookup": {"method": "eagle", "num_speculative_tokens": 8, "num_steps": 3, "topk": 4,
                           "num_draft_tokens": 8, "prompt_lookup_max": 5},  # fmt: skip
+    # and in the datastore of the target's own answers shipped with the package (REST)
+    "eagle_datastore": {"method": "eagle", "num_speculative_tokens": 8, "num_steps": 1, "prompt_lookup_max": 5,
+                        "datastore": True},  # fmt: skip
+    "eagle_tree_datastore": {"method": "eagle", "num_speculative_tokens": 8, "num_steps": 3, "topk": 4,
+                             "num_draft_tokens": 8, "prompt_lookup_max": 5, "datastore": True},  # fmt: skip
     "ngram": {"method": "ngram", "num_speculative_tokens": 8},  # the lookup alone, for reference
     "layer_skip_lookup": {"method": "layer_skip", "num_speculative_tokens": 8, "num_steps": 1, "prompt_lookup_max": 5},
     "eagle3": {"method": "eagle3", "num_speculative_tokens": 1},

@@ -67,7 +67,9 @@ class Datastore:
         order = suffix_order(rev)
         order = order[rev[order] != SENTINEL]  # a match never starts on a separator
         self._rev_order = order  # [M] suffixes of the reversed array, sorted
-        self._first = rev[order]  # [M] their first token (sorted): the first binary search needs no gather
+        # [M] their first and second tokens (sorted within a first token's range): the first two
+        # binary searches, over the widest ranges, gather nothing
+        self._columns = (rev[order], rev[np.minimum(order + 1, len(rev) - 1)])
         self._rev = rev
 
     def __len__(self) -> int:
@@ -82,10 +84,11 @@ class Datastore:
         in the store, and where those occurrences end (positions in ``tokens``, at most
         MAX_OCCURRENCES of them); (0, []) if not even the last token occurs."""
         rev, order = self._rev, self._rev_order
-        lo, hi = np.searchsorted(self._first, [context[-1], context[-1] + 1]) if len(context) else (0, 0)
+        lo, hi = np.searchsorted(self._columns[0], [context[-1], context[-1] + 1]) if len(context) else (0, 0)
         n = 1 if hi > lo else 0
         while hi > lo and n < min(max_n, len(context)):
-            col = rev[order[lo:hi] + n]  # [hi - lo]: the next token back of each occurrence, sorted
+            # [hi - lo]: the next token back of each occurrence, sorted
+            col = self._columns[1][lo:hi] if n == 1 else rev[order[lo:hi] + n]
             a, b = np.searchsorted(col, [context[-1 - n], context[-1 - n] + 1])
             if b == a:
                 break
@@ -104,6 +107,11 @@ class Datastore:
         chain: list[int] = []
         probs: list[float] = []
         for _ in range(depth):
+            if at.size == 1:  # one occurrence left: the rest of its document, while its share holds
+                rest = tokens[at[0] : at[0] + depth - len(chain)].tolist()
+                rest = rest[: rest.index(SENTINEL)] if SENTINEL in rest else rest
+                keep = len(rest) if 1 / total >= min_prob else 0
+                return chain + rest[:keep], probs + [1 / total] * keep
             nxt = tokens[at]  # the array ends with SENTINEL: at never runs past it
             values, counts = np.unique(nxt, return_counts=True)
             best = int(counts.argmax())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -34,6 +35,20 @@ def occurrences(tokens: list[int], pattern: list[int]) -> list[int]:
     """Where each occurrence of ``pattern`` ends in ``tokens`` (brute force)."""
     k = len(pattern)
     return [e for e in range(k - 1, len(tokens)) if tokens[e - k + 1 : e + 1] == pattern]
+
+
+def brute_chain(tokens: list[int], ends: list[int], depth: int, min_prob: float) -> tuple[list[int], list[float]]:
+    """The most frequent continuation, step by step (ties: the smaller token, a document's end first)."""
+    at, chain, shares = [e + 1 for e in ends], [], []
+    for _ in range(depth):
+        counts = Counter(tokens[a] for a in at)
+        best = max(sorted(counts), key=counts.__getitem__)
+        if best == SENTINEL or counts[best] / len(ends) < min_prob:
+            break
+        chain.append(best)
+        shares.append(counts[best] / len(ends))
+        at = [a + 1 for a in at if tokens[a] == best]
+    return chain, shares
 
 
 def test_suffix_order_sorts_every_suffix():
@@ -63,6 +78,11 @@ def test_match_finds_the_longest_suffix_and_all_its_occurrences():
             longest = k
         assert n == longest, (docs, context)
         assert sorted(ends.tolist()) == (occurrences(tokens, context[-n:]) if n else [])
+        if n:
+            min_prob = rng.choice([0.0, 0.3, 0.6])
+            chain, shares = store.chain(ends, 6, min_prob)
+            want = brute_chain(tokens, ends.tolist(), 6, min_prob)
+            assert chain == want[0] and np.allclose(shares, want[1]), (docs, context, min_prob)
         assert all(t != SENTINEL for e in ends.tolist() for t in tokens[e - n + 1 : e + 1])  # within a document
 
 
