@@ -1,12 +1,13 @@
 """A datastore of the target's own answers, looked up as REST does (retrieval drafts).
 
 Owns: `Datastore` (documents of token ids in one array, a suffix array over it read
-backwards, `match` for the longest suffix of a context that occurs in it and `chain` for
-the most frequent continuation of those occurrences), its folder on disk (`save` /
-`load_datastore`: ``config.json`` with the target's fingerprint + ``tokens.npy``) and
-`build_datastore` from chat records.
-Does not own: when a row drafts from it instead of the model (lookup.py) or making the
-records (train/regenerate.py).
+backwards, `match` for the longest suffix of a context that occurs in it, `chain` for the
+most frequent continuation of those occurrences, and `draft`, the rule that makes them a
+draft or none), its keys (`check_datastore_keys`, `open_datastore`), its folder on disk
+(`save` / `load_datastore`: ``config.json`` with the target's fingerprint + ``tokens.npy``)
+and `build_datastore` from token documents.
+Does not own: which rows draft from it (lookup.py beside a model drafter, ngram.py) or
+making the records (train/regenerate.py, train/datastore.py).
 
 The suffix array is over the *reversed* token array, so the occurrences of a context's last
 n tokens are one range that narrows as n grows: the longest match costs one pass of
@@ -20,17 +21,26 @@ round that takes it stays lossless.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from specdecode.config import SpecDecodeError, first_line
+from specdecode.config import SpecDecodeError, first_line, is_real
+
+if TYPE_CHECKING:
+    from specdecode.model.loader import LoadedModel
 
 SENTINEL = -1  # ends every document: a match or a continuation never crosses it
 METHOD, TOKENS_FILE, CONFIG_FILE = "datastore", "tokens.npy", "config.json"
 MAX_OCCURRENCES = 4096  # a continuation is counted over at most this many occurrences (cost bound)
+MAX_MATCH = 8  # the longest context suffix looked up
+# a draft is at most this many tokens per matched one (suffix decoding's max_spec_factor): a short
+# match is a weak guess at a long continuation, and each drafted token is a verified position
+SPEC_FACTOR = 1
+EVIDENCE = 100  # a datastore row's evidence (`Draft.evidence`) is 100 + its match length (prompt lookup's: the length)
 
 
 def suffix_order(tokens: np.ndarray) -> np.ndarray:
@@ -122,6 +132,19 @@ class Datastore:
             at = at[nxt == values[best]] + 1
         return chain, probs
 
+    def draft(self, context: Sequence[int], depth: int, min_n: int, min_prob: float) -> tuple[list[int], int]:
+        """(chain, n): the most frequent continuation of the longest suffix of ``context`` that
+        occurs here, matched on n >= ``min_n`` tokens, at most min(``depth``, SPEC_FACTOR · n) long,
+        where at least ``min_prob`` of the occurrences begin with it (as c / (occurrences + 1):
+        one occurrence alone is a coin flip); ([], 0) where there is none."""
+        n, ends = self.match(context[-MAX_MATCH:], MAX_MATCH)
+        if n < min_n or depth <= 0:
+            return [], 0
+        chain, shares = self.chain(ends, min(depth, SPEC_FACTOR * n), 0.0)
+        if not chain or shares[0] * len(ends) / (len(ends) + 1) < min_prob:
+            return [], 0
+        return chain, n
+
     def save(
         self, out_dir: str | Path, target_fingerprint: dict[str, Any], extra: dict[str, Any] | None = None
     ) -> Path:
@@ -136,6 +159,37 @@ class Datastore:
                 "documents": self.num_documents, **(extra or {})}  # fmt: skip
         (out / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         return out
+
+
+def fill_rows(
+    store: Datastore, contexts: Sequence[Sequence[int]], found: list[list[int]], evidence: list[int],
+    depths: Sequence[int], min_n: int, min_prob: float,
+) -> None:  # fmt: skip
+    """Give each row that has no draft (``found[b] == []``) the store's `Datastore.draft` for its
+    context, in place, with EVIDENCE + n as its evidence."""
+    for b, (context, depth) in enumerate(zip(contexts, depths)):
+        if not found[b]:
+            found[b], n = store.draft(context, depth, min_n, min_prob)
+            evidence[b] = EVIDENCE + n if n else 0
+
+
+def check_datastore_keys(store: object, min_prob: object) -> None:
+    """The ``datastore`` / ``datastore_min_prob`` keys (of the drafters that take them), in one line."""
+    if store is not None and not (store is True or store is False or (isinstance(store, str) and store)):
+        raise SpecDecodeError(f"datastore must be a folder path or true, got {store!r}")
+    if not is_real(min_prob) or not math.isfinite(min_prob) or not 0 <= min_prob <= 1:
+        raise SpecDecodeError(f"datastore_min_prob must be a number in [0, 1], got {min_prob!r}")
+
+
+def open_datastore(store: str | bool, target: LoadedModel) -> Datastore:
+    """The datastore a ``datastore`` key names: a folder, or true for the one shipped for ``target``."""
+    from specdecode.drafters.learned import shipped_folder, target_fingerprint
+
+    folder = shipped_folder(METHOD, target) if store is True else store
+    if not folder:
+        raise SpecDecodeError(f'no datastore ships for {target.name}: give "datastore" a folder built by '
+                              "`python -m specdecode.train.datastore`")  # fmt: skip
+    return load_datastore(folder, target_fingerprint(target.model))
 
 
 def load_datastore(path: str | Path, target_fingerprint: dict[str, Any]) -> Datastore:

@@ -23,26 +23,21 @@ samples do not depend on its neighbours.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from specdecode.config import SpecDecodeError, is_int, is_real
+from specdecode.config import SpecDecodeError, is_int
 from specdecode.drafters.base import Draft
-from specdecode.drafters.datastore import METHOD as DATASTORE
-from specdecode.drafters.datastore import Datastore, load_datastore
+from specdecode.drafters.datastore import Datastore, check_datastore_keys, fill_rows, open_datastore
 from specdecode.drafters.ngram import NgramOptions, lookup_rows
 from specdecode.engine.batch import Batch
 from specdecode.tree import TreeBatch
 
 if TYPE_CHECKING:
     from specdecode.model.loader import LoadedModel
-
-DATASTORE_MAX_N = 8  # the longest context suffix looked up in a datastore
-DATASTORE_EVIDENCE = 100  # a datastore row's evidence is 100 + its match length (prompt lookup's is the length)
 
 
 @dataclass(frozen=True)
@@ -55,15 +50,11 @@ class LookupKeys:
     prompt_lookup_min: int | None = None
     num_steps: int | None = None
     datastore: str | bool | None = None
-    datastore_min_prob: float = 0.6
+    datastore_min_prob: float = 0.4
 
     def __post_init__(self) -> None:
-        store, prob = self.datastore, self.datastore_min_prob
-        if store is not None and not (store is True or store is False or (isinstance(store, str) and store)):
-            raise SpecDecodeError(f"datastore must be a folder path or true, got {store!r}")
-        if not is_real(prob) or not math.isfinite(prob) or not 0 <= prob <= 1:
-            raise SpecDecodeError(f"datastore_min_prob must be a number in [0, 1], got {prob!r}")
-        if self.prompt_lookup_max is None and not store:
+        check_datastore_keys(self.datastore, self.datastore_min_prob)
+        if self.prompt_lookup_max is None and not self.datastore:
             if self.prompt_lookup_min is not None or self.num_steps is not None:
                 raise SpecDecodeError("prompt_lookup_min and num_steps need prompt_lookup_max (prompt lookup) "
                                       "or a datastore")  # fmt: skip
@@ -79,15 +70,7 @@ class LookupKeys:
         if self.prompt_lookup_max is None and not self.datastore:
             return None
         ngram = None if self.prompt_lookup_max is None else (self.prompt_lookup_min, self.prompt_lookup_max)
-        store = None
-        if self.datastore:
-            from specdecode.drafters.learned import shipped_folder, target_fingerprint
-
-            folder = shipped_folder(DATASTORE, target) if self.datastore is True else self.datastore
-            if folder is None:
-                raise SpecDecodeError(f"no datastore ships for {target.name}: give \"datastore\" a folder built by "
-                                      "`python -m specdecode.train.datastore`")  # fmt: skip
-            store = load_datastore(folder, target_fingerprint(target.model))
+        store = open_datastore(self.datastore, target) if self.datastore else None
         return Lookup(ngram, store, self.prompt_lookup_min, self.datastore_min_prob)
 
     def steps(self, gamma: int) -> int:
@@ -117,15 +100,7 @@ class Lookup:
             found, evidence = [[] for _ in batch.seqs], [0] * len(batch)
         if self.store is None:
             return found, evidence
-        for b, (seq, depth) in enumerate(zip(batch.seqs, depths)):
-            if found[b] or depth <= 0:
-                continue
-            n, ends = self.store.match(seq.token_ids[-DATASTORE_MAX_N:], DATASTORE_MAX_N)
-            if n < self.min_n:
-                continue
-            chain, shares = self.store.chain(ends, depth, 0.0)
-            if chain and shares[0] * len(ends) / (len(ends) + 1) >= self.min_prob:
-                found[b], evidence[b] = chain, DATASTORE_EVIDENCE + n
+        fill_rows(self.store, [seq.token_ids for seq in batch.seqs], found, evidence, depths, self.min_n, self.min_prob)
         return found, evidence
 
 

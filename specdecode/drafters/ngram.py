@@ -20,6 +20,7 @@ import torch
 
 from specdecode.config import SpecConfig, SpecDecodeError, is_int
 from specdecode.drafters.base import Draft, DrafterContext
+from specdecode.drafters.datastore import Datastore, check_datastore_keys, fill_rows, open_datastore
 from specdecode.engine.batch import Batch, Sequence
 from specdecode.tree import TreeBatch, check_node_budget
 
@@ -32,6 +33,10 @@ class NgramOptions:
     prompt_lookup_max: int | None = None
     max_matches: int = 1  # continuations merged into one tree; 1 = a chain
     num_draft_tokens: int | None = None  # tree node budget (SGLang's name); None = γ · max_matches
+    # a row that finds no copy in its own text looks in a datastore of the target's answers (datastore.py;
+    # a folder, or true = the one shipped for the target), matched on >= prompt_lookup_min tokens
+    datastore: str | bool | None = None
+    datastore_min_prob: float = 0.4
 
     def __post_init__(self) -> None:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
@@ -56,6 +61,9 @@ class NgramOptions:
         if budget is not None and matches == 1:  # a chain drafts γ tokens: the budget would be ignored
             raise SpecDecodeError("num_draft_tokens is the tree node budget: it needs max_matches > 1 "
                                   "(a chain drafts γ)")
+        check_datastore_keys(self.datastore, self.datastore_min_prob)
+        if self.datastore and matches > 1:
+            raise SpecDecodeError("datastore drafts chains: it needs max_matches 1")
 
 
 def match_levels(tokens: np.ndarray, max_n: int) -> list[np.ndarray]:
@@ -166,6 +174,7 @@ class NgramDrafter:
     def __init__(self, spec: SpecConfig, ctx: DrafterContext) -> None:
         self.options: NgramOptions = spec.options
         self.device = ctx.device
+        self.store: Datastore | None = open_datastore(spec.options.datastore, ctx.target) if spec.options.datastore else None
 
     def max_draft_tokens(self, num_tokens: int) -> int:
         o = self.options
@@ -180,6 +189,9 @@ class NgramDrafter:
             return self._propose_tree([np.asarray(seq.token_ids, dtype=np.int64) for seq in batch.seqs], num_tokens)
         # each row's n is its evidence: a longer match is likelier a copy (see Draft.evidence)
         chains, matched = lookup_rows(batch.seqs, lo, hi, [num_tokens] * len(batch))
+        if self.store is not None:  # rows without a copy of their own text: the datastore's
+            contexts = [seq.token_ids for seq in batch.seqs]
+            fill_rows(self.store, contexts, chains, matched, [num_tokens] * len(batch), lo, self.options.datastore_min_prob)
         out = np.full((len(batch), num_tokens), -1, dtype=np.int64)
         for row, found in enumerate(chains):
             out[row, : len(found)] = found

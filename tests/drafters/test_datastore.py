@@ -18,10 +18,9 @@ import torch
 
 from specdecode import LLM
 from specdecode.config import SpecConfig, SpecDecodeError
-from specdecode.drafters.datastore import SENTINEL, build_datastore, load_datastore, suffix_order
+from specdecode.drafters.datastore import EVIDENCE, SENTINEL, build_datastore, load_datastore, suffix_order
 from specdecode.drafters.eagle_net import FeatureNet
-from specdecode.drafters.learned import target_fingerprint
-from specdecode.drafters.lookup import DATASTORE_EVIDENCE
+from specdecode.drafters.learned import WEIGHTS_DIR, target_fingerprint
 from specdecode.model.loader import load_model
 from specdecode.train.datastore import HEADER, _ids, answer_tokens
 from specdecode.train.datastore import main as build_main
@@ -140,7 +139,7 @@ def count_datastore_rows(drafter, monkeypatch) -> list[int]:
 
     def spy(batch, num_tokens):
         draft = propose(batch, num_tokens)
-        seen.extend(e for e in draft.evidence or [] if e > DATASTORE_EVIDENCE)
+        seen.extend(e for e in draft.evidence or [] if e > EVIDENCE)
         return draft
 
     monkeypatch.setattr(drafter, "propose", spy)
@@ -164,6 +163,17 @@ def test_greedy_equals_plain(setup, monkeypatch, method, shape, lookup):
     assert any(len(o.metrics.accepted_per_position) > 1 and o.metrics.accepted_per_position[1] > 0 for o in batch)
 
 
+def test_ngram_with_a_datastore_equals_plain_greedy(setup, monkeypatch):
+    """`ngram` drafts from the datastore where its own text has no copy (and nothing where neither has)."""
+    target, _, plain, store = setup
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "datastore": store,
+            "datastore_min_prob": 0.3}  # fmt: skip
+    llm = LLM(model=target, speculative_config=spec, dtype="float32", device="cpu")
+    evidence = count_datastore_rows(llm.engine.drafter, monkeypatch)
+    batch = assert_greedy_matches_plain(llm, plain, PROMPTS, 40, "ngram")
+    assert evidence and sum(o.metrics.num_accepted_tokens for o in batch) > 0
+
+
 def test_a_tree_takes_datastore_rows_as_chains(setup, monkeypatch):
     target, models, plain, store = setup
     spec = {"method": "eagle", "model": models["eagle"], "num_speculative_tokens": 4, "num_steps": 2,
@@ -174,23 +184,25 @@ def test_a_tree_takes_datastore_rows_as_chains(setup, monkeypatch):
     assert seen["lookup"] > 0 and seen["model"] > 0, seen
 
 
-@pytest.mark.parametrize("method", ["eagle", "draft_model"])
+@pytest.mark.parametrize("method", ["eagle", "draft_model", "ngram"])
 def test_sampled_joint_distribution_matches_target(tmp_path, monkeypatch, method):
     target = sampling_target(tmp_path / "t")
     model = load_model(str(target), dtype=torch.float32, device="cpu").model
     if method == "eagle":
         drafter = trained_folder(FeatureNet, model, tmp_path / "net", steps=20, draft_vocab=5)  # q = 0 on one token
-    else:
+    elif method == "draft_model":
         drafter = make_tiny_checkpoint(tmp_path / "d", "llama", seed=5, logit_scale=0.5, vocab_size=6)
     rng = random.Random(3)  # random text over the 6 tokens: every 2-gram occurs, continuations disagree
     build_datastore([[rng.randrange(6) for _ in range(40)] for _ in range(5)]).save(
         tmp_path / "s", target_fingerprint(model)
     )
-    spec = {"method": method, "model": str(drafter), "num_speculative_tokens": 2, "num_steps": 1,
-            "datastore": str(tmp_path / "s"), "datastore_min_prob": 0.25, "prompt_lookup_min": 2}  # fmt: skip
+    spec = {"method": method, "num_speculative_tokens": 2, "datastore": str(tmp_path / "s"),
+            "datastore_min_prob": 0.25, "prompt_lookup_min": 2}  # fmt: skip
+    if method != "ngram":
+        spec |= {"model": str(drafter), "num_steps": 1}
     llm = LLM(model=str(target), speculative_config=spec, dtype="float32", device="cpu")
     evidence = count_datastore_rows(llm.engine.drafter, monkeypatch)
-    seen = count_sources(llm.engine.drafter, monkeypatch)
+    seen = count_sources(llm.engine.drafter, monkeypatch) if method != "ngram" else {"model": 1}
     assert_samples_follow_target(llm, 3, 1.0, 0)
     assert evidence and seen["model"] > 0, (len(evidence), seen)
 
@@ -232,10 +244,16 @@ def test_the_builder_writes_a_folder_and_refuses_bad_input(tmp_path, capsys):
     [({"datastore": ""}, "datastore must be a folder path or true"), ({"datastore": 3}, "datastore must be"),
      ({"datastore": True, "datastore_min_prob": 1.5}, r"datastore_min_prob must be a number in \[0, 1\]")],
 )  # fmt: skip
-def test_bad_options_get_one_line(extra, message):
+@pytest.mark.parametrize("method", ["eagle", "ngram"])
+def test_bad_options_get_one_line(method, extra, message):
     with pytest.raises(SpecDecodeError, match=message) as e:
-        SpecConfig.parse({"method": "eagle", "num_speculative_tokens": 4, **extra})
+        SpecConfig.parse({"method": method, "num_speculative_tokens": 4, **extra})
     assert "\n" not in str(e.value)
+
+
+def test_ngram_takes_a_datastore_for_chains_only():
+    with pytest.raises(SpecDecodeError, match="datastore drafts chains: it needs max_matches 1"):
+        SpecConfig.parse({"method": "ngram", "num_speculative_tokens": 4, "max_matches": 2, "datastore": True})
 
 
 def test_a_missing_or_foreign_datastore_gets_one_line(setup, tmp_path):
@@ -259,3 +277,13 @@ def test_a_missing_or_foreign_datastore_gets_one_line(setup, tmp_path):
             dtype="float32",
             device="cpu",
         )
+
+
+def test_the_shipped_datastore_loads_for_the_default_model():
+    """The package's datastore (the default model's greedy answers) is whole: its tokens within the
+    vocabulary its config.json names, every answer ended, and the default model's chat header found."""
+    folder = WEIGHTS_DIR / "smollm2-135m-datastore"
+    meta = json.loads((folder / "config.json").read_text())
+    store = load_datastore(folder, meta["target"])
+    assert store.num_documents == meta["documents"] > 1000 and len(store) == meta["tokens"]
+    assert store.match([1, 520, 9531, 198], 8)[0] == 3  # "<|im_start|>assistant\n" opens every answer
