@@ -52,6 +52,7 @@ METHODS = {
     "eagle_tree_datastore": {"method": "eagle", "num_speculative_tokens": 8, "num_steps": 3, "topk": 4,
                              "num_draft_tokens": 8, "prompt_lookup_max": 5, "datastore": True},  # fmt: skip
     "ngram": {"method": "ngram", "num_speculative_tokens": 8},  # the lookup alone, for reference
+    "ngram_datastore": {"method": "ngram", "num_speculative_tokens": 8, "datastore": True},  # no model at all
     "layer_skip_lookup": {"method": "layer_skip", "num_speculative_tokens": 8, "num_steps": 1, "prompt_lookup_max": 5},
     "eagle3": {"method": "eagle3", "num_speculative_tokens": 1},
     "mtp": {"method": "mtp", "num_speculative_tokens": 1},
