@@ -11,8 +11,8 @@ n <= ``prompt_lookup_max``, `ngram`'s keys) drafts what followed them, up to γ 
 of the model's draft. With ``datastore`` (a folder from ``python -m specdecode.train.datastore``,
 or ``true`` for the one shipped for this target) a row that found no such copy looks up the
 longest suffix of its context (at least ``prompt_lookup_min`` tokens) among the target's earlier
-answers, and drafts their most frequent continuation where at least ``datastore_min_prob`` of
-those occurrences begin with it (counted as c / (n + 1): one occurrence alone is a coin flip). The other
+answers, and drafts their most frequent continuation (`Datastore.draft`: at most n tokens for n
+matched, where at least ``datastore_min_prob`` of the occurrences begin with it). The other
 rows draft with the model, ``num_steps`` deep (Arctic Inference pairs suffix decoding with its
 speculator the same way). Copies are long and cheap; the model covers the rest. A lookup draft is
 a deterministic function of the history and the store (one-hot q), so a round stays lossless
