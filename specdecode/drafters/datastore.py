@@ -65,6 +65,13 @@ def suffix_order(tokens: np.ndarray) -> np.ndarray:
     return order
 
 
+def _token_range(column: np.ndarray, token: int) -> tuple[int, int]:
+    """[a, b): where ``token`` lies in the sorted int32 ``column`` (the values in its dtype: int64
+    ones would make searchsorted copy the whole column to int64, ~10x the cost of a lookup)."""
+    a, b = np.searchsorted(column, np.array([token, token + 1], dtype=column.dtype))
+    return int(a), int(b)
+
+
 class Datastore:
     """Documents of token ids, separated by SENTINEL, searchable by their suffixes."""
 
@@ -94,12 +101,12 @@ class Datastore:
         in the store, and where those occurrences end (positions in ``tokens``, at most
         MAX_OCCURRENCES of them); (0, []) if not even the last token occurs."""
         rev, order = self._rev, self._rev_order
-        lo, hi = np.searchsorted(self._columns[0], [context[-1], context[-1] + 1]) if len(context) else (0, 0)
+        lo, hi = _token_range(self._columns[0], context[-1]) if len(context) else (0, 0)
         n = 1 if hi > lo else 0
         while hi > lo and n < min(max_n, len(context)):
             # [hi - lo]: the next token back of each occurrence, sorted
             col = self._columns[1][lo:hi] if n == 1 else rev[order[lo:hi] + n]
-            a, b = np.searchsorted(col, [context[-1 - n], context[-1 - n] + 1])
+            a, b = _token_range(col, context[-1 - n])
             if b == a:
                 break
             lo, hi, n = lo + a, lo + b, n + 1
