@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 SENTINEL = -1  # ends every document: a match or a continuation never crosses it
 METHOD, TOKENS_FILE, CONFIG_FILE = "datastore", "tokens.npy", "config.json"
-MAX_OCCURRENCES = 4096  # a continuation is counted over at most this many occurrences (cost bound)
+MAX_OCCURRENCES = 4096  # a continuation is counted over at most ~this many occurrences (cost bound)
 MAX_MATCH = 8  # the longest context suffix looked up
 # a draft is at most this many tokens per matched one (suffix decoding's max_spec_factor): a short
 # match is a weak guess at a long continuation, and each drafted token is a verified position
@@ -112,7 +112,8 @@ class Datastore:
             lo, hi, n = lo + a, lo + b, n + 1
         if n == 0:
             return 0, np.empty(0, dtype=np.int64)
-        ends = len(self.tokens) - 1 - order[lo : min(hi, lo + MAX_OCCURRENCES)]  # reversed start -> forward end
+        step = -(-(hi - lo) // MAX_OCCURRENCES)  # an even sample of a common match (suffix order is not random)
+        ends = len(self.tokens) - 1 - order[lo:hi:step]  # reversed start -> forward end
         return n, ends
 
     def chain(self, ends: np.ndarray, depth: int, min_prob: float) -> tuple[list[int], list[float]]:
@@ -142,10 +143,13 @@ class Datastore:
     def draft(self, context: Sequence[int], depth: int, min_n: int, min_prob: float) -> tuple[list[int], int]:
         """(chain, n): the most frequent continuation of the longest suffix of ``context`` that
         occurs here, matched on n >= ``min_n`` tokens, at most min(``depth``, SPEC_FACTOR · n) long,
-        where at least ``min_prob`` of the occurrences begin with it (as c / (occurrences + 1):
-        one occurrence alone is a coin flip); ([], 0) where there is none."""
+        where at least ``min_prob`` of the occurrences go on with its first token (as c /
+        (occurrences + 1): one occurrence alone is a coin flip; later tokens are not gated, as
+        prompt lookup's are not); ([], 0) where there is none."""
+        if depth <= 0:
+            return [], 0
         n, ends = self.match(context[-MAX_MATCH:], MAX_MATCH)
-        if n < min_n or depth <= 0:
+        if n < min_n:
             return [], 0
         chain, shares = self.chain(ends, min(depth, SPEC_FACTOR * n), 0.0)
         if not chain or shares[0] * len(ends) / (len(ends) + 1) < min_prob:
@@ -180,12 +184,16 @@ def fill_rows(
             evidence[b] = EVIDENCE + n if n else 0
 
 
-def check_datastore_keys(store: object, min_prob: object) -> None:
-    """The ``datastore`` / ``datastore_min_prob`` keys (of the drafters that take them), in one line."""
+def check_datastore_keys(store: object, min_prob: object, min_n: int) -> None:
+    """The ``datastore`` / ``datastore_min_prob`` keys (of the drafters that take them) and the
+    shortest match ``min_n`` (``prompt_lookup_min``, validated already), in one line."""
     if store is not None and not (store is True or store is False or (isinstance(store, str) and store)):
         raise SpecDecodeError(f"datastore must be a folder path or true, got {store!r}")
     if not is_real(min_prob) or not math.isfinite(min_prob) or not 0 <= min_prob <= 1:
         raise SpecDecodeError(f"datastore_min_prob must be a number in [0, 1], got {min_prob!r}")
+    if store and min_n > MAX_MATCH:
+        raise SpecDecodeError(f"a datastore matches at most {MAX_MATCH} tokens: prompt_lookup_min must be <= "
+                              f"{MAX_MATCH} with it, got {min_n}")  # fmt: skip
 
 
 def open_datastore(store: str | bool, target: LoadedModel) -> Datastore:

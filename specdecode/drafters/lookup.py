@@ -12,7 +12,7 @@ of the model's draft. With ``datastore`` (a folder from ``python -m specdecode.t
 or ``true`` for the one shipped for this target) a row that found no such copy looks up the
 longest suffix of its context (at least ``prompt_lookup_min`` tokens) among the target's earlier
 answers, and drafts their most frequent continuation (`Datastore.draft`: at most n tokens for n
-matched, where at least ``datastore_min_prob`` of the occurrences begin with it). The other
+matched, where at least ``datastore_min_prob`` of the occurrences go on with its first token). The other
 rows draft with the model, ``num_steps`` deep (Arctic Inference pairs suffix decoding with its
 speculator the same way). Copies are long and cheap; the model covers the rest. A lookup draft is
 a deterministic function of the history and the store (one-hot q), so a round stays lossless
@@ -53,15 +53,16 @@ class LookupKeys:
     datastore_min_prob: float = 0.4
 
     def __post_init__(self) -> None:
-        check_datastore_keys(self.datastore, self.datastore_min_prob)
         if self.prompt_lookup_max is None and not self.datastore:
             if self.prompt_lookup_min is not None or self.num_steps is not None:
                 raise SpecDecodeError("prompt_lookup_min and num_steps need prompt_lookup_max (prompt lookup) "
                                       "or a datastore")  # fmt: skip
+            check_datastore_keys(self.datastore, self.datastore_min_prob, 1)
             return
         # validated as ngram's keys are (a datastore alone takes prompt_lookup_min as its shortest match)
         lookup = NgramOptions(self.prompt_lookup_min, self.prompt_lookup_max)
         object.__setattr__(self, "prompt_lookup_min", lookup.prompt_lookup_min)
+        check_datastore_keys(self.datastore, self.datastore_min_prob, lookup.prompt_lookup_min)
         if self.num_steps is not None and (not is_int(self.num_steps) or self.num_steps < 1):
             raise SpecDecodeError(f"num_steps must be an integer >= 1, got {self.num_steps!r}")
 

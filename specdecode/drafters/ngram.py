@@ -61,7 +61,7 @@ class NgramOptions:
         if budget is not None and matches == 1:  # a chain drafts γ tokens: the budget would be ignored
             raise SpecDecodeError("num_draft_tokens is the tree node budget: it needs max_matches > 1 "
                                   "(a chain drafts γ)")
-        check_datastore_keys(self.datastore, self.datastore_min_prob)
+        check_datastore_keys(self.datastore, self.datastore_min_prob, lo)
         if self.datastore and matches > 1:
             raise SpecDecodeError("datastore drafts chains: it needs max_matches 1")
 
@@ -174,7 +174,8 @@ class NgramDrafter:
     def __init__(self, spec: SpecConfig, ctx: DrafterContext) -> None:
         self.options: NgramOptions = spec.options
         self.device = ctx.device
-        self.store: Datastore | None = open_datastore(spec.options.datastore, ctx.target) if spec.options.datastore else None
+        store = spec.options.datastore
+        self.store: Datastore | None = open_datastore(store, ctx.target) if store else None
 
     def max_draft_tokens(self, num_tokens: int) -> int:
         o = self.options
@@ -190,8 +191,8 @@ class NgramDrafter:
         # each row's n is its evidence: a longer match is likelier a copy (see Draft.evidence)
         chains, matched = lookup_rows(batch.seqs, lo, hi, [num_tokens] * len(batch))
         if self.store is not None:  # rows without a copy of their own text: the datastore's
-            contexts = [seq.token_ids for seq in batch.seqs]
-            fill_rows(self.store, contexts, chains, matched, [num_tokens] * len(batch), lo, self.options.datastore_min_prob)
+            contexts, depths = [seq.token_ids for seq in batch.seqs], [num_tokens] * len(batch)
+            fill_rows(self.store, contexts, chains, matched, depths, lo, self.options.datastore_min_prob)
         out = np.full((len(batch), num_tokens), -1, dtype=np.int64)
         for row, found in enumerate(chains):
             out[row, : len(found)] = found

@@ -51,7 +51,11 @@ def read_answers(paths: tuple[str, ...], tokenizer: Any) -> list[list[int]]:
     for file in find_files(paths):
         if file.suffix != ".jsonl":
             continue
-        for number, line in enumerate(file.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
+        try:
+            text = file.read_text(encoding="utf-8", errors="replace")
+        except OSError as e:
+            raise SpecDecodeError(f"cannot read {file}: {first_line(e)}") from None
+        for number, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 continue
             try:
@@ -88,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
             raise SpecDecodeError(f"{target.name} has no tokenizer to render chat records with")
         store = build_datastore(read_answers(tuple(args.data), target.tokenizer))
         extra = {"built_from": [str(p) for p in args.data], **({"note": args.note} if args.note else {})}
-        out = store.save(args.out, target_fingerprint(target.model), extra)
+        try:
+            out = store.save(args.out, target_fingerprint(target.model), extra)
+        except OSError as e:  # --out an existing file, a read-only place
+            raise SpecDecodeError(f"cannot write --out {args.out}: {first_line(e)}") from None
         print(f"{out}: {store.num_documents} answers, {len(store)} tokens")
         return 0
     except SpecDecodeError as e:  # bad input: one line, as the CLI gives it

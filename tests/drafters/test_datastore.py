@@ -96,6 +96,18 @@ def test_chain_follows_the_most_frequent_continuation_to_the_end_of_a_document()
     assert store.match([10], 3)[0] == 0
 
 
+def test_draft_takes_the_longest_match_and_gates_its_first_token():
+    """n >= min_n, at most n tokens for n matched, the first token's share c / (occurrences + 1)."""
+    store = build_datastore([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6], [9, 2, 3, 7], [8, 3, 7]])
+    assert store.draft([0, 1, 2, 3], 8, 2, 0.6) == ([4, 5, 6], 3)  # 1 2 3 twice, both go on with 4: 2/3
+    assert store.draft([0, 1, 2, 3], 8, 2, 0.7) == ([], 0)  # 2/3 < 0.7
+    assert store.draft([0, 1, 2, 3], 2, 2, 0.6) == ([4, 5], 3)  # the depth bounds it too
+    assert store.draft([0, 9, 2, 3], 8, 2, 0.5) == ([7], 3)  # one occurrence: 1/2; its document ends after 7
+    assert store.draft([0, 9, 2, 3], 8, 4, 0.0) == ([], 0)  # matched 3 < min_n 4
+    assert store.draft([5, 2, 3], 8, 2, 0.0) == ([4, 5], 2)  # 2 3 goes on with 4 twice, 7 once: 2 tokens for n = 2
+    assert store.draft([5, 2, 3], 0, 1, 0.0) == ([], 0)
+
+
 def test_a_folder_round_trips_and_refuses_another_target(tmp_path):
     fingerprint = {"architecture": "llama", "hidden_size": 8, "num_layers": 2, "vocab_size": 100}
     store = build_datastore([[1, 2, 99], [3]])
@@ -229,12 +241,14 @@ def test_the_builder_writes_a_folder_and_refuses_bad_input(tmp_path, capsys):
     model = load_model(str(target), dtype=torch.float32, device="cpu").model
     assert load_datastore(tmp_path / "s", target_fingerprint(model)).num_documents == 3
     (tmp_path / "bad.jsonl").write_text('{"text": "plain text"}\n')
+    (tmp_path / "a_file").write_text("")
     capsys.readouterr()
-    for data, message in (
-        (tmp_path / "missing", "data path not found"),
-        (tmp_path / "bad.jsonl", "expected a JSON chat record"),
+    for data, out, message in (
+        (tmp_path / "missing", "x", "data path not found"),
+        (tmp_path / "bad.jsonl", "x", "expected a JSON chat record"),
+        (tmp_path / "a.jsonl", "a_file", "cannot write --out"),
     ):
-        assert build_main(["--data", str(data), "--out", str(tmp_path / "x"), "--target", str(target)]) == 2
+        assert build_main(["--data", str(data), "--out", str(tmp_path / out), "--target", str(target)]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
 
@@ -242,7 +256,8 @@ def test_the_builder_writes_a_folder_and_refuses_bad_input(tmp_path, capsys):
 @pytest.mark.parametrize(
     "extra,message",
     [({"datastore": ""}, "datastore must be a folder path or true"), ({"datastore": 3}, "datastore must be"),
-     ({"datastore": True, "datastore_min_prob": 1.5}, r"datastore_min_prob must be a number in \[0, 1\]")],
+     ({"datastore": True, "datastore_min_prob": 1.5}, r"datastore_min_prob must be a number in \[0, 1\]"),
+     ({"datastore": True, "prompt_lookup_min": 9, "prompt_lookup_max": 9}, "prompt_lookup_min must be <= 8")],
 )  # fmt: skip
 @pytest.mark.parametrize("method", ["eagle", "ngram"])
 def test_bad_options_get_one_line(method, extra, message):
