@@ -40,6 +40,7 @@ MAX_MATCH = 8  # the longest context suffix looked up
 # a draft is at most this many tokens per matched one (suffix decoding's max_spec_factor): a short
 # match is a weak guess at a long continuation, and each drafted token is a verified position
 SPEC_FACTOR = 1
+DEFAULT_MIN_PROB = 0.4  # datastore_min_prob's default (chosen in docs/benchmarks.md, forty-fourth session)
 EVIDENCE = 100  # a datastore row's evidence (`Draft.evidence`) is 100 + its match length (prompt lookup's: the length)
 
 
@@ -191,6 +192,8 @@ def check_datastore_keys(store: object, min_prob: object, min_n: int) -> None:
         raise SpecDecodeError(f"datastore must be a folder path or true, got {store!r}")
     if not is_real(min_prob) or not math.isfinite(min_prob) or not 0 <= min_prob <= 1:
         raise SpecDecodeError(f"datastore_min_prob must be a number in [0, 1], got {min_prob!r}")
+    if not store and min_prob != DEFAULT_MIN_PROB:  # a threshold for no datastore: a forgotten key, likely
+        raise SpecDecodeError("datastore_min_prob needs datastore (true, or a folder)")
     if store and min_n > MAX_MATCH:
         raise SpecDecodeError(f"a datastore matches at most {MAX_MATCH} tokens: prompt_lookup_min must be <= "
                               f"{MAX_MATCH} with it, got {min_n}")  # fmt: skip

@@ -31,7 +31,7 @@ import torch
 
 from specdecode.config import SpecDecodeError, is_int
 from specdecode.drafters.base import Draft
-from specdecode.drafters.datastore import Datastore, check_datastore_keys, fill_rows, open_datastore
+from specdecode.drafters.datastore import DEFAULT_MIN_PROB, Datastore, check_datastore_keys, fill_rows, open_datastore
 from specdecode.drafters.ngram import NgramOptions, lookup_rows
 from specdecode.engine.batch import Batch
 from specdecode.tree import TreeBatch
@@ -50,7 +50,7 @@ class LookupKeys:
     prompt_lookup_min: int | None = None
     num_steps: int | None = None
     datastore: str | bool | None = None
-    datastore_min_prob: float = 0.4
+    datastore_min_prob: float = DEFAULT_MIN_PROB
 
     def __post_init__(self) -> None:
         if self.prompt_lookup_max is None and not self.datastore:

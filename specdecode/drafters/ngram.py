@@ -20,7 +20,7 @@ import torch
 
 from specdecode.config import SpecConfig, SpecDecodeError, is_int
 from specdecode.drafters.base import Draft, DrafterContext
-from specdecode.drafters.datastore import Datastore, check_datastore_keys, fill_rows, open_datastore
+from specdecode.drafters.datastore import DEFAULT_MIN_PROB, Datastore, check_datastore_keys, fill_rows, open_datastore
 from specdecode.engine.batch import Batch, Sequence
 from specdecode.tree import TreeBatch, check_node_budget
 
@@ -36,7 +36,7 @@ class NgramOptions:
     # a row that finds no copy in its own text looks in a datastore of the target's answers (datastore.py;
     # a folder, or true = the one shipped for the target), matched on >= prompt_lookup_min tokens
     datastore: str | bool | None = None
-    datastore_min_prob: float = 0.4
+    datastore_min_prob: float = DEFAULT_MIN_PROB
 
     def __post_init__(self) -> None:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max

@@ -257,7 +257,9 @@ def test_the_builder_writes_a_folder_and_refuses_bad_input(tmp_path, capsys):
     "extra,message",
     [({"datastore": ""}, "datastore must be a folder path or true"), ({"datastore": 3}, "datastore must be"),
      ({"datastore": True, "datastore_min_prob": 1.5}, r"datastore_min_prob must be a number in \[0, 1\]"),
-     ({"datastore": True, "prompt_lookup_min": 9, "prompt_lookup_max": 9}, "prompt_lookup_min must be <= 8")],
+     ({"datastore": True, "prompt_lookup_min": 9, "prompt_lookup_max": 9}, "prompt_lookup_min must be <= 8"),
+     ({"datastore_min_prob": 0.5}, "datastore_min_prob needs datastore"),
+     ({"datastore": False, "datastore_min_prob": 0.5}, "datastore_min_prob needs datastore")],
 )  # fmt: skip
 @pytest.mark.parametrize("method", ["eagle", "ngram"])
 def test_bad_options_get_one_line(method, extra, message):
