@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from specdecode.config import SpecDecodeError, first_line
@@ -43,12 +44,12 @@ def _ids(rendered: Any) -> list[int]:
     return rendered["input_ids"] if hasattr(rendered, "keys") else rendered
 
 
-def read_answers(paths: tuple[str, ...], tokenizer: Any) -> list[list[int]]:
-    """The answers of every chat record under ``paths`` (files or folders of .jsonl)."""
+def read_answers(files: list[Path], tokenizer: Any) -> list[list[int]]:
+    """The answers of every chat record in ``files`` (`find_files`'s; files other than .jsonl are skipped)."""
     from jinja2 import TemplateError
 
     docs: list[list[int]] = []
-    for file in find_files(paths):
+    for file in files:
         if file.suffix != ".jsonl":
             continue
         try:
@@ -68,7 +69,9 @@ def read_answers(paths: tuple[str, ...], tokenizer: Any) -> list[list[int]]:
             except TemplateError as e:
                 raise SpecDecodeError(f"{file}:{number}: cannot render messages: {first_line(e)}") from None
     if not docs:
-        raise SpecDecodeError(f"no assistant turns found in {', '.join(paths)} (chat records in .jsonl files)")
+        raise SpecDecodeError(
+            f"no assistant turns found in {', '.join(map(str, files))} (chat records in .jsonl files)"
+        )
     return docs
 
 
@@ -86,11 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         from specdecode.drafters.learned import target_fingerprint
         from specdecode.model.loader import load_model
 
-        find_files(tuple(args.data))  # a missing or empty path before the model loads
+        files = find_files(tuple(args.data))  # a missing or empty path before the model loads
         target = load_model(args.target, device="cpu")
         if target.tokenizer is None:
             raise SpecDecodeError(f"{target.name} has no tokenizer to render chat records with")
-        store = build_datastore(read_answers(tuple(args.data), target.tokenizer))
+        store = build_datastore(read_answers(files, target.tokenizer))
         extra = {"built_from": [str(p) for p in args.data], **({"note": args.note} if args.note else {})}
         try:
             out = store.save(args.out, target_fingerprint(target.model), extra)
