@@ -36,6 +36,7 @@ from specdecode.drafters.draft_vocab import Borrowed, DraftVocabHead
 from specdecode.drafters.learned import TrainBatch
 from specdecode.kv_cache import KVCache, NoCache
 from specdecode.model.transformer import RMSNorm, Transformer
+from specdecode.sampling import argmax
 
 _UNSAVED = ("body.lm_head.linear.weight", "body.embed.weight")  # rebuilt from the target / unused
 
@@ -143,65 +144,71 @@ class FeatureNet(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """Entries (state, token) [B, T, H], [B, T] -> draft-vocabulary logits [B, T or K, Vd]
         and outputs [B, T or K, H] (each entry's predicted next feature)."""
+        last = len(self.body.layers) - 1
+        logits, (out,) = self.body(
+            None, positions, cache, block_mask=block_mask, logits_at=logits_at, hidden_layers=(last,),
+            embeds=self._entries(states, tokens),
+        )  # fmt: skip
+        if logits_at is not None:
+            out = out.gather(1, logits_at[:, :, None].expand(-1, -1, out.shape[-1]))
+        return logits, out
+
+    def _entries(self, states: Tensor, tokens: Tensor) -> Tensor:
+        """fc([embedding of token; state]): the decoder's inputs [B, T, H]."""
         target = self.borrowed.target
         emb = target.embed(tokens)
         if target.config.embed_scale != 1.0:
             emb = emb * emb.new_tensor(target.config.embed_scale)
-        x = self.fc(torch.cat([self.embed_norm(emb.to(states.dtype)), self.feature_norm(states)], dim=-1))
-        last = len(self.body.layers) - 1
-        logits, (out,) = self.body(
-            None, positions, cache, block_mask=block_mask, logits_at=logits_at, hidden_layers=(last,), embeds=x
-        )
-        if logits_at is not None:
-            out = out.gather(1, logits_at[:, :, None].expand(-1, -1, out.shape[-1]))
-        return logits, out
+        return self.fc(torch.cat([self.embed_norm(emb.to(states.dtype)), self.feature_norm(states)], dim=-1))
 
     # ---- training --------------------------------------------------------------------
 
     def training_loss(self, batch: TrainBatch) -> tuple[Tensor, dict[str, float]]:
         tokens, mask = batch.tokens, batch.mask
-        B, T = tokens.shape
+        T = tokens.shape[1]
         K = min(self.config.train_steps, T - 1)
         n = T - K  # entries t = 0 .. n-1 have a label at every step
         g = self.fuse(batch.hidden[:, :n].to(self.fc.weight.dtype))  # [B, n, H]
         losses, metrics = [], {}
         states, steps_tokens, out = [], [], None
         valid = mask[:, :n]  # [B, n]: entries on a label, then every step's too (no draft across a user turn)
-        p_all, greedy = batch.probs_at(self.head.vocab_ids), batch.argmax()  # [B, T, Vd], [B, T]
+        greedy = batch.argmax()  # [B, T]
         for k in range(1, K + 1):
             states.append(g if k == 1 else out)
             steps_tokens.append(tokens[:, k : k + n])
-            logits, out_all = self._unrolled(states, steps_tokens, n)
-            q_logits, out = logits[:, -n:], out_all[:, -n:]  # step k's entries
-            p = p_all[:, k : k + n]  # [B, n, Vd]: the target's for token t+k+1, at the draft vocabulary
+            out = self._unrolled(states, steps_tokens, n)[:, -n:]  # [B, n, H]: step k's entries
             valid = valid & mask[:, k : k + n]
+            label = F.pad(valid, (k, K - k))  # [B, T]: entry t's label is the target's at t + k
+            N = valid.sum().clamp(min=1)
+            # the head, the loss and the metrics only where a label is: in chat windows most
+            # positions are prompt (context), and [B, n, Vd] logits would cost ~4x the work
+            p = batch.probs_at(self.head.vocab_ids, label)  # [N, Vd]: the target's for token t+k+1
+            q_logits = self.body.head_logits(self.body.norm(out[valid]))  # [N, Vd]
             logq = q_logits.float().log_softmax(dim=-1)
-            ce = -(p * logq).sum(-1)
-            loss = (ce * valid).sum() / valid.sum().clamp(min=1)
+            loss = -(p * logq).sum() / N
             if k == 1 and self.config.feature_loss > 0 and isinstance(self.fuse, nn.Identity):
-                f_next = batch.hidden[:, 1 : 1 + n].to(out.dtype)  # EAGLE-1: regress the next feature
-                reg = F.smooth_l1_loss(out, f_next, reduction="none").mean(-1)
-                loss = loss + self.config.feature_loss * (reg * valid).sum() / valid.sum().clamp(min=1)
+                f_next = batch.hidden[:, 1 : 1 + n][valid].to(out.dtype)  # EAGLE-1: regress the next feature
+                reg = F.smooth_l1_loss(out[valid], f_next, reduction="none").mean(-1)  # [N]
+                loss = loss + self.config.feature_loss * reg.sum() / N
             losses.append(loss * 0.8 ** (k - 1))
-            if k == 1 or self.confidence is not None:  # only where read (~0.2 s a step on a 2-core CPU)
-                overlap = torch.minimum(p, logq.exp()).sum(-1).detach()  # [B, n]: P(accept) at T = 1
+            if k == 1 or self.confidence is not None:  # only where read
+                overlap = torch.minimum(p, logq.exp()).sum(-1).detach()  # [N]: P(accept) at T = 1
             if self.confidence is not None:
-                c = self.confidence(out.detach()).float()[..., 0]  # the head does not steer the drafts
-                bce = F.binary_cross_entropy_with_logits(c, overlap, reduction="none")
-                losses.append((bce * valid).sum() / valid.sum().clamp(min=1))
-                err = ((c.detach().sigmoid() - overlap).abs() * valid).sum() / valid.sum().clamp(min=1)
-                metrics[f"conf_err@{k}"] = float(err)
+                c = self.confidence(out[valid].detach()).float()[..., 0]  # the head does not steer the drafts
+                losses.append(F.binary_cross_entropy_with_logits(c, overlap, reduction="sum") / N)
+                metrics[f"conf_err@{k}"] = float((c.detach().sigmoid() - overlap).abs().sum() / N)
             with torch.no_grad():
-                hit = (self.head.vocab_ids[q_logits.argmax(-1)] == greedy[:, k : k + n]).float()
-                metrics[f"acc@{k}"] = float((hit * valid).sum() / valid.sum().clamp(min=1))
+                hit = self.head.vocab_ids[argmax(q_logits)] == greedy[label]
+                metrics[f"acc@{k}"] = float(hit.sum() / N)
                 if k == 1:
-                    metrics["alpha@1"] = float((overlap * valid).sum() / valid.sum().clamp(min=1))
+                    metrics["alpha@1"] = float(overlap.sum() / N)
         total = torch.stack(losses).sum()
         metrics["loss"] = float(total.detach())
         return total, metrics
 
-    def _unrolled(self, states: list[Tensor], tokens: list[Tensor], n: int) -> tuple[Tensor, Tensor]:
-        """One differentiable pass over steps 1..k's entries, laid out step after step."""
+    def _unrolled(self, states: list[Tensor], tokens: list[Tensor], n: int) -> Tensor:
+        """One differentiable pass over steps 1..k's entries, laid out step after step: their
+        outputs [B, k·n, H] (before the final norm; no head)."""
         k = len(states)
         device = tokens[0].device
         t = torch.arange(n, device=device)
@@ -211,9 +218,12 @@ class FeatureNet(nn.Module):
         # step-1 entries causally; a later step's entry at t also sees its own earlier steps at t
         sees_first = (step[None, :] == 0) & (col[None, :] <= col[:, None])
         sees_own = (col[None, :] == col[:, None]) & (step[None, :] <= step[:, None])
-        mask = (sees_first | sees_own)[None].expand(tokens[0].shape[0], -1, -1)
         B = tokens[0].shape[0]
-        return self(
-            torch.cat(states, dim=1), torch.cat(tokens, dim=1), positions[None].expand(B, -1), NoCache(B, device),
-            block_mask=mask,
+        mask = (sees_first | sees_own)[None].expand(B, -1, -1)
+        last = len(self.body.layers) - 1
+        _, (out,) = self.body(
+            None, positions[None].expand(B, -1), NoCache(B, device), block_mask=mask,
+            logits_at=torch.zeros(B, 0, dtype=torch.long, device=device), hidden_layers=(last,),
+            embeds=self._entries(torch.cat(states, dim=1), torch.cat(tokens, dim=1)),
         )  # fmt: skip
+        return out

@@ -56,15 +56,16 @@ class TrainBatch:
     # rest taken as -inf: the trainer's cache keeps these, and [B, T, V] is never built (~800 MB a step)
     top: tuple[Tensor, Tensor] | None = None
 
-    def probs_at(self, ids: Tensor) -> Tensor:
+    def probs_at(self, ids: Tensor, where: Tensor | None = None) -> Tensor:
         """The target's probability of each token of ``ids`` [Vd] (normalised over its whole
-        vocabulary, or its top k): [B, T, Vd] fp32."""
+        vocabulary, or its top k): [B, T, Vd] fp32; with ``where`` [B, T] bool, only at those
+        positions, [N, Vd] in row-major order (a net that computes its logits where it learns)."""
         if self.top is None:
             assert self.logits is not None
-            logits = self.logits.float()
+            logits = (self.logits if where is None else self.logits[where]).float()
             return (logits[..., ids] - logits.logsumexp(-1, keepdim=True)).exp()
-        values, top_ids = self.top
-        p = torch.softmax(values.float(), dim=-1)  # [B, T, k]
+        values, top_ids = self.top if where is None else (t[where] for t in self.top)
+        p = torch.softmax(values.float(), dim=-1)  # [..., k]
         slot = torch.full((self.target.config.vocab_size,), len(ids), dtype=torch.long, device=ids.device)
         slot[ids] = torch.arange(len(ids), device=ids.device)  # token id -> column; len(ids): not in ids
         out = p.new_zeros(*p.shape[:-1], len(ids) + 1).scatter_add_(-1, slot[top_ids.long()], p)

@@ -120,21 +120,21 @@ class MedusaNet(nn.Module):
         T = h.shape[1]
         losses: list[Tensor] = []
         metrics: dict[str, float] = {}
-        run = batch.mask  # [B, T - k + 1] before head k: the labels t .. t + k - 1 all learned (none across a user turn)
-        p_all, greedy = batch.probs_at(self.head.vocab_ids), batch.argmax()  # [B, T, Vd], [B, T]
+        run = batch.mask  # [B, T-k+1] before head k: labels t .. t+k-1 all learned (none across a user turn)
+        greedy = batch.argmax()  # [B, T]
         for k in range(1, min(self.config.num_heads, T - 1) + 1):
-            logq = torch.log_softmax(self.logits(self.heads[k - 1](h[:, : T - k])), dim=-1)  # [B, T-k, Vd]
-            p = p_all[:, k:]  # [B, T-k, Vd]
-            run = run[:, : T - k] & batch.mask[:, k:]
-            mask = run.float()  # [B, T-k]
-            count = mask.sum().clamp(min=1.0)
-            losses.append((-(p * logq).sum(dim=-1) * mask).sum() / count)
+            run = run[:, : T - k] & batch.mask[:, k:]  # [B, T-k]
+            label = F.pad(run, (k, 0))  # [B, T]: head k at t learns the target's at t + k
+            count = run.sum().clamp(min=1)
+            # the heads, the loss and the metrics only where a label is (chat windows are mostly prompt)
+            logq = torch.log_softmax(self.logits(self.heads[k - 1](h[:, : T - k][run])), dim=-1)  # [N, Vd]
+            p = batch.probs_at(self.head.vocab_ids, label)  # [N, Vd]
+            losses.append(-(p * logq).sum() / count)
             with torch.no_grad():
-                hit = (self.head.vocab_ids[logq.argmax(dim=-1)] == greedy[:, k:]).float()  # [B, T-k]
-                metrics[f"acc@{k}"] = float((hit * mask).sum() / count)
+                hit = self.head.vocab_ids[argmax(logq)] == greedy[label]  # [N]
+                metrics[f"acc@{k}"] = float(hit.sum() / count)
                 if k == 1:
-                    overlap = torch.minimum(p, logq.exp()).sum(dim=-1)  # [B, T-1] Σ_v min(p, q)
-                    metrics["alpha@1"] = float((overlap * mask).sum() / count)
+                    metrics["alpha@1"] = float(torch.minimum(p, logq.exp()).sum() / count)  # Σ min(p, q)
         if not losses:
             raise SpecDecodeError(f"medusa training windows need at least 2 tokens, got {T}")
         return torch.stack(losses).mean(), metrics

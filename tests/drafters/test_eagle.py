@@ -13,6 +13,7 @@ from specdecode.drafters.eagle3 import Eagle3Net
 from specdecode.drafters.eagle_net import FeatureConfig, FeatureNet
 from specdecode.drafters.learned import load_net, net_config, save_net
 from specdecode.drafters.mtp import MtpNet
+from specdecode.kv_cache import NoCache
 from specdecode.model.loader import load_model
 from tests.learned import target_samples, train_batch, train_net
 from tests.tiny import make_tiny_checkpoint
@@ -52,14 +53,38 @@ def test_training_time_test_sees_what_drafting_sees(target):
     T, n = tokens.shape[1], tokens.shape[1] - 2
     g = net.fuse(batch.hidden[:, :n])
     with torch.no_grad():
-        _, out1 = net._unrolled([g], [tokens[:, 1 : 1 + n]], n)
-        logits2, _ = net._unrolled([g, out1], [tokens[:, 1 : 1 + n], tokens[:, 2 : 2 + n]], n)
+        out1 = net._unrolled([g], [tokens[:, 1 : 1 + n]], n)
+        out2 = net._unrolled([g, out1], [tokens[:, 1 : 1 + n], tokens[:, 2 : 2 + n]], n)
+        logits2 = net.body.head_logits(net.body.norm(out2))  # as training_loss applies the head
         for t in (0, 3, n - 1):  # drafting after the true entries 0..t
             cache = net.body.new_cache(1, T + 2)
             _, out = net(g[:, : t + 1], tokens[:, 1 : t + 2], torch.arange(t + 1)[None], cache)
             cache.commit(torch.tensor([t + 1]))
             step2, _ = net(out[:, t : t + 1], tokens[:, t + 2 : t + 3], torch.tensor([[t + 1]]), cache)
             torch.testing.assert_close(step2[0, 0], logits2[0, n + t], rtol=1e-4, atol=1e-4)
+
+
+def test_the_loss_is_the_drafts_cross_entropy_where_labels_are(target):
+    """training_loss runs the head only where a label is; it equals the soft cross-entropy of
+    the drafting forward's logits at every entry, averaged over the labelled ones."""
+    _, model = target
+    torch.manual_seed(0)
+    net = FeatureNet.from_target(FeatureConfig(draft_vocab=24, feature_loss=0.0), model)
+    tokens = target_samples(model, 2, 12)
+    net.prepare(torch.bincount(tokens.flatten(), minlength=model.config.vocab_size))
+    batch = train_batch(model, tokens, net.hidden_layers)
+    batch.mask[:, :4] = False  # prompts
+    batch.mask[1, 8] = False  # a user turn
+    B, T = tokens.shape
+    with torch.no_grad():
+        loss, metrics = net.training_loss(batch)
+        logits, _ = net(batch.hidden[:, :-1], tokens[:, 1:], torch.arange(T - 1).expand(B, -1), NoCache(B, "cpu"))
+    valid = batch.mask[:, :-1] & batch.mask[:, 1:]  # entry t drafts token t + 2 from label t + 1
+    p = batch.probs_at(net.head.vocab_ids)[:, 1:]  # [B, T-1, Vd]
+    ce = -(p * logits.float().log_softmax(-1)).sum(-1)
+    assert float(loss) == pytest.approx(float(ce[valid].mean()), rel=1e-5)
+    hit = net.head.vocab_ids[logits.argmax(-1)] == batch.argmax()[:, 1:]
+    assert metrics["acc@1"] == pytest.approx(float(hit[valid].float().mean()))
 
 
 def test_saved_folder_holds_only_the_nets_weights(target, tmp_path):
