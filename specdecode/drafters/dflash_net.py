@@ -256,7 +256,7 @@ class DFlashNet(nn.Module):
         valid = (at < T) & mask[rows[:, None], at.clamp(max=T - 1)] & roots[rows, anchors][:, None]  # [R, S]
         valid = valid.long().cumprod(dim=1).bool()  # labels up to a gap only: no block across a user turn
         where = (rows[:, None], at.clamp(max=T - 1))
-        p = batch.probs_at(self.head.vocab_ids)[where]  # [R, S, Vd]
+        p = batch.probs_at(self.head.vocab_ids, where)  # [R, S, Vd]
         log_q = torch.log_softmax(logits, dim=-1)
         ce = -(p * log_q).sum(dim=-1)  # [R, S]
         decay = self.config.position_decay

@@ -58,8 +58,9 @@ class TrainBatch:
 
     def probs_at(self, ids: Tensor, where: Tensor | None = None) -> Tensor:
         """The target's probability of each token of ``ids`` [Vd] (normalised over its whole
-        vocabulary, or its top k): [B, T, Vd] fp32; with ``where`` [B, T] bool, only at those
-        positions, [N, Vd] in row-major order (a net that computes its logits where it learns)."""
+        vocabulary, or its top k): [B, T, Vd] fp32; with ``where``, an index into [B, T] (a bool
+        mask, or index tensors), only at those positions: [N, Vd] in row-major order of a mask
+        (for a net that computes its logits only where it learns)."""
         if self.top is None:
             assert self.logits is not None
             logits = (self.logits if where is None else self.logits[where]).float()

@@ -49,7 +49,8 @@ class TargetCache:
         missing = [int(r) for r in rows if int(r) not in self.rows]
         if missing:
             idx = torch.tensor(missing)
-            hidden, values, indices = target_top(target, windows.tokens[idx], hidden_layers, self.topk)
+            hidden, values, indices = target_top(target, windows.tokens[idx], hidden_layers, self.topk,
+                                                 mask=windows.trained[idx])  # fmt: skip
             for i, r in enumerate(missing):
                 self.rows[r] = (hidden[i].to(torch.bfloat16), values[i], indices[i].to(torch.int32))
         hidden, values, indices = (torch.stack(t) for t in zip(*(self.rows[int(r)] for r in rows)))
@@ -59,12 +60,16 @@ class TargetCache:
 
 
 def target_top(
-    target: Transformer, tokens: Tensor, hidden_layers: tuple[int, ...], k: int, chunk: int = 128
-) -> tuple[Tensor, Tensor, Tensor]:
+    target: Transformer, tokens: Tensor, hidden_layers: tuple[int, ...], k: int, chunk: int = 128,
+    mask: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """The frozen target's features [B, T, F] (fp32) and its k largest logits per position (values
     fp32, token ids; [B, T, k] each), the LM head run ``chunk`` positions at a time: [B, T, V] fp32
     logits would be ~800 MB for 8 windows of 512 (and on this CPU's VM, fresh pages cost more than
-    the head's arithmetic)."""
+    the head's arithmetic). With ``mask`` [B, T] the head runs only where it is True (the trained
+    positions: every net reads its labels there, and in chat windows they are ~1/4 of the tokens,
+    the head ~1/5 of the target's pass); elsewhere the values are 0 over token ids 0..k-1, a
+    placeholder that no loss reads."""
     device = target.embed.weight.device
     tokens = tokens.to(device)
     B, T = tokens.shape
@@ -73,10 +78,13 @@ def target_top(
     with torch.inference_mode():
         _, hiddens = target(tokens, positions, NoCache(B, device), logits_at=none, hidden_layers=(*hidden_layers, -1))
         final = hiddens[-1].reshape(B * T, -1)  # [B·T, H] final-normed
-        tops = [target.head_logits(final[i : i + chunk]).topk(k, dim=-1) for i in range(0, B * T, chunk)]
-        values = torch.cat([t.values for t in tops]).reshape(B, T, k)
-        indices = torch.cat([t.indices for t in tops]).reshape(B, T, k)
+        at = torch.arange(B * T, device=device) if mask is None else mask.to(device).reshape(-1).nonzero()[:, 0]
+        values = torch.zeros(B * T, k, device=device)
+        indices = torch.arange(k, device=device).repeat(B * T, 1)
+        for i in range(0, len(at), chunk):
+            top = target.head_logits(final[at[i : i + chunk]]).topk(k, dim=-1)
+            values[at[i : i + chunk]], indices[at[i : i + chunk]] = top.values.float(), top.indices
         hidden = torch.cat(hiddens[:-1], dim=-1) if hidden_layers else final.new_zeros(B, T, 0)
         hidden = hidden.float()
     # copies made outside inference mode are plain tensors, which autograd may read
-    return hidden.clone(), values.clone(), indices.clone()
+    return hidden.clone(), values.reshape(B, T, k).clone(), indices.reshape(B, T, k).clone()

@@ -277,6 +277,38 @@ def test_positions_not_trained_on_do_not_move_the_loss(tiny_target, method):
         assert float(moved[0]) == pytest.approx(float(loss), rel=1e-6), method
 
 
+@pytest.mark.parametrize("method", TINY_NETS)
+def test_the_cache_runs_the_targets_head_only_where_labels_are(tiny_target, method):
+    """`TargetCache` keeps the top k only at trained positions (a placeholder elsewhere): every
+    net's loss and metrics are those of the top k kept everywhere."""
+    from specdecode.drafters.learned import TrainBatch, net_config
+
+    target = load_model(tiny_target, dtype="float32", device="cpu", progress=False).model
+    V = target.config.vocab_size
+    cls = trainer.net_class(method)
+    torch.manual_seed(0)
+    net = cls.from_target(net_config(cls, TINY_NETS[method]), target).eval()
+    net.prepare(torch.ones(V, dtype=torch.long))
+    tokens = torch.randint(4, V, (2, 24), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 24, dtype=torch.bool)
+    mask[:, :8] = False  # the prompts
+    mask[1, 14] = False  # a second user turn
+    mask[0, 22:] = False  # EOS, padding
+    batches = []
+    for where in (None, mask):
+        hidden, values, ids = target_outputs.target_top(target, tokens, net.hidden_layers, 6, chunk=5, mask=where)
+        batches.append(TrainBatch(tokens, hidden, None, mask, target, top=(values, ids.to(torch.int32))))
+    assert not torch.equal(batches[0].top[0], batches[1].top[0])  # the placeholder is there
+    assert torch.equal(batches[0].top[0][mask], batches[1].top[0][mask])
+    with torch.no_grad():
+        torch.manual_seed(2)  # (dflash draws its anchors)
+        everywhere = net.training_loss(batches[0])
+        torch.manual_seed(2)
+        labels_only = net.training_loss(batches[1])
+    assert float(labels_only[0]) == pytest.approx(float(everywhere[0]), rel=1e-6)
+    assert labels_only[1] == pytest.approx(everywhere[1])
+
+
 @pytest.mark.parametrize("method", ["eagle", "medusa", "dflash"])
 def test_bf16_mixed_precision_trains_fp32_weights(tiny_target, corpus, tmp_path, method, monkeypatch):
     """--bf16: the net's training pass runs under autocast (its matmuls see bfloat16), the loss
