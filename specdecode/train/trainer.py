@@ -310,7 +310,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     else:
         log["start"] = {"step": 0, **evaluate(net, target, corpus.heldout, cfg)}
         log["evals"].append(log["start"])
-    cache = TargetCache(min(cfg.cache_topk, target.config.vocab_size)) if cfg.cache_topk else None  # k >= V: all
+    cache = None
+    if cfg.cache_topk:  # k >= V: all
+        k, width = min(cfg.cache_topk, target.config.vocab_size), len(net.hidden_layers) * target.config.hidden_size
+        cache = TargetCache(k, corpus.train, width, target.embed.weight.device)
     bar = tqdm(total=cfg.steps, initial=step, disable=not cfg.progress, desc=f"train {cfg.method}", unit="step")
     tokens, t0 = 0, time.perf_counter()
     before = log.get("train_seconds", 0.0)  # training time of earlier runs of a resumed checkpoint
