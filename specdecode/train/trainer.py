@@ -282,8 +282,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     net = cls.from_target(net_cfg, target).to(target.embed.weight.device)
     if ckpt and cfg.net_config:  # compared as the nets resolve them (eagle fills in its feature layers)
-        given = cls.from_target(net_config(cls, cfg.net_config), target).config
-        if given != net.config:
+        # (with --init, as a fresh run resolves them: the folder's keys under the given ones)
+        if cls.from_target(net_config(cls, given), target).config != net.config:
             raise SpecDecodeError(f"--resume: --net-config differs from the checkpoint's {asdict(net.config)}")
     # the tokens drafted: those at a trained position's next (EAGLE-3's draft vocabulary is the commonest)
     labels = corpus.train.tokens[:, 1:][corpus.train.trained[:, :-1]]

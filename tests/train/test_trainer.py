@@ -122,6 +122,21 @@ def test_resume_accepts_the_same_partial_net_config(tiny_target, corpus, tmp_pat
         train(replace(cfg, steps=8, resume=True, time_limit=1e-6))
 
 
+def test_resume_with_init_compares_the_folders_keys_under_the_given_ones(tiny_target, corpus, tmp_path):
+    """--init DIR --net-config K --resume: K is compared as the first run resolved it, over the
+    folder's net config (a key only the folder sets is no difference)."""
+    first = tmp_path / "first"
+    train(config(tiny_target, corpus, first, "eagle", steps=2, eval_every=0,
+                 net_config={"draft_vocab": 0, "train_steps": 2}))  # fmt: skip
+    cfg = config(tiny_target, corpus, tmp_path / "deeper", "eagle", steps=2, eval_every=0, init=str(first),
+                 finetune=True, net_config={"num_layers": 2})  # fmt: skip
+    train(cfg)
+    log = train(replace(cfg, steps=3, resume=True))
+    assert log["end"]["step"] == 3 and log["net"]["train_steps"] == 2
+    with pytest.raises(SpecDecodeError, match="differs from the checkpoint"):
+        train(replace(cfg, steps=4, resume=True, net_config={"num_layers": 3}))
+
+
 def test_resume_refuses_other_data_settings(tiny_target, corpus, tmp_path):
     """--seed shuffles the files and so picks the held-out documents: resuming under another
     one trained on the old held-out text and evaluated on trained text, without a word."""
