@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from specdecode.config import SpecDecodeError, is_int
 from specdecode.drafters.draft_vocab import Borrowed, DraftVocabHead
-from specdecode.drafters.learned import TrainBatch
+from specdecode.drafters.learned import TrainBatch, label_rows
 from specdecode.kv_cache import KVCache, NoCache
 from specdecode.model.transformer import RMSNorm, Transformer
 from specdecode.sampling import argmax
@@ -183,7 +183,8 @@ class FeatureNet(nn.Module):
             # the head, the loss and the metrics only where a label is: in chat windows most
             # positions are prompt (context), and [B, n, Vd] logits would cost ~4x the work
             p = batch.probs_at(self.head.vocab_ids, label)  # [N, Vd]: the target's for token t+k+1
-            q_logits = self.body.head_logits(self.body.norm(out[valid]))  # [N, Vd]
+            out_at = out.flatten(0, 1)[label_rows(valid)]  # [N rounded up, H]
+            q_logits = self.body.head_logits(self.body.norm(out_at))[: len(p)]  # [N, Vd]
             logq = q_logits.float().log_softmax(dim=-1)
             loss = -(p * logq).sum() / N
             if k == 1 and self.config.feature_loss > 0 and isinstance(self.fuse, nn.Identity):
@@ -194,7 +195,7 @@ class FeatureNet(nn.Module):
             if k == 1 or self.confidence is not None:  # only where read
                 overlap = torch.minimum(p, logq.exp()).sum(-1).detach()  # [N]: P(accept) at T = 1
             if self.confidence is not None:
-                c = self.confidence(out[valid].detach()).float()[..., 0]  # the head does not steer the drafts
+                c = self.confidence(out_at.detach()).float()[: len(p), 0]  # the head does not steer the drafts
                 losses.append(F.binary_cross_entropy_with_logits(c, overlap, reduction="sum") / N)
                 metrics[f"conf_err@{k}"] = float((c.detach().sigmoid() - overlap).abs().sum() / N)
             with torch.no_grad():

@@ -89,6 +89,17 @@ class TrainBatch:
         return values.new_full((*values.shape[:2], V), float("-inf")).scatter_(-1, top_ids.long(), values)
 
 
+def label_rows(where: Tensor, bucket: int = 256) -> Tensor:
+    """Flat indices [M] of ``where``'s True entries (row-major), padded to a multiple of ``bucket``
+    by repeating the first (M = N rounded up; nothing to pad when N = 0). A net that runs its head
+    only at labels runs it on ``x.flatten(0, -2)[rows]`` and reads the first N rows: the matmuls
+    then see few distinct shapes. (On CPU oneDNN keeps a primitive per shape; a new N every step
+    grew a training process by ~50 MB a step.)"""
+    rows = where.reshape(-1).nonzero()[:, 0]
+    pad = -len(rows) % bucket
+    return torch.cat([rows, rows[:1].expand(pad)]) if len(rows) and pad else rows
+
+
 class DraftNet(Protocol):
     """A trainable draft network (an ``nn.Module``). Its drafter class names it as ``Net``."""
 

@@ -33,7 +33,7 @@ from torch.nn import functional as F
 from specdecode.config import SpecConfig, SpecDecodeError, is_int
 from specdecode.drafters.base import Draft, DrafterContext
 from specdecode.drafters.draft_vocab import DraftVocabHead
-from specdecode.drafters.learned import TrainBatch, load_net, resolve_weights
+from specdecode.drafters.learned import TrainBatch, label_rows, load_net, resolve_weights
 from specdecode.engine.batch import Batch
 from specdecode.model.transformer import Transformer
 from specdecode.sampling import argmax
@@ -127,8 +127,9 @@ class MedusaNet(nn.Module):
             label = F.pad(run, (k, 0))  # [B, T]: head k at t learns the target's at t + k
             count = run.sum().clamp(min=1)
             # the heads, the loss and the metrics only where a label is (chat windows are mostly prompt)
-            logq = torch.log_softmax(self.logits(self.heads[k - 1](h[:, : T - k][run])), dim=-1)  # [N, Vd]
             p = batch.probs_at(self.head.vocab_ids, label)  # [N, Vd]
+            h_at = h[:, : T - k].flatten(0, 1)[label_rows(run)]  # [N rounded up, H]
+            logq = torch.log_softmax(self.logits(self.heads[k - 1](h_at))[: len(p)], dim=-1)  # [N, Vd]
             losses.append(-(p * logq).sum() / count)
             with torch.no_grad():
                 hit = self.head.vocab_ids[argmax(logq)] == greedy[label]  # [N]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specdecode.drafters.learned import TrainBatch
+from specdecode.drafters.learned import TrainBatch, label_rows
 from specdecode.kv_cache import NoCache
 from specdecode.model.transformer import Transformer
 from specdecode.train.corpus import Windows
@@ -88,7 +88,7 @@ def target_top(
     with torch.inference_mode():
         _, hiddens = target(tokens, positions, NoCache(B, device), logits_at=none, hidden_layers=(*hidden_layers, -1))
         final = hiddens[-1].reshape(B * T, -1)  # [B·T, H] final-normed
-        at = torch.arange(B * T, device=device) if mask is None else mask.to(device).reshape(-1).nonzero()[:, 0]
+        at = label_rows(torch.ones(B, T, dtype=torch.bool) if mask is None else mask, chunk).to(device)
         values = torch.zeros(B * T, k, device=device)
         indices = torch.arange(k, device=device).repeat(B * T, 1)
         for i in range(0, len(at), chunk):
