@@ -258,10 +258,9 @@ def test_init_with_more_layers_starts_as_the_folder_and_trains_the_new_one(tiny_
     assert after["body.layers.1.attn.o.weight"].abs().sum() > 0 and after["body.layers.1.mlp.down.weight"].abs().sum() > 0
 
 
-@pytest.mark.parametrize("method", TINY_NETS)
-def test_positions_not_trained_on_do_not_move_the_loss(tiny_target, method):
-    """A chat record's prompt positions (mask False) are context only: the target's logits there
-    are no label for any net, while a trained position's are."""
+def tiny_net_and_chat(tiny_target: str, method: str) -> tuple:
+    """(target, a fresh ``method`` net, tokens [2, 24], mask [2, 24]) with the mask of two chat
+    records: prompts, a one-token user turn between answers, EOS and padding."""
     from specdecode.drafters.learned import net_config
 
     target = load_model(tiny_target, dtype="float32", device="cpu", progress=False).model
@@ -275,6 +274,14 @@ def test_positions_not_trained_on_do_not_move_the_loss(tiny_target, method):
     mask[:, :8] = False  # the prompts
     mask[1, 14] = False  # a second user turn, one token long (a draft of 2 could cross it)
     mask[0, 22:] = False  # the record's last positions (EOS, padding)
+    return target, net, tokens, mask
+
+
+@pytest.mark.parametrize("method", TINY_NETS)
+def test_positions_not_trained_on_do_not_move_the_loss(tiny_target, method):
+    """A chat record's prompt positions (mask False) are context only: the target's logits there
+    are no label for any net, while a trained position's are."""
+    target, net, tokens, mask = tiny_net_and_chat(tiny_target, method)
     batch = target_outputs.target_batch(target, tokens, mask, net.hidden_layers)
     noise = 5 * torch.randn(batch.logits.shape, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -296,19 +303,9 @@ def test_positions_not_trained_on_do_not_move_the_loss(tiny_target, method):
 def test_the_cache_runs_the_targets_head_only_where_labels_are(tiny_target, method):
     """`TargetCache` keeps the top k only at trained positions (a placeholder elsewhere): every
     net's loss and metrics are those of the top k kept everywhere."""
-    from specdecode.drafters.learned import TrainBatch, net_config
+    from specdecode.drafters.learned import TrainBatch
 
-    target = load_model(tiny_target, dtype="float32", device="cpu", progress=False).model
-    V = target.config.vocab_size
-    cls = trainer.net_class(method)
-    torch.manual_seed(0)
-    net = cls.from_target(net_config(cls, TINY_NETS[method]), target).eval()
-    net.prepare(torch.ones(V, dtype=torch.long))
-    tokens = torch.randint(4, V, (2, 24), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones(2, 24, dtype=torch.bool)
-    mask[:, :8] = False  # the prompts
-    mask[1, 14] = False  # a second user turn
-    mask[0, 22:] = False  # EOS, padding
+    target, net, tokens, mask = tiny_net_and_chat(tiny_target, method)
     batches = []
     for where in (None, mask):
         hidden, values, ids = target_outputs.target_top(target, tokens, net.hidden_layers, 6, chunk=5, mask=where)
