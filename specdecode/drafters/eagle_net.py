@@ -184,12 +184,13 @@ class FeatureNet(nn.Module):
             # positions are prompt (context), and [B, n, Vd] logits would cost ~4x the work
             p = batch.probs_at(self.head.vocab_ids, label)  # [N, Vd]: the target's for token t+k+1
             out_at = out.flatten(0, 1)[label_rows(valid)]  # [N rounded up, H]
+            out_lab = out_at[: len(p)]  # [N, H]: out[valid]
             q_logits = self.body.head_logits(self.body.norm(out_at))[: len(p)]  # [N, Vd]
             logq = q_logits.float().log_softmax(dim=-1)
             loss = -(p * logq).sum() / N
             if k == 1 and self.config.feature_loss > 0 and isinstance(self.fuse, nn.Identity):
                 f_next = batch.hidden[:, 1 : 1 + n][valid].to(out.dtype)  # EAGLE-1: regress the next feature
-                reg = F.smooth_l1_loss(out[valid], f_next, reduction="none").mean(-1)  # [N]
+                reg = F.smooth_l1_loss(out_lab, f_next, reduction="none").mean(-1)  # [N]
                 loss = loss + self.config.feature_loss * reg.sum() / N
             losses.append(loss * 0.8 ** (k - 1))
             if k == 1 or self.confidence is not None:  # only where read

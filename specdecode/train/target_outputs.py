@@ -45,15 +45,18 @@ class TargetCache:
     12 GB of memory after 1,888 windows, 1.6 GB of them data.)"""
 
     def __init__(self, topk: int, windows: Windows, width: int, device: torch.device) -> None:
-        """``width``: the features' size (the net's hidden layers times the target's hidden size)."""
+        """For the training ``windows``; ``width``: the features' size (the net's hidden layers
+        times the target's hidden size)."""
         N, T = windows.tokens.shape
-        self.topk = topk
+        self.topk, self.windows = topk, windows
         self.filled = torch.zeros(N, dtype=torch.bool)
         self.hidden = torch.empty(N, T, width, dtype=torch.bfloat16, device=device)  # pages taken as filled
         self.values = torch.empty(N, T, topk, dtype=torch.float32, device=device)
         self.indices = torch.empty(N, T, topk, dtype=torch.int32, device=device)
 
-    def batch(self, target: Transformer, windows: Windows, rows: Tensor, hidden_layers: tuple[int, ...]) -> TrainBatch:
+    def batch(self, target: Transformer, rows: Tensor, hidden_layers: tuple[int, ...]) -> TrainBatch:
+        """The windows ``rows`` [B] (indices into the cache's windows), run through the target if new."""
+        windows = self.windows
         missing = rows[~self.filled[rows]].unique()  # (a batch across two epochs may repeat a window)
         if len(missing):
             hidden, values, indices = target_top(target, windows.tokens[missing], hidden_layers, self.topk,

@@ -320,7 +320,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     while step < cfg.steps and not cfg.out_of_time(before + time.perf_counter() - t0):
         rows = batch_rows(step, cfg.batch_size, len(corpus.train), cfg.seed)
         if cache is not None:
-            batch = cache.batch(target, corpus.train, rows, net.hidden_layers)
+            batch = cache.batch(target, rows, net.hidden_layers)
         else:
             batch = target_batch(target, corpus.train.tokens[rows], corpus.train.trained[rows], net.hidden_layers)
         lr = cfg.learning_rate(step, before + time.perf_counter() - t0)
