@@ -23,6 +23,7 @@ from __future__ import annotations
 import ast
 import functools
 import random
+import re
 import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
@@ -200,6 +201,12 @@ CLASS_THINGS = (
 HELD_OUT = ("cat", "guitar", "hiking", "palindrome", "bank account", "ten most common", "bicycle lane",
             "lizard", "hybrid working", "sky is blue", "robot who learns to paint", "lists and tuples",
             "inventory")  # fmt: skip
+_HELD_OUT_WORDS = re.compile(r"\b(" + "|".join(re.escape(w) for w in HELD_OUT) + r")s?\b", re.IGNORECASE)
+
+
+def names_held_out(text: str) -> bool:
+    """Whether ``text`` names a benchmark prompt's subject (a whole word of `HELD_OUT`, or its plural)."""
+    return _HELD_OUT_WORDS.search(text) is not None
 
 
 @functools.cache

@@ -46,20 +46,18 @@ def test_a_bad_dtype_or_device_is_one_line(tmp_path, capsys):
 
 def test_instructions_keep_clear_of_the_benchmark_prompts():
     """No instruction mentions a benchmark prompt's subject, and none is a benchmark prompt."""
-    import re
     from pathlib import Path
 
-    from specdecode.train.instructions import HELD_OUT, chat_questions
+    from specdecode.train.instructions import chat_questions, names_held_out
 
     made = instructions(3000, seed=1) + chat_questions()
-    words = re.compile(r"\b(" + "|".join(re.escape(w) for w in HELD_OUT) + r")s?\b", re.IGNORECASE)
-    assert not [p for p in made if words.search(p.split("\n")[0])]  # the instruction line; quoted texts are docs
+    assert not [p for p in made if names_held_out(p.split("\n")[0])]  # the instruction line; quoted texts are docs
     bench = Path(__file__).parents[2] / "benchmarks"
     prompts = {p for f in ("prompts.json", "prompts_learned.json")
                for ps in json.loads((bench / f).read_text()).values() for p in ps}  # fmt: skip
     assert not prompts & set(made)
     learned = [p for ps in json.loads((bench / "prompts_learned.json").read_text()).values() for p in ps]
-    assert all(words.search(p) for p in learned)  # HELD_OUT names a subject of each learned-drafter prompt
+    assert all(names_held_out(p) for p in learned)  # HELD_OUT names a subject of each learned-drafter prompt
 
 
 def test_passages_become_texts_to_summarise(tmp_path):
@@ -146,3 +144,68 @@ def test_an_answered_file_is_kept_and_flags_are_one_line(tmp_path, capsys):
             main([*new, *flags])
         err = capsys.readouterr().err
         assert stop.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+
+
+def test_magpie_keeps_the_targets_own_requests_that_ended_and_are_new():
+    """Requests the target writes after the user turn's prefix: held-out subjects, repeats,
+    unfinished or near-empty ones and those already answered are dropped and drawn again."""
+    from types import SimpleNamespace
+
+    from specdecode.config import SamplingParams
+    from specdecode.train.regenerate import sample_instructions
+
+    script = iter([("Why do cats purr?", "stop"), ("Tell me about tides.", "stop"),
+                   ("tell me  about TIDES.", "stop"), ("An unfinished request that", "length"), ("Hi", "stop"),
+                   ("Explain rainbows, please.", "stop"), ("What is compound interest?", "stop")]
+                  + [("Spare " + "x" * i, "stop") for i in range(20, 40)])  # fmt: skip
+
+    class Stub:
+        def __init__(self):
+            self.calls = []
+
+        def encode_chat(self, message):
+            return [1, 2, 3] + [ord(c) for c in message] + [4]
+
+        def stream(self, prompts, params):
+            self.calls.append((prompts, params))
+            for i, ((text, reason), _) in reversed(list(enumerate(zip(script, prompts)))):  # any order
+                yield SimpleNamespace(index=i, new_token_ids=[ord(c) for c in text], finish_reason=reason)
+
+        def decode(self, ids):
+            return "".join(map(chr, ids))
+
+    stub = Stub()
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16)
+    kept = sample_instructions(stub, 2, seed=7, skip={"what is compound interest?"}, params=params)
+    assert kept == ["Tell me about tides.", "Explain rainbows, please."]
+    (prompts, draws), = stub.calls[:1]
+    assert all(p == [1, 2, 3] for p in prompts)  # the chat up to the user's message only
+    seeds = [d.seed for _, ds in stub.calls for d in ds]
+    assert len(set(seeds)) == len(seeds) and all(d.temperature == 0.8 and d.max_tokens == 16 for d in draws)
+
+
+def test_the_user_turn_prefix_starts_every_chat(tmp_path):
+    from specdecode import LLM
+    from specdecode.train.regenerate import user_turn_prefix
+
+    target = make_tiny_checkpoint(tmp_path / "t", "llama", seed=0)
+    llm = LLM(model=str(target), device="cpu", dtype="float32")
+    prefix = user_turn_prefix(llm)
+    for message in ("Hello", "?", "Why is the sea salty?", "  spaced"):
+        ids = llm.encode_chat(message)
+        assert ids[: len(prefix)] == prefix and len(ids) > len(prefix)
+    text = llm.tokenizer.decode(prefix)
+    assert text == llm.tokenizer.apply_chat_template([{"role": "user", "content": "X"}], tokenize=False).split("X")[0]
+
+
+def test_magpie_flags_are_checked_before_the_model_loads(tmp_path, capsys):
+    out = str(tmp_path / "data.jsonl")
+    passages = tmp_path / "p.jsonl"
+    passages.write_text("")
+    assert main(["--out", out, "--instructions", "magpie", "--passages", str(passages)]) == 2
+    assert capsys.readouterr().err.startswith("error: --passages are texts for templated summaries")
+    assert main(["--out", out, "--instructions", "magpie", "--instruction-max-tokens", "0"]) == 2
+    assert capsys.readouterr().err == "error: --instruction-max-tokens must be an integer >= 1, got 0\n"
+    assert main(["--out", out, "--instructions", "magpie", "--instruction-top-p", "1.5"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "top_p" in err and err.count("\n") == 1, err
