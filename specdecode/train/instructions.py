@@ -198,9 +198,9 @@ CLASS_THINGS = (
     "movie rating", "address book", "vending machine", "elevator", "train schedule", "to-do item with a due date",
 )  # fmt: skip
 # the subjects of the benchmark prompts: no instruction built here may mention them
-HELD_OUT = ("cat", "guitar", "hiking", "palindrome", "bank account", "ten most common", "bicycle lane",
-            "lizard", "hybrid working", "sky is blue", "robot who learns to paint", "lists and tuples",
-            "inventory")  # fmt: skip
+HELD_OUT = ("cat", "guitar", "hiking", "hike", "backpacking", "palindrome", "palindromic", "bank account",
+            "ten most common", "bicycle lane", "bike lane", "lizard", "hybrid working", "sky is blue",
+            "robot who learns to paint", "lists and tuples", "inventory")  # fmt: skip
 _HELD_OUT_WORDS = re.compile(r"\b(" + "|".join(re.escape(w) for w in HELD_OUT) + r")s?\b", re.IGNORECASE)
 
 
