@@ -154,10 +154,10 @@ def test_magpie_keeps_the_targets_own_requests_that_ended_and_are_new():
     from specdecode.config import SamplingParams
     from specdecode.train.regenerate import sample_instructions
 
-    script = iter([("Why do cats purr?", "stop"), ("Tell me about tides.", "stop"),
-                   ("tell me  about TIDES.", "stop"), ("An unfinished request that", "length"), ("Hi", "stop"),
-                   ("Explain rainbows, please.", "stop"), ("What is compound interest?", "stop")]
-                  + [("Spare " + "x" * i, "stop") for i in range(20, 40)])  # fmt: skip
+    first = [("Why do cats purr?", "stop"), ("Tell me about tides.", "stop"), ("tell me  about TIDES.", "stop"),
+             ("An unfinished request that", "length"), ("Hi", "stop"), ("What is compound interest?", "stop")]
+    first += [(f"Plan a hike number {i}", "stop") for i in range(4)]  # the first draw: 2 + 0 + 8 requests
+    script = iter(first + [("Explain rainbows, please.", "stop")] + [("Spare " + "x" * i, "stop") for i in range(20, 40)])  # fmt: skip
 
     class Stub:
         def __init__(self):
@@ -168,7 +168,7 @@ def test_magpie_keeps_the_targets_own_requests_that_ended_and_are_new():
 
         def stream(self, prompts, params):
             self.calls.append((prompts, params))
-            for i, ((text, reason), _) in reversed(list(enumerate(zip(script, prompts)))):  # any order
+            for i, (_, (text, reason)) in reversed(list(enumerate(zip(prompts, script)))):  # any order
                 yield SimpleNamespace(index=i, new_token_ids=[ord(c) for c in text], finish_reason=reason)
 
         def decode(self, ids):
@@ -177,7 +177,7 @@ def test_magpie_keeps_the_targets_own_requests_that_ended_and_are_new():
     stub = Stub()
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16)
     kept = sample_instructions(stub, 2, seed=7, skip={"what is compound interest?"}, params=params)
-    assert kept == ["Tell me about tides.", "Explain rainbows, please."]
+    assert kept == ["Tell me about tides.", "Explain rainbows, please."] and len(stub.calls) == 2  # drawn again
     (prompts, draws), = stub.calls[:1]
     assert all(p == [1, 2, 3] for p in prompts)  # the chat up to the user's message only
     seeds = [d.seed for _, ds in stub.calls for d in ds]
