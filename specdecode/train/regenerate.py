@@ -18,6 +18,7 @@ of the shipped datastore: docs/benchmarks.md). Those that name a benchmark subje
     python -m specdecode.train.regenerate --target smollm2-135m --out data/selfdistill.jsonl --num 600
     python -m specdecode.train.regenerate --out data/more.jsonl --num 600 --seed 1 --passages data/selfdistill.jsonl
     python -m specdecode.train.regenerate --out data/magpie.jsonl --num 600 --instructions magpie
+    python -m specdecode.train.regenerate --out data/code.jsonl --num 600 --instructions magpie --instruction-start "Write a Python"
 
 Does not own: the instructions (instructions.py), training (trainer.py).
 """
@@ -78,14 +79,16 @@ def user_turn_prefix(llm: LLM) -> list[int]:
 
 
 def sample_instructions(
-    llm: LLM, num: int, seed: int, skip: set[str], params: SamplingParams, max_rounds: int = 8
+    llm: LLM, num: int, seed: int, skip: set[str], params: SamplingParams, start: str = "", max_rounds: int = 8
 ) -> list[str]:
     """``num`` requests written by the target itself (Magpie), each ended by the model within
     ``params.max_tokens``, none in ``skip`` or naming a benchmark subject, no two alike; fewer
-    if ``max_rounds`` draws do not find them."""
+    if ``max_rounds`` draws do not find them. With ``start`` every request opens with it (the
+    model writes the rest), e.g. "Write a Python" for code tasks."""
     from tqdm import tqdm
 
-    prefix = user_turn_prefix(llm)
+    opening = list(llm.tokenizer(start, add_special_tokens=False)["input_ids"]) if start else []
+    prefix = user_turn_prefix(llm) + opening
     seen = {" ".join(t.lower().split()) for t in skip}
     kept: list[str] = []
     drawn = 0
@@ -104,7 +107,7 @@ def sample_instructions(
                 if e.finish_reason:
                     ended[e.index] = e.finish_reason == "stop"  # the model closed its message
             for i in range(n):  # in draw order, so a seed gives the same requests
-                text = llm.decode(tokens.get(i, [])).strip()
+                text = (start + llm.decode(tokens.get(i, []))).strip()
                 key = " ".join(text.lower().split())
                 if not ended[i] or len(key) < 12 or key in seen or names_held_out(text) or len(kept) == num:
                     continue
@@ -143,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--instruction-temperature", type=float, default=0.8, help="magpie: sampling the requests")
     ap.add_argument("--instruction-top-p", type=float, default=0.95, help="magpie: sampling the requests")
     ap.add_argument("--instruction-max-tokens", type=int, default=96, help="magpie: longer requests are drawn again")
+    ap.add_argument("--instruction-start", default="", help='magpie: every request opens with this ("Write a Python")')
     args = ap.parse_args(argv)
     try:
         for flag in ("num", "max_tokens", "batch", "max_prompt_tokens", "threads", "instruction_max_tokens"):
@@ -161,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                                   f"a new file with --exclude {args.out} (its instructions are not asked again)")  # fmt: skip
         if args.instructions == "magpie" and args.passages:
             raise SpecDecodeError("--passages are texts for templated summaries; --instructions magpie takes none")
+        if args.instruction_start and args.instructions != "magpie":
+            raise SpecDecodeError("--instruction-start opens requests the target writes: it needs --instructions magpie")
         # bad values before the model loads
         SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
         magpie_params(args)
@@ -203,7 +209,8 @@ def answer(args: argparse.Namespace, shard: int, num_shards: int) -> int:
         raise SpecDecodeError(f"--max-prompt-tokens + --max-tokens = {max_len} does not fit the target: {e}") from None
     if args.instructions == "magpie":  # this shard's share, drawn with its own seeds
         share = len(range(shard, args.num, num_shards))
-        prompts = sample_instructions(llm, share, args.seed * num_shards + shard, answered, magpie_params(args))
+        prompts = sample_instructions(llm, share, args.seed * num_shards + shard, answered, magpie_params(args),
+                                      args.instruction_start)  # fmt: skip
         print(f"the target wrote {len(prompts)} requests", file=sys.stderr)
     limit = args.max_prompt_tokens
     encoded = [(p, llm.encode_chat(p)) for p in prompts]  # the chat template rendered once per instruction

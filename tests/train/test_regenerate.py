@@ -206,6 +206,39 @@ def test_magpie_flags_are_checked_before_the_model_loads(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("error: --passages are texts for templated summaries")
     assert main(["--out", out, "--instructions", "magpie", "--instruction-max-tokens", "0"]) == 2
     assert capsys.readouterr().err == "error: --instruction-max-tokens must be an integer >= 1, got 0\n"
+    assert main(["--out", out, "--instruction-start", "Write a Python"]) == 2
+    assert capsys.readouterr().err.startswith("error: --instruction-start opens requests the target writes")
     assert main(["--out", out, "--instructions", "magpie", "--instruction-top-p", "1.5"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "top_p" in err and err.count("\n") == 1, err
+
+
+def test_magpie_requests_can_open_with_given_words():
+    from types import SimpleNamespace
+
+    from specdecode.config import SamplingParams
+    from specdecode.train.regenerate import sample_instructions
+
+    class Stub:
+        def __init__(self):
+            self.prompts = []
+
+        def encode_chat(self, message):
+            return [1, 2, 3] + [ord(c) for c in message] + [4]
+
+        def tokenizer(self, text, add_special_tokens=True):
+            return {"input_ids": ([0] if add_special_tokens else []) + [ord(c) for c in text]}
+
+        def stream(self, prompts, params):
+            self.prompts += prompts
+            for i in range(len(prompts)):
+                yield SimpleNamespace(index=i, new_token_ids=[ord(c) for c in f" function number {i}."],
+                                      finish_reason="stop")  # fmt: skip
+
+        def decode(self, ids):
+            return "".join(map(chr, ids))
+
+    stub = Stub()
+    kept = sample_instructions(stub, 2, 0, set(), SamplingParams(max_tokens=8), start="Write a Python")
+    assert kept == ["Write a Python function number 0.", "Write a Python function number 1."]
+    assert stub.prompts[0] == [1, 2, 3] + [ord(c) for c in "Write a Python"]  # no BOS inside the turn
