@@ -92,7 +92,7 @@ def sample_instructions(
     seen = {" ".join(t.lower().split()) for t in skip}
     kept: list[str] = []
     drawn = 0
-    with tqdm(total=num, desc="drawing requests", unit="request") as bar:
+    with tqdm(total=0, desc="drawing requests", unit="request") as bar:
         for _ in range(max_rounds):
             want = num - len(kept)
             if want <= 0:
@@ -100,12 +100,14 @@ def sample_instructions(
             n = want + want // 4 + 8  # some are dropped
             draws = [dataclasses.replace(params, seed=seed * 1_000_003 + drawn + i) for i in range(n)]
             drawn += n
+            bar.total = drawn
             tokens: dict[int, list[int]] = {}
             ended: dict[int, bool] = {}
             for e in llm.stream([prefix] * n, draws):
                 tokens.setdefault(e.index, []).extend(e.new_token_ids)
                 if e.finish_reason:
                     ended[e.index] = e.finish_reason == "stop"  # the model closed its message
+                    bar.update(1)
             for i in range(n):  # in draw order, so a seed gives the same requests
                 text = (start + llm.decode(tokens.get(i, []))).strip()
                 key = " ".join(text.lower().split())
@@ -113,7 +115,7 @@ def sample_instructions(
                     continue
                 seen.add(key)
                 kept.append(text)
-                bar.update(1)
+            bar.set_postfix(kept=len(kept))
     return kept
 
 
