@@ -89,7 +89,8 @@ def sample_instructions(
 
     opening = list(llm.tokenizer(start, add_special_tokens=False)["input_ids"]) if start else []
     prefix = user_turn_prefix(llm) + opening
-    seen = {" ".join(t.lower().split()) for t in skip}
+    key = lambda text: " ".join(text.lower().split())  # case and spacing make no new request
+    seen = {key(t) for t in skip}
     kept: list[str] = []
     drawn = 0
     with tqdm(total=0, desc="drawing requests", unit="request") as bar:
@@ -110,11 +111,13 @@ def sample_instructions(
                     bar.update(1)
             for i in range(n):  # in draw order, so a seed gives the same requests
                 text = (start + llm.decode(tokens.get(i, []))).strip()
-                key = " ".join(text.lower().split())
-                if not ended[i] or len(key) < 12 or key in seen or names_held_out(text) or len(kept) == num:
+                k = key(text)
+                if not ended[i] or len(k) < 12 or k in seen or names_held_out(text):
                     continue
-                seen.add(key)
+                seen.add(k)
                 kept.append(text)
+                if len(kept) == num:
+                    break
             bar.set_postfix(kept=len(kept))
     return kept
 
@@ -168,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.instructions == "magpie" and args.passages:
             raise SpecDecodeError("--passages are texts for templated summaries; --instructions magpie takes none")
         if args.instruction_start and args.instructions != "magpie":
-            raise SpecDecodeError("--instruction-start opens requests the target writes: it needs --instructions magpie")
+            raise SpecDecodeError(
+                "--instruction-start opens requests the target writes: it needs --instructions magpie"
+            )
         # bad values before the model loads
         SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
         magpie_params(args)
