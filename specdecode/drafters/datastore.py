@@ -12,9 +12,9 @@ making the records (train/regenerate.py, train/datastore.py).
 The suffix array is over the *reversed* token array, so the occurrences of a context's last
 n tokens are one range that narrows as n grows: the longest match costs one pass of
 binary searches over shrinking ranges (tens of microseconds per row and round at a million
-tokens), not one search per n. It is built when the folder is loaded (prefix doubling with
-numpy sorts, ~1 s per million tokens) rather than shipped: the tokens alone are 2 bytes
-each. A draft is a deterministic function of the context and the store (one-hot q), so a
+tokens), not one search per n. It is built when the folder is loaded (numpy sorts on the
+first MAX_MATCH tokens of each suffix, ~0.2 s per million tokens) rather than shipped: the
+tokens alone are 2 bytes each, the order 4 more. A draft is a deterministic function of the context and the store (one-hot q), so a
 round that takes it stays lossless.
 """
 
@@ -44,25 +44,27 @@ DEFAULT_MIN_PROB = 0.4  # datastore_min_prob's default (chosen in docs/benchmark
 EVIDENCE = 100  # a datastore row's evidence (`Draft.evidence`) is 100 + its match length (prompt lookup's: the length)
 
 
-def suffix_order(tokens: np.ndarray) -> np.ndarray:
-    """Start positions of the suffixes of ``tokens`` (int, >= SENTINEL) in lexicographic order
-    (prefix doubling: each round sorts by the ranks of the first 2k tokens; a suffix that ends
-    sorts before any that goes on)."""
+def suffix_order(tokens: np.ndarray, depth: int = MAX_MATCH) -> np.ndarray:
+    """Start positions of the suffixes of ``tokens`` (int, >= SENTINEL) sorted by their first
+    ``depth`` tokens (a suffix that ends sorts before any that goes on), ties in position order.
+    A match reads at most MAX_MATCH tokens, so no order past them is needed: the ``depth`` tokens
+    are packed into 64-bit keys (16 bits a token for a vocabulary under 65,534) and sorted with
+    one stable sort per key, least significant first (~0.5 s for 2.8M tokens; full prefix
+    doubling took 3.2 s)."""
     n = len(tokens)
-    rank = tokens.astype(np.int64) - SENTINEL  # >= 0
-    order = np.argsort(rank, kind="stable")
-    k = 1
-    while k < n:
-        nxt = np.zeros(n, dtype=np.int64)
-        nxt[: n - k] = rank[k:] + 1  # 0: past the end
-        key = rank * (int(rank.max()) + 2) + nxt
-        order = np.argsort(key, kind="stable")
-        ranked = key[order]
-        rank = np.empty(n, dtype=np.int64)
-        rank[order] = np.concatenate([[0], np.cumsum(ranked[1:] != ranked[:-1])])
-        if rank[order[-1]] == n - 1:  # every suffix told apart
-            break
-        k *= 2
+    ranks = np.zeros(n + depth, dtype=np.uint64)  # 0: past the end
+    ranks[:n] = np.asarray(tokens, dtype=np.int64) - SENTINEL + 1  # >= 1, in the tokens' order
+    bits = max(int(ranks.max()).bit_length(), 1)
+    per_key = 64 // bits
+    keys = []
+    for first in range(0, depth, per_key):
+        key = np.zeros(n, dtype=np.uint64)
+        for j in range(first, min(first + per_key, depth)):
+            key = (key << np.uint64(bits)) | ranks[j : j + n]
+        keys.append(key)
+    order = np.arange(n)
+    for key in reversed(keys):
+        order = order[np.argsort(key[order], kind="stable")]
     return order
 
 

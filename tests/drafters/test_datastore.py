@@ -50,14 +50,20 @@ def brute_chain(tokens: list[int], ends: list[int], depth: int, min_prob: float)
     return chain, shares
 
 
-def test_suffix_order_sorts_every_suffix():
+def test_suffix_order_sorts_suffixes_by_their_first_depth_tokens_ties_in_position_order():
     rng = random.Random(1)
-    for _ in range(100):
+    for _ in range(200):
         seq = [rng.randrange(-1, 4) for _ in range(rng.randrange(1, 30))]
-        order = suffix_order(np.array(seq))
-        suffixes = [seq[i:] for i in order]
-        assert sorted(order.tolist()) == list(range(len(seq)))
-        assert all(a <= b for a, b in itertools.pairwise(suffixes)), seq
+        depth = rng.choice([1, 2, 3, 5, 8, 40])
+        order = suffix_order(np.array(seq), depth)
+        # a list that ends sorts before any it starts; -1 (a document's end) before every token
+        assert order.tolist() == sorted(range(len(seq)), key=lambda i: (seq[i : i + depth], i)), (seq, depth)
+
+
+def test_suffix_order_packs_ids_of_a_large_vocabulary():
+    rng = random.Random(2)
+    seq = [rng.choice([-1, 0, 70_000, 262_143]) for _ in range(60)]  # 19 bits a token: 3 a key
+    assert suffix_order(np.array(seq)).tolist() == sorted(range(60), key=lambda i: (seq[i : i + 8], i))
 
 
 def test_match_finds_the_longest_suffix_and_all_its_occurrences():
