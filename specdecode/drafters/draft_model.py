@@ -3,7 +3,9 @@
 Owns the draft model's own KV cache. Invariant between rounds: the draft cache holds a
 prefix of each row's committed tokens; after verification it is rolled back to at most
 ``len(tokens) - 1`` (everything it holds up to there is known to match), and the next
-``propose`` first feeds the committed tokens it has not seen.
+``propose`` in which the model drafts for some row first feeds the committed tokens it has
+not seen (a round where every row copies its draft, with ``prompt_lookup_max`` or a
+datastore, runs no draft pass).
 
 Chains (``topk = 1``) sample each draft token from q, which the verifier then uses.
 Trees (``topk > 1``) grow EAGLE-2 style: each level expands the ``topk`` frontier nodes
@@ -25,7 +27,15 @@ from specdecode.config import SpecConfig, SpecDecodeError, is_int
 from specdecode.drafters.base import Draft, DrafterContext
 from specdecode.drafters.draft_cache import DraftKVCache
 from specdecode.drafters.draft_tree import fill_static_tree, grow_tree
-from specdecode.drafters.lookup import Lookup, LookupKeys, look_up, model_rows, splice_chains, trees_with_lookup
+from specdecode.drafters.lookup import (
+    Lookup,
+    LookupKeys,
+    copies_only,
+    look_up,
+    model_rows,
+    splice_chains,
+    trees_with_lookup,
+)
 from specdecode.engine.batch import Batch, pad_right
 from specdecode.kv_cache import KVCache
 from specdecode.model.loader import keeps_gguf_blocks, load_model
@@ -127,12 +137,15 @@ class DraftModelDrafter:
             self._feed([batch.seqs[r].token_ids[:-1] for r in rows], self.cache)
 
     def propose(self, batch: Batch, num_tokens: int) -> Draft:
-        seen = self.cache.lengths.tolist()
-        logits = self._feed([s.token_ids[n:] for s, n in zip(batch.seqs, seen)], self.cache)
         roots = [s.token_ids[-1] for s in batch.seqs]
         depth = min(num_tokens, self.steps)
         found, matched = look_up(batch, self.lookup, num_tokens)  # found[b] = [] where the model drafts
-        if self.static_tree is not None or self.topk > 1:
+        tree = self.static_tree is not None or self.topk > 1
+        if all(found):  # every row copies: the tokens the draft has not seen wait for a round it drafts in
+            return copies_only(batch, roots, found, matched, tree, self.ctx.device)
+        seen = self.cache.lengths.tolist()
+        logits = self._feed([s.token_ids[n:] for s, n in zip(batch.seqs, seen)], self.cache)
+        if tree:
             def grow(limits: list[int] | None) -> Draft:
                 if self.static_tree is not None:  # its own shape; a lookup row's is replaced
                     return fill_static_tree(self._score_block, logits, roots, self.static_tree)

@@ -6,7 +6,8 @@ are this drafter with another net.
 
 Invariant between rounds: the net's cache holds one entry per target feature received
 (entry t = feature of token t + embedding of token t+1, see eagle_net.py); features
-arrive with ``prefill`` and ``on_verified`` and are fed at the next ``propose``. A round's
+arrive with ``prefill`` and ``on_verified`` and are fed at the next ``propose`` in which the
+net drafts for some row (a round where every row copies its draft leaves them pending). A round's
 draft entries are scratch: ``on_verified`` truncates them, and the accepted tokens are
 re-fed with the target's true features, as EAGLE does.
 
@@ -38,7 +39,15 @@ from specdecode.drafters.draft_tree import grow_tree
 from specdecode.drafters.draft_vocab import check_confidence_threshold
 from specdecode.drafters.eagle_net import FeatureNet
 from specdecode.drafters.learned import PendingFeatures, load_net, resolve_weights
-from specdecode.drafters.lookup import Lookup, LookupKeys, look_up, model_rows, splice_chains, trees_with_lookup
+from specdecode.drafters.lookup import (
+    Lookup,
+    LookupKeys,
+    copies_only,
+    look_up,
+    model_rows,
+    splice_chains,
+    trees_with_lookup,
+)
 from specdecode.engine.batch import Batch, Sequence, pad_right
 from specdecode.sampling import argmax
 from specdecode.tree import check_node_budget
@@ -138,10 +147,14 @@ class EagleDrafter:
         return logits[:, 0], out[:, 0]
 
     def propose(self, batch: Batch, num_tokens: int) -> Draft:
-        logits, out = self._feed_pending(batch)  # every row's, lookup rows' too: the cache stays whole
         roots = [s.token_ids[-1] for s in batch.seqs]
         depth = min(num_tokens, self.steps)
         found, matched = look_up(batch, self.lookup, num_tokens)  # found[b] = [] where the net drafts
+        if all(found):  # every row copies: the features owed wait for a round the net drafts in
+            # (fed then in one pass: each entry's output is the same, the fused block computes
+            # every token alone). A run of copied rounds costs no net pass (~1 ms each on CPU).
+            return copies_only(batch, roots, found, matched, self.topk > 1, self.device)
+        logits, out = self._feed_pending(batch)  # every row's, lookup rows' too: the cache stays whole
         if self.topk > 1:
             return self._tree(batch, logits, out, roots, depth, found)
         draft = self._chain(batch, logits, out, depth, model_rows(found, self.device))

@@ -3,7 +3,7 @@ from the row's own text (prompt lookup) and from a datastore of the target's ans
 
 Owns: the keys (`LookupKeys`, a base of those drafters' options), which rows copy this round
 (`Lookup`, `look_up`, `model_rows`) and splicing their copies into the model's draft
-(`splice_chains`, `trees_with_lookup`).
+(`splice_chains`, `trees_with_lookup`; `copies_only` where every row copies).
 Does not own: the lookups themselves (ngram.py, datastore.py) or the model's drafting.
 
 With ``prompt_lookup_max`` a row whose last n tokens occurred earlier (``prompt_lookup_min`` <=
@@ -169,3 +169,18 @@ def trees_with_lookup(
     N = max(map(len, tokens))
     padded = (torch.tensor([r + [-1] * (N - len(r)) for r in rows], device=device) for rows in (tokens, parents))
     return Draft.from_tree(TreeBatch.from_parents(*padded))
+
+
+def copies_only(
+    batch: Batch, roots: list[int], found: list[list[int]], matched: list[int], tree: bool, device: torch.device
+) -> Draft:  # fmt: skip
+    """The draft of a round in which every row copies (``all(found)``), with no model pass: the
+    copies as chains, or as one-branch trees for a tree drafter. The model's pending input waits
+    for the next round it drafts in, fed then in one pass."""
+    if tree:
+        return trees_with_lookup(_grows_nothing, batch, roots, 0, found, device)
+    return splice_chains(Draft(torch.empty(len(found), 0, dtype=torch.long, device=device)), found, matched)
+
+
+def _grows_nothing(limits: list[int] | None) -> Draft:
+    raise AssertionError("every row copies: no tree grows")

@@ -7,7 +7,6 @@ header; bad input gets one line."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import random
 from collections import Counter

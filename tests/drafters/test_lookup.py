@@ -102,6 +102,47 @@ def test_sampled_joint_distribution_matches_target(tmp_path, monkeypatch, method
     assert seen["lookup"] > 0 and (prompt_lookup_min == 1 or seen["model"] > 0), seen
 
 
+@pytest.mark.parametrize("shape", [{}, TREE])
+def test_rounds_where_every_row_copies_run_no_net_pass_and_draft_as_if_fed(setup, monkeypatch, shape):
+    """The features such rounds owe the net are fed in the next round it drafts in, in one pass:
+    the net then drafts from what feeding them round by round gives."""
+    target, models, plain = setup
+    spec = {"method": "eagle", "model": models["eagle"], "num_speculative_tokens": 4, "num_steps": 2,
+            "prompt_lookup_max": 3, **shape}  # fmt: skip
+    runs = []
+    for eager in (False, True):
+        llm = LLM(model=target, speculative_config=spec, dtype="float32", device="cpu")
+        drafter, passes, drafted_from = llm.engine.drafter, [0], []
+        net_forward, propose, feed = drafter.net.forward, drafter.propose, drafter._feed_pending
+
+        def counted(*args, forward=net_forward, passes=passes, **kwargs):
+            passes[0] += 1
+            return forward(*args, **kwargs)
+
+        def recorded(batch, feed=feed, seen=drafted_from):  # the logits and feature the net drafts from
+            logits, out = feed(batch)
+            seen.append(torch.cat([logits, out], dim=-1))
+            return logits, out
+
+        def round_(batch, n, drafter=drafter, propose=propose, feed=feed, eager=eager):
+            draft = propose(batch, n)
+            if eager and all(len(f) for f in drafter.pending.rows):  # nothing fed this round: feed now, as before
+                feed(batch)
+            return draft
+
+        monkeypatch.setattr(drafter.net, "forward", counted)
+        monkeypatch.setattr(drafter, "_feed_pending", recorded)
+        monkeypatch.setattr(drafter, "propose", round_)
+        for prompts in ([PROMPTS[1]], PROMPTS):
+            assert_greedy_matches_plain(llm, plain, prompts, 40, shape)
+        runs.append((drafted_from, passes[0]))
+    (deferred, deferred_passes), (fed, fed_passes) = runs
+    assert len(deferred) == len(fed) > 0
+    for a, b in zip(deferred, fed):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert deferred_passes < fed_passes, (deferred_passes, fed_passes)
+
+
 def test_an_adaptive_budget_plans_lookup_rows_on_its_own_estimates(setup, monkeypatch):
     """A lookup row has no draft probability to report: its confidences are NaN, which the
     budget replaces by its online estimates; greedy stays exact."""
