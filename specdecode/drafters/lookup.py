@@ -16,9 +16,11 @@ matched, where at least ``datastore_min_prob`` of the occurrences go on with its
 rows draft with the model, ``num_steps`` deep (Arctic Inference pairs suffix decoding with its
 speculator the same way). Copies are long and cheap; the model covers the rest. A lookup draft is
 a deterministic function of the history and the store (one-hot q), so a round stays lossless
-whichever source each row took. The model still runs on every row (its cache stays whole); its
-draws for a lookup row come from a scratch stream (`Batch.draft_generators`), so a seeded row's
-samples do not depend on its neighbours.
+whichever source each row took. In a round where some row drafts with the model, the model runs
+on every row (its cache stays whole); where every row copies, it runs on none, and what it is owed
+waits for the next round it drafts in (`copies_only`). Its draws for a lookup row come from a
+scratch stream (`Batch.draft_generators`), so a seeded row's samples do not depend on its
+neighbours.
 """
 
 from __future__ import annotations
