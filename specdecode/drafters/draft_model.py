@@ -139,7 +139,7 @@ class DraftModelDrafter:
     def propose(self, batch: Batch, num_tokens: int) -> Draft:
         roots = [s.token_ids[-1] for s in batch.seqs]
         depth = min(num_tokens, self.steps)
-        found, matched = look_up(batch, self.lookup, num_tokens)  # found[b] = [] where the model drafts
+        found, matched = look_up(batch, self.lookup, self.gamma)  # found[b] = [] where the model drafts
         tree = self.static_tree is not None or self.topk > 1
         if all(found):  # every row copies: the tokens the draft has not seen wait for a round it drafts in
             return copies_only(batch, roots, found, matched, tree, self.ctx.device)

@@ -149,7 +149,7 @@ class EagleDrafter:
     def propose(self, batch: Batch, num_tokens: int) -> Draft:
         roots = [s.token_ids[-1] for s in batch.seqs]
         depth = min(num_tokens, self.steps)
-        found, matched = look_up(batch, self.lookup, num_tokens)  # found[b] = [] where the net drafts
+        found, matched = look_up(batch, self.lookup, self.gamma)  # found[b] = [] where the net drafts
         if all(found):  # every row copies: the features owed wait for a round the net drafts in
             # (fed then in one pass: each entry's output is the same, the fused block computes
             # every token alone). A run of copied rounds costs no net pass (~1 ms each on CPU).

@@ -171,6 +171,27 @@ def test_an_adaptive_budget_plans_lookup_rows_on_its_own_estimates(setup, monkey
     assert seen and all(not math.isnan(c) for raw in seen for row in raw for c in row)
 
 
+def test_an_adaptive_budget_asking_for_less_still_gets_the_copies_gamma_deep(setup, monkeypatch):
+    """The budget asks the drafter for the depth it planned before seeing the copies' evidence;
+    a copy costs nothing at any depth, so lookup rows still propose up to γ and the budget
+    plans again on them."""
+    target, models, plain = setup
+    spec = {"method": "eagle", "model": models["eagle"], "num_speculative_tokens": 4, "num_steps": 1,
+            "prompt_lookup_max": 3, "verify_budget": "adaptive"}  # fmt: skip
+    llm = LLM(model=target, speculative_config=spec, dtype="float32", device="cpu")
+    asked, propose = [], llm.engine.drafter.propose
+
+    def keep(batch, n):
+        draft = propose(batch, n)
+        asked.append((n, int(draft.num_tokens.max())))
+        return draft
+
+    monkeypatch.setattr(llm.engine.drafter, "propose", keep)
+    assert_greedy_matches_plain(llm, plain, PROMPTS, 24, "adaptive")
+    assert any(n < 4 for n, _ in asked), asked  # the budget did ask for less than γ
+    assert any(got > n for n, got in asked), asked
+
+
 @pytest.mark.parametrize("method", ["eagle", "draft_model", "layer_skip"])
 @pytest.mark.parametrize(
     "extra,message",
