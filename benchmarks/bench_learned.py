@@ -51,6 +51,11 @@ METHODS = {
                         "datastore": True},  # fmt: skip
     "eagle_tree_datastore": {"method": "eagle", "num_speculative_tokens": 8, "num_steps": 3, "topk": 4,
                              "num_draft_tokens": 8, "prompt_lookup_max": 5, "datastore": True},  # fmt: skip
+    # smaller trees beside the copies: 6 nodes (3 deep, top-3) and 4 (2 deep, top-2), forty-seventh session
+    "eagle_tree6_datastore": {"method": "eagle", "num_speculative_tokens": 8, "num_steps": 3, "topk": 3,
+                              "num_draft_tokens": 6, "prompt_lookup_max": 5, "datastore": True},  # fmt: skip
+    "eagle_tree4_datastore": {"method": "eagle", "num_speculative_tokens": 8, "num_steps": 2, "topk": 2,
+                              "num_draft_tokens": 4, "prompt_lookup_max": 5, "datastore": True},  # fmt: skip
     "ngram": {"method": "ngram", "num_speculative_tokens": 8},  # the lookup alone, for reference
     "ngram_datastore": {"method": "ngram", "num_speculative_tokens": 8, "datastore": True},  # no model at all
     "layer_skip_lookup": {"method": "layer_skip", "num_speculative_tokens": 8, "num_steps": 1, "prompt_lookup_max": 5},
