@@ -13,9 +13,10 @@ The suffix array is over the *reversed* token array, so the occurrences of a con
 n tokens are one range that narrows as n grows: the longest match costs one pass of
 binary searches over shrinking ranges (tens of microseconds per row and round at a million
 tokens), not one search per n. It is built when the folder is loaded (numpy sorts on the
-first MAX_MATCH tokens of each suffix, ~0.2 s per million tokens) rather than shipped: the
-tokens alone are 2 bytes each, the order 4 more. A draft is a deterministic function of the context and the store (one-hot q), so a
-round that takes it stays lossless.
+first MAX_MATCH tokens of each suffix: ~0.5 s for the shipped 2.8M tokens) rather than
+shipped: the tokens are 2 bytes each on disk, the order and its first two columns would add
+12. A draft is a deterministic function of the context and the store (one-hot q), so a round
+that takes it stays lossless.
 """
 
 from __future__ import annotations
@@ -102,7 +103,10 @@ class Datastore:
     def match(self, context: Sequence[int], max_n: int) -> tuple[int, np.ndarray]:
         """(n, ends): the longest n <= ``max_n`` such that the last n tokens of ``context`` occur
         in the store, and where those occurrences end (positions in ``tokens``, at most
-        MAX_OCCURRENCES of them); (0, []) if not even the last token occurs."""
+        MAX_OCCURRENCES of them); (0, []) if not even the last token occurs. ``max_n`` is at most
+        MAX_MATCH: the suffixes are sorted on that many tokens only."""
+        if max_n > MAX_MATCH:
+            raise ValueError(f"a datastore matches at most {MAX_MATCH} tokens, asked for {max_n}")
         rev, order = self._rev, self._rev_order
         lo, hi = _token_range(self._columns[0], context[-1]) if len(context) else (0, 0)
         n = 1 if hi > lo else 0

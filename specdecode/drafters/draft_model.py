@@ -154,6 +154,9 @@ class DraftModelDrafter:
             return trees_with_lookup(grow, batch, roots, depth, found, self.ctx.device)
         drafts, qs = [], []
         alive = model_rows(found, self.ctx.device)
+        # a copying row's draft cache takes its copy, not the model's scratch tokens: what it
+        # accepts is kept as entries for the next round (the model's tokens there were stale)
+        copies, copied = pad_right([f[: depth - 1] for f in found], self.ctx.device) if any(found) else (None, None)
         for k in range(depth):
             if batch.all_greedy:  # one-hot q: the verifier needs no distribution
                 token = argmax(logits)
@@ -164,7 +167,10 @@ class DraftModelDrafter:
             drafts.append(torch.where(alive, token, -1))
             if k + 1 == depth or (self.lookup is not None and not bool(alive.any())):  # no sync without lookup
                 break
-            logits = self._feed_one(token)  # the last draft token is fed next round, if accepted
+            fed = token
+            if copies is not None and k < copies.shape[1]:  # [B, <= depth - 1], [B]
+                fed = torch.where(copied > k, copies[:, k], token)
+            logits = self._feed_one(fed)  # the last draft token is fed next round, if accepted
         q_all = torch.stack(qs, dim=1) if qs else None  # [B, γ, V]
         draft = Draft(tokens=torch.stack(drafts, dim=1), q=q_all)
         return draft if self.lookup is None else splice_chains(draft, found, matched)

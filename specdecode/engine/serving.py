@@ -296,7 +296,8 @@ class ServingEngine(Engine):
         wait = self._timed()  # on CUDA the timers below wait for the device only if the budget reads them
         gammas = torch.tensor([r.gamma for r in reqs], device=self.device)
         # Propose only if the budget would use drafts at all, were every row to find its γ, and no
-        # deeper than the longest budget. Where proposing is cheap (the budget looks past its
+        # deeper than the longest budget (the model's depth: copies beside a model drafter go up to
+        # γ whatever it is, lookup.look_up). Where proposing is cheap (the budget looks past its
         # budgets) and the step proposes for shadow rounds anyway, it proposes γ deep and plans
         # once, on what it found (at one client the first planning was ~1.3% of a step).
         shadowing = self.drafter is not None and self._shadows and self.budget.propose_first()
