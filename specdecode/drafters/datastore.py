@@ -4,7 +4,8 @@ Owns: `Datastore` (documents of token ids in one array, a suffix array over it r
 backwards, `match` for the longest suffix of a context that occurs in it, `chain` for the
 most frequent continuation of those occurrences, and `draft`, the rule that makes them a
 draft or none), its keys (`check_datastore_keys`, `open_datastore`), its folder on disk
-(`save` / `load_datastore`: ``config.json`` with the target's fingerprint + ``tokens.npy``)
+(`save` / `load_datastore`: ``config.json`` with the target's fingerprint and its tokenizer's
+digest + ``tokens.npy``)
 and `build_datastore` from token documents.
 Does not own: which rows draft from it (lookup.py beside a model drafter, ngram.py) or
 making the records (train/regenerate.py, train/datastore.py).
@@ -21,6 +22,7 @@ that takes it stays lossless.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Iterable, Sequence
@@ -164,16 +166,19 @@ class Datastore:
         return chain, n
 
     def save(
-        self, out_dir: str | Path, target_fingerprint: dict[str, Any], extra: dict[str, Any] | None = None
-    ) -> Path:
-        """Write ``config.json`` (method, the target's fingerprint, sizes, ``extra``) and ``tokens.npy``."""
+        self, out_dir: str | Path, target_fingerprint: dict[str, Any], extra: dict[str, Any] | None = None,
+        tokenizer: str | None = None,
+    ) -> Path:  # fmt: skip
+        """Write ``config.json`` (method, the target's fingerprint, its tokenizer's digest, sizes,
+        ``extra``) and ``tokens.npy``."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         vocab = int(target_fingerprint["vocab_size"])
         dtype = np.uint16 if vocab <= np.iinfo(np.uint16).max else np.int32  # SENTINEL stored as the max value
         stored = np.where(self.tokens == SENTINEL, np.iinfo(dtype).max, self.tokens).astype(dtype)
         np.save(out / TOKENS_FILE, stored)
-        meta = {"specdecode_method": METHOD, "target": target_fingerprint, "tokens": len(self),
+        meta = {"specdecode_method": METHOD, "target": target_fingerprint,
+                **({"tokenizer": tokenizer} if tokenizer else {}), "tokens": len(self),
                 "documents": self.num_documents, **(extra or {})}  # fmt: skip
         (out / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         return out
@@ -205,6 +210,13 @@ def check_datastore_keys(store: object, min_prob: object, min_n: int) -> None:
                               f"{MAX_MATCH} with it, got {min_n}")  # fmt: skip
 
 
+def tokenizer_digest(tokenizer: Any) -> str:
+    """A short digest of a tokenizer's vocabulary (token -> id): a datastore holds token ids, which
+    mean something only under the tokenizer it was built with (two targets may share every size)."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
 def open_datastore(store: str | bool, target: LoadedModel) -> Datastore:
     """The datastore a ``datastore`` key names: a folder, or true for the one shipped for ``target``."""
     from specdecode.drafters.learned import shipped_folder, target_fingerprint
@@ -213,11 +225,14 @@ def open_datastore(store: str | bool, target: LoadedModel) -> Datastore:
     if not folder:
         raise SpecDecodeError(f'no datastore ships for {target.name}: give "datastore" a folder built by '
                               "`python -m specdecode.train.datastore`")  # fmt: skip
-    return load_datastore(folder, target_fingerprint(target.model))
+    digest = tokenizer_digest(target.tokenizer) if target.tokenizer is not None else None
+    return load_datastore(folder, target_fingerprint(target.model), digest)
 
 
-def load_datastore(path: str | Path, target_fingerprint: dict[str, Any]) -> Datastore:
-    """The datastore in folder ``path``; a one-line error if it is not one or was built for another target."""
+def load_datastore(path: str | Path, target_fingerprint: dict[str, Any], tokenizer: str | None = None) -> Datastore:
+    """The datastore in folder ``path``; a one-line error if it is not one or was built for another
+    target, or for another tokenizer (where both the folder and the caller give a digest: folders
+    built before the digest was recorded have none)."""
     folder = Path(path)
     try:
         meta = json.loads((folder / CONFIG_FILE).read_text())
@@ -229,6 +244,9 @@ def load_datastore(path: str | Path, target_fingerprint: dict[str, Any]) -> Data
     if meta.get("target") != target_fingerprint:
         raise SpecDecodeError(f"datastore {str(path)!r} was built for another target ({meta.get('target')}, "
                               f"this one is {target_fingerprint})")  # fmt: skip
+    if tokenizer is not None and meta.get("tokenizer") not in (None, tokenizer):
+        raise SpecDecodeError(f"datastore {str(path)!r} was built with another tokenizer (vocabulary digest "
+                              f"{meta.get('tokenizer')}, this target's is {tokenizer})")  # fmt: skip
     if stored.ndim != 1 or stored.dtype not in (np.uint16, np.int32):
         raise SpecDecodeError(f"datastore {str(path)!r}: {TOKENS_FILE} is not a 1-D uint16 / int32 array")
     tokens = stored.astype(np.int64)

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--note", default=None, help="a line recorded in config.json (how the records were made)")
     args = ap.parse_args(argv)
     try:
-        from specdecode.drafters.datastore import build_datastore
+        from specdecode.drafters.datastore import build_datastore, tokenizer_digest
         from specdecode.drafters.learned import target_fingerprint
         from specdecode.model.loader import load_model
 
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         store = build_datastore(read_answers(files, target.tokenizer))
         extra = {"built_from": [str(p) for p in args.data], **({"note": args.note} if args.note else {})}
         try:
-            out = store.save(args.out, target_fingerprint(target.model), extra)
+            out = store.save(args.out, target_fingerprint(target.model), extra, tokenizer_digest(target.tokenizer))
         except OSError as e:  # --out an existing file, a read-only place
             raise SpecDecodeError(f"cannot write --out {args.out}: {first_line(e)}") from None
         print(f"{out}: {store.num_documents} answers, {len(store)} tokens")
