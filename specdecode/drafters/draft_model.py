@@ -33,6 +33,7 @@ from specdecode.drafters.lookup import (
     copies_only,
     look_up,
     model_rows,
+    nothing_to_draft,
     splice_chains,
     trees_with_lookup,
 )
@@ -141,7 +142,7 @@ class DraftModelDrafter:
         depth = min(num_tokens, self.steps)
         found, matched = look_up(batch, self.lookup, self.gamma)  # found[b] = [] where the model drafts
         tree = self.static_tree is not None or self.topk > 1
-        if all(found):  # every row copies: the tokens the draft has not seen wait for a round it drafts in
+        if nothing_to_draft(batch, found):  # the tokens the draft has not seen wait for a round it drafts in
             return copies_only(batch, roots, found, matched, tree, self.ctx.device)
         seen = self.cache.lengths.tolist()
         logits = self._feed([s.token_ids[n:] for s, n in zip(batch.seqs, seen)], self.cache)

@@ -45,6 +45,7 @@ from specdecode.drafters.lookup import (
     copies_only,
     look_up,
     model_rows,
+    nothing_to_draft,
     splice_chains,
     trees_with_lookup,
 )
@@ -150,9 +151,10 @@ class EagleDrafter:
         roots = [s.token_ids[-1] for s in batch.seqs]
         depth = min(num_tokens, self.steps)
         found, matched = look_up(batch, self.lookup, self.gamma)  # found[b] = [] where the net drafts
-        if all(found):  # every row copies: the features owed wait for a round the net drafts in
-            # (fed then in one pass: each entry's output is the same, the fused block computes
-            # every token alone). A run of copied rounds costs no net pass (~1 ms each on CPU).
+        if nothing_to_draft(batch, found):  # every row copies: the features owed wait for a round
+            # the net drafts in (fed then in one pass: each entry's output is the same, the fused
+            # block computes every token alone). A run of copied rounds costs no net pass (~1 ms
+            # each on CPU).
             return copies_only(batch, roots, found, matched, self.topk > 1, self.device)
         logits, out = self._feed_pending(batch)  # every row's, lookup rows' too: the cache stays whole
         if self.topk > 1:

@@ -3,7 +3,8 @@ from the row's own text (prompt lookup) and from a datastore of the target's ans
 
 Owns: the keys (`LookupKeys`, a base of those drafters' options), which rows copy this round
 (`Lookup`, `look_up`, `model_rows`) and splicing their copies into the model's draft
-(`splice_chains`, `trees_with_lookup`; `copies_only` where every row copies).
+(`splice_chains`, `trees_with_lookup`; `nothing_to_draft` and `copies_only` where no row needs
+the model).
 Does not own: the lookups themselves (ngram.py, datastore.py) or the model's drafting.
 
 With ``prompt_lookup_max`` a row whose last n tokens occurred earlier (``prompt_lookup_min`` <=
@@ -178,12 +179,19 @@ def trees_with_lookup(
     return Draft.from_tree(TreeBatch.from_parents(*padded))
 
 
+def nothing_to_draft(batch: Batch, found: list[list[int]]) -> bool:
+    """Whether no row needs the model this round: some row copies, and each other may draft
+    nothing (a draft limit of 0: a request's own γ of 0)."""
+    limits = batch.draft_limits or [1] * len(found)
+    return any(found) and all(f or n == 0 for f, n in zip(found, limits))
+
+
 def copies_only(
     batch: Batch, roots: list[int], found: list[list[int]], matched: list[int], tree: bool, device: torch.device
 ) -> Draft:  # fmt: skip
-    """The draft of a round in which every row copies (``all(found)``), with no model pass: the
-    copies as chains, or as one-branch trees for a tree drafter. The model's pending input waits
-    for the next round it drafts in, fed then in one pass."""
+    """The draft of a round in which no row needs the model (`nothing_to_draft`), with no model
+    pass: the copies as chains, or as one-branch trees for a tree drafter. The model's pending
+    input waits for the next round it drafts in, fed then in one pass."""
     if tree:
         return trees_with_lookup(_grows_nothing, batch, roots, 0, found, device)
     return splice_chains(Draft(torch.empty(len(found), 0, dtype=torch.long, device=device)), found, matched)

@@ -22,6 +22,7 @@ from tests.engine.checks import (
     SAMPLING_VOCAB,
     assert_greedy_matches_plain,
     assert_samples_follow_target,
+    greedy,
     sampling_target,
 )
 from tests.learned import trained_folder
@@ -142,6 +143,39 @@ def test_rounds_where_every_row_copies_run_no_net_pass_and_draft_as_if_fed(setup
     for a, b in zip(deferred, fed):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     assert deferred_passes < fed_passes, (deferred_passes, fed_passes)
+
+
+def test_a_row_that_may_draft_nothing_does_not_make_the_net_run(setup, monkeypatch):
+    """A request with its own γ of 0 beside one that copies: those rounds run no net pass."""
+    target, models, plain = setup
+    spec = {"method": "eagle", "model": models["eagle"], "num_speculative_tokens": 4, "num_steps": 1,
+            "prompt_lookup_max": 3}  # fmt: skip
+    engine = LLM(model=target, speculative_config=spec, dtype="float32", device="cpu").engine
+    drafter, passes, netless = engine.drafter, [0], []
+    net_forward, propose = drafter.net.forward, drafter.propose
+
+    def counted(*args, **kwargs):
+        passes[0] += 1
+        return net_forward(*args, **kwargs)
+
+    def round_(batch, n):
+        before = passes[0]
+        draft = propose(batch, n)
+        netless.append(len(batch) == 2 and passes[0] == before)
+        return draft
+
+    monkeypatch.setattr(drafter.net, "forward", counted)
+    monkeypatch.setattr(drafter, "propose", round_)
+    params = greedy(24)
+    engine.add_request("copy", PROMPTS[3], params)
+    engine.add_request("none", PROMPTS[1], params, spec_override={"num_speculative_tokens": 0})
+    out = {"copy": [], "none": []}
+    while engine.has_unfinished():
+        for e in engine.step():
+            out[e.request_id] += e.new_token_ids
+    want = plain.generate([PROMPTS[3], PROMPTS[1]], params)
+    assert [out["copy"], out["none"]] == [o.token_ids for o in want]
+    assert any(netless), netless
 
 
 @pytest.mark.parametrize("steps", [2, 3])
