@@ -193,9 +193,9 @@ def copies_only(
     pass: the copies as chains, or as one-branch trees for a tree drafter. The model's pending
     input waits for the next round it drafts in, fed then in one pass."""
     if tree:
-        return trees_with_lookup(_grows_nothing, batch, roots, 0, found, device)
+        def roots_only(limits: list[int] | None) -> Draft:  # a row that copies nothing drafts nothing
+            ids = torch.tensor(roots, device=device)[:, None]  # [B, 1]
+            return Draft.from_tree(TreeBatch.from_parents(ids, torch.full_like(ids, -1)))
+
+        return trees_with_lookup(roots_only, batch, roots, 0, found, device)
     return splice_chains(Draft(torch.empty(len(found), 0, dtype=torch.long, device=device)), found, matched)
-
-
-def _grows_nothing(limits: list[int] | None) -> Draft:
-    raise AssertionError("every row copies: no tree grows")

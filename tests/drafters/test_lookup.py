@@ -145,11 +145,12 @@ def test_rounds_where_every_row_copies_run_no_net_pass_and_draft_as_if_fed(setup
     assert deferred_passes < fed_passes, (deferred_passes, fed_passes)
 
 
-def test_a_row_that_may_draft_nothing_does_not_make_the_net_run(setup, monkeypatch):
+@pytest.mark.parametrize("shape", [{}, TREE])
+def test_a_row_that_may_draft_nothing_does_not_make_the_net_run(setup, monkeypatch, shape):
     """A request with its own γ of 0 beside one that copies: those rounds run no net pass."""
     target, models, plain = setup
     spec = {"method": "eagle", "model": models["eagle"], "num_speculative_tokens": 4, "num_steps": 1,
-            "prompt_lookup_max": 3}  # fmt: skip
+            "prompt_lookup_max": 3, **shape}  # fmt: skip
     engine = LLM(model=target, speculative_config=spec, dtype="float32", device="cpu").engine
     drafter, passes, netless = engine.drafter, [0], []
     net_forward, propose = drafter.net.forward, drafter.propose
