@@ -203,13 +203,16 @@ def test_a_draft_model_beside_copies_drafts_from_the_committed_tokens(setup, mon
     def round_(batch, n):
         proposing.append(batch)
         draft = propose(batch, n)
-        proposing.clear()  # a round where every row copies feeds nothing
+        unfed.append(bool(proposing))  # a round where every row copies feeds nothing
+        proposing.clear()
         return draft
 
+    unfed: list[bool] = []
     monkeypatch.setattr(drafter, "_feed", fed)
     monkeypatch.setattr(drafter, "propose", round_)
     assert_greedy_matches_plain(llm, plain, PROMPTS, 40, steps)
     assert checked and all(checked), checked
+    assert any(unfed) and not all(unfed), unfed  # rounds that copied ran no draft pass; the others did
 
 
 def test_an_adaptive_budget_plans_lookup_rows_on_its_own_estimates(setup, monkeypatch):
