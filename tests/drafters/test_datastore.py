@@ -140,32 +140,36 @@ def test_a_folder_round_trips_and_refuses_another_target(tmp_path):
         build_datastore([[], []])
 
 
+class Vocab:
+    """A stand-in tokenizer: only its vocabulary (token -> id)."""
+
+    def __init__(self, vocab: dict[str, int]) -> None:
+        self.vocab = vocab
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self.vocab)
+
+
 def test_a_folder_refuses_a_target_with_another_tokenizer(tmp_path):
     """Token ids mean something only under the tokenizer they were built with: a folder records
     its vocabulary's digest, and a target of the same shape whose tokenizer differs is refused."""
     fingerprint = {"architecture": "llama", "hidden_size": 8, "num_layers": 2, "vocab_size": 100}
-    build_datastore([[1, 2], [3]]).save(tmp_path / "s", fingerprint, tokenizer="aaaa")
-    assert json.loads((tmp_path / "s" / "config.json").read_text())["tokenizer"] == "aaaa"
-    assert load_datastore(tmp_path / "s", fingerprint, "aaaa").num_documents == 2
+    ours, other = Vocab({"a": 0, "b": 1}), Vocab({"a": 1, "b": 0})
+    build_datastore([[1, 2], [3]]).save(tmp_path / "s", fingerprint, tokenizer=tokenizer_digest(ours))
+    assert json.loads((tmp_path / "s" / "config.json").read_text())["tokenizer"] == tokenizer_digest(ours)
+    assert load_datastore(tmp_path / "s", fingerprint, ours).num_documents == 2
     assert load_datastore(tmp_path / "s", fingerprint).num_documents == 2  # the caller knows no tokenizer
     with pytest.raises(SpecDecodeError, match="built with another tokenizer") as e:
-        load_datastore(tmp_path / "s", fingerprint, "bbbb")
+        load_datastore(tmp_path / "s", fingerprint, other)
     assert "\n" not in str(e.value)
     build_datastore([[1, 2], [3]]).save(tmp_path / "old", fingerprint)  # a folder from before the digest
-    assert load_datastore(tmp_path / "old", fingerprint, "bbbb").num_documents == 2
+    assert load_datastore(tmp_path / "old", fingerprint, other).num_documents == 2
 
 
 def test_the_digest_is_of_the_vocabulary():
-    class Tok:
-        def __init__(self, vocab):
-            self.vocab = vocab
-
-        def get_vocab(self):
-            return dict(self.vocab)
-
-    a = tokenizer_digest(Tok({"a": 0, "b": 1}))
-    assert a == tokenizer_digest(Tok({"b": 1, "a": 0}))  # order-free
-    assert a != tokenizer_digest(Tok({"a": 1, "b": 0})) and a != tokenizer_digest(Tok({"a": 0, "c": 1}))
+    a = tokenizer_digest(Vocab({"a": 0, "b": 1}))
+    assert a == tokenizer_digest(Vocab({"b": 1, "a": 0}))  # order-free
+    assert a != tokenizer_digest(Vocab({"a": 1, "b": 0})) and a != tokenizer_digest(Vocab({"a": 0, "c": 1}))
 
 
 @pytest.fixture(scope="module")
@@ -279,9 +283,8 @@ def test_the_builder_writes_a_folder_and_refuses_bad_input(tmp_path, capsys):
     (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
     assert build_main(["--data", str(tmp_path / "a.jsonl"), "--out", str(tmp_path / "s"), "--target", str(target)]) == 0
     loaded = load_model(str(target), dtype=torch.float32, device="cpu")
-    digest = tokenizer_digest(loaded.tokenizer)
-    assert load_datastore(tmp_path / "s", target_fingerprint(loaded.model), digest).num_documents == 3
-    assert json.loads((tmp_path / "s" / "config.json").read_text())["tokenizer"] == digest
+    assert load_datastore(tmp_path / "s", target_fingerprint(loaded.model), loaded.tokenizer).num_documents == 3
+    assert json.loads((tmp_path / "s" / "config.json").read_text())["tokenizer"] == tokenizer_digest(loaded.tokenizer)
     (tmp_path / "bad.jsonl").write_text('{"text": "plain text"}\n')
     (tmp_path / "a_file").write_text("")
     capsys.readouterr()
