@@ -309,11 +309,11 @@ static void run_tiles(const tile_fn* tiles, int q8, const uint16_t* x, int M, in
   const size_t tile_bytes = (size_t)G * (q8 ? 1024 : 512), tile_scales = (size_t)G * (q8 ? 32 : 64);
   float* xf = malloc(sizeof(float) * (size_t)M * K);
   for (size_t i = 0; i < (size_t)M * K; i += 8) _mm256_storeu_ps(xf + i, load8(x + i));
-  if (xs)
+  if (xs) /* a fixed tree per group, as in quantize_rows (a8_avx2.c), not 32 dependent adds */
     for (int i = 0; i < M * G; i++) {
-      float s = 0;
-      for (int j = 0; j < 32; j++) s += xf[(size_t)i * 32 + j];
-      xs[i] = s;
+      const float* g = xf + (size_t)i * 32;
+      __m256 a = _mm256_add_ps(_mm256_loadu_ps(g), _mm256_loadu_ps(g + 8));
+      xs[i] = hsum8(_mm256_add_ps(a, _mm256_add_ps(_mm256_loadu_ps(g + 16), _mm256_loadu_ps(g + 24))));
     }
   if (!q8 && M >= PANEL_ROWS) {
 #pragma omp parallel for schedule(static) num_threads(threads)

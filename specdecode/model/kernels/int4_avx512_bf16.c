@@ -40,6 +40,10 @@ static inline __attribute__((always_inline)) void decode_pair(const int Q8, cons
   }
 }
 
+static inline __m512 load_bf16x16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
 /* o[r] += group g's products acc[r] (fp32, 32 columns) times its scales (sp), plus, for int4,
    its zeros times the row's input sum xs[r * G + g]. */
 static inline __attribute__((always_inline)) void add_group(const int MB, const int Q8, const uint16_t* sp,
@@ -238,26 +242,16 @@ static void run_tiles(const tile_fn* tiles, int Q8, const uint16_t* x, int M, in
 /* y [M, N] bf16 = x [M, K] bf16 @ W.T; K % 32 == 0, N % 32 == 0; xs: M * K / 32 floats of scratch */
 void int4_gemm(const uint16_t* x, int M, int K, const uint8_t* wp, const uint16_t* sz, int N, uint16_t* y,
                float* xs, int threads) {
-  for (int i = 0; i < M * (K / 32); i++) {  /* each group's input sum, for the zeros */
-    float s = 0;
-    for (int j = 0; j < 32; j++) {
-      uint32_t u = (uint32_t)x[(size_t)i * 32 + j] << 16;
-      float f;
-      memcpy(&f, &u, 4);
-      s += f;
-    }
-    xs[i] = s;
-  }
+  /* each group's input sum, for the zeros: two 16-lane halves added, then one fixed reduction
+     tree (a row's sums do not depend on M; 32 dependent scalar adds cost ~0.2 ms a 9-position pass) */
+  for (int i = 0; i < M * (K / 32); i++)
+    xs[i] = _mm512_reduce_add_ps(_mm512_add_ps(load_bf16x16(x + (size_t)i * 32), load_bf16x16(x + (size_t)i * 32 + 16)));
   run_tiles(INT4_TILES, 0, x, M, K, xs, wp, sz, N, y, threads);
 }
 
 /* The same for Q8_0 weights (q, d in the layout above). */
 void q8_gemm(const uint16_t* x, int M, int K, const uint8_t* wq, const uint16_t* d, int N, uint16_t* y, int threads) {
   run_tiles(Q8_TILES, 1, x, M, K, 0, wq, d, N, y, threads);
-}
-
-static inline __m512 load_bf16x16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
 /* RMSNorm of bf16 rows x [M, D] (D % 16 == 0) into y, each row alone (so a row's result does
