@@ -64,6 +64,11 @@ METHODS = {
     "medusa": {"method": "medusa", "num_speculative_tokens": 3},
     "dflash": {"method": "dflash", "num_speculative_tokens": 16},
     "dflash_cut": {"method": "dflash", "num_speculative_tokens": 16, "confidence_threshold": 0.5},
+    # the heads / the block beside the copies, as eagle_datastore (forty-eighth session)
+    "medusa_datastore": {"method": "medusa", "num_speculative_tokens": 8, "num_steps": 1, "prompt_lookup_max": 5,
+                         "datastore": True},  # fmt: skip
+    "dflash_datastore": {"method": "dflash", "num_speculative_tokens": 8, "num_steps": 1, "prompt_lookup_max": 5,
+                         "datastore": True},  # fmt: skip
 }
 
 def parse_method(arg: str) -> tuple[str, dict]:

@@ -16,6 +16,11 @@ token d_k is sampled from q_k (greedy rows: argmax, q one-hot), so the verifier'
 rejection sampling keeps the output exactly the target's. The draft tokens do not feed
 back into the block (they are drawn in parallel), which q_k accounts for: q_k is the
 distribution d_k was actually drawn from.
+
+With ``prompt_lookup_max`` or ``datastore`` a row whose context occurred before drafts the copy
+instead (lookup.py); the block then runs ``num_steps`` deep (default γ) and not at all in a
+round where every row copies. The cache needs nothing from a round's drafts: what it is handed
+comes from the target's pass, whichever source drafted.
 """
 
 from __future__ import annotations
@@ -30,15 +35,16 @@ from torch import Tensor
 from specdecode.config import SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Draft, DrafterContext
 from specdecode.drafters.dflash_net import DFlashNet
+from specdecode.drafters.draft_cache import DraftKVCache
 from specdecode.drafters.draft_vocab import check_confidence_threshold, stop_after_unsure
 from specdecode.drafters.learned import load_net, resolve_weights
+from specdecode.drafters.lookup import LookupKeys, copies_only, look_up, model_rows, nothing_to_draft, splice_chains
 from specdecode.engine.batch import Batch
 from specdecode.sampling import argmax
-from specdecode.drafters.draft_cache import DraftKVCache
 
 
 @dataclass(frozen=True)
-class DFlashOptions:
+class DFlashOptions(LookupKeys):
     # a folder written by `specdecode train --method dflash`; None = the weights shipped for the target
     model: str | None = None
     # cut each block after its first token whose draft probability is below this (as eagle's
@@ -51,6 +57,7 @@ class DFlashOptions:
                 f'dflash "model" must be a folder path (or omitted for the shipped weights), got {self.model!r}'
             )
         check_confidence_threshold(self.confidence_threshold)
+        LookupKeys.__post_init__(self)
 
 
 class DFlashDrafter:
@@ -64,18 +71,21 @@ class DFlashDrafter:
         self.gamma = spec.num_speculative_tokens
         self.threshold: float = float(spec.options.confidence_threshold)
         self.report_confidence: bool = spec.budget.adaptive  # see eagle.py
-        if self.gamma > self.net.block_size:
+        self.steps: int = spec.options.steps(self.gamma)  # the block's length (γ, or num_steps beside a lookup)
+        if self.steps > self.net.block_size:
+            what = "num_steps" if spec.options.num_steps else "num_speculative_tokens"
+            default = "" if spec.options.num_steps else f" ({self.default_num_speculative_tokens} when not given)"
             raise SpecDecodeError(
                 f"dflash drafts at most its block size of {self.net.block_size} tokens per pass; "
-                f"num_speculative_tokens is {self.gamma} ({self.default_num_speculative_tokens} when not given): "
-                f"set it to at most {self.net.block_size}"
+                f"{what} is {self.steps}{default}: set it to at most {self.net.block_size}"
             )
         self.hidden_layers: tuple[int, ...] = self.net.hidden_layers
+        self.lookup = spec.options.lookup(ctx.target)
         self.ctx = ctx
         self.cache = DraftKVCache(self.net.body)
 
     def max_draft_tokens(self, num_tokens: int) -> int:
-        return min(num_tokens, self.net.block_size)
+        return num_tokens if self.lookup else min(num_tokens, self.net.block_size)  # a copy may run to γ
 
     def prefill(self, batch: Batch, rows: list[int], hidden: list[Tensor] | None = None) -> None:
         assert hidden is not None, "dflash reads target features: the engine hands them with hidden_layers"
@@ -95,7 +105,15 @@ class DFlashDrafter:
         cache.commit(counts)
 
     def propose(self, batch: Batch, num_tokens: int) -> Draft:
-        gamma = min(num_tokens, self.net.block_size)
+        found, matched = look_up(batch, self.lookup, self.gamma)  # found[b] = [] where the block drafts
+        if nothing_to_draft(batch, found):  # every row copies: no block pass
+            return copies_only(batch, [s.token_ids[-1] for s in batch.seqs], found, matched, False, self.ctx.device)
+        draft = self._block(batch, min(num_tokens, self.steps, self.net.block_size), found)
+        return draft if self.lookup is None else splice_chains(draft, found, matched)
+
+    def _block(self, batch: Batch, gamma: int, found: list[list[int]]) -> Draft:
+        """One block pass: every row's γ draft tokens (a copying row's are scratch, replaced by
+        its copy)."""
         roots = torch.tensor([s.token_ids[-1] for s in batch.seqs], dtype=torch.long, device=self.ctx.device)
         at = torch.arange(gamma, device=roots.device).expand(len(batch), -1)  # [B, γ]
         logits = self.net.block_logits(roots, self.cache, logits_at=at)  # [B, γ, Vd] over the draft vocabulary
@@ -103,8 +121,10 @@ class DFlashDrafter:
         q = None
         if batch.all_greedy:  # one-hot q: the verifier needs no distribution
             tokens = head.vocab_ids[argmax(logits)]
-        else:
-            tokens, q = head.sample(logits, batch, self.ctx.target.config.vocab_size)  # [B, γ], [B, γ, V]
+        else:  # a copying row draws from scratch: its own stream is for its own drafts
+            drafting = model_rows(found, self.ctx.device) if self.lookup is not None else None
+            V = self.ctx.target.config.vocab_size
+            tokens, q = head.sample(logits, batch, V, 0, drafting)  # [B, γ], [B, γ, V]
         confidence = None
         if self.threshold > 0 or self.report_confidence:
             own = head.own_probability(logits, tokens, q, batch)  # [B, γ]

@@ -1,4 +1,4 @@
-"""Lookup beside a model drafter (`eagle`, `eagle3`, `mtp`, `draft_model`, `layer_skip`): copies
+"""Lookup beside a model drafter (`eagle`, `eagle3`, `mtp`, `medusa`, `dflash`, `draft_model`, `layer_skip`): copies
 from the row's own text (prompt lookup) and from a datastore of the target's answers (REST).
 
 Owns: the keys (`LookupKeys`, a base of those drafters' options), which rows copy this round

@@ -19,6 +19,10 @@ take top-k tokens deterministically (q = None, one-hot), which the verifiers kee
 ``acceptance: "typical"`` (Medusa's typical acceptance) is the one LOSSY option: drafts
 are the heads' argmax and a draft is kept if the target gives it enough probability
 (`specdecode.verify.typical_verify`); requests decoded with it are flagged ``lossy``.
+
+With ``prompt_lookup_max`` or ``datastore`` (exact acceptance) a row whose context occurred
+before drafts the copy instead (lookup.py); the heads then draft ``num_steps`` deep (default γ)
+and run not at all in a round where every row copies.
 """
 
 from __future__ import annotations
@@ -34,6 +38,15 @@ from specdecode.config import SpecConfig, SpecDecodeError, is_int
 from specdecode.drafters.base import Draft, DrafterContext
 from specdecode.drafters.draft_vocab import DraftVocabHead
 from specdecode.drafters.learned import TrainBatch, label_rows, load_net, resolve_weights
+from specdecode.drafters.lookup import (
+    LookupKeys,
+    copies_only,
+    look_up,
+    model_rows,
+    nothing_to_draft,
+    splice_chains,
+    trees_with_lookup,
+)
 from specdecode.engine.batch import Batch
 from specdecode.model.transformer import Transformer
 from specdecode.sampling import argmax
@@ -145,7 +158,7 @@ class MedusaNet(nn.Module):
 
 
 @dataclass(frozen=True)
-class MedusaOptions:
+class MedusaOptions(LookupKeys):
     model: str | None = None  # folder from `specdecode train --method medusa`; None = shipped weights
     speculative_token_tree: str | list | None = None  # static tree ([(0,), (0, 0), (1,)]) or "default"
     acceptance: str = "exact"  # "typical": Medusa's typical acceptance, LOSSY
@@ -170,6 +183,12 @@ class MedusaOptions:
                 raise SpecDecodeError('medusa acceptance "typical" drafts a chain; drop speculative_token_tree')
             if tree != DEFAULT_TREE and parse_token_tree(tree).num_nodes - 1 > MAX_TREE_NODES:
                 raise SpecDecodeError(f"speculative_token_tree has more than {MAX_TREE_NODES} nodes")
+            if self.num_steps is not None:  # its shape sets the heads' depth
+                raise SpecDecodeError("speculative_token_tree (a static tree) excludes num_steps")
+        LookupKeys.__post_init__(self)
+        if self.acceptance == "typical" and (self.prompt_lookup_max is not None or self.datastore):
+            raise SpecDecodeError('medusa acceptance "typical" drafts the heads\' chain alone; drop prompt_lookup_max '
+                                  "and datastore")  # fmt: skip
 
 
 class MedusaDrafter:
@@ -189,16 +208,22 @@ class MedusaDrafter:
         if tree == DEFAULT_TREE:
             tree = [c for c in MC_SIM_7B_63 if len(c) <= gamma and max(c) < vocab]
         self.tree: TreeShape | None = parse_token_tree(tree, vocab, gamma) if tree is not None else None
-        self.depth = max(self.tree.depth) if self.tree is not None else gamma  # heads used
+        self.gamma = gamma
+        self.steps = opts.steps(gamma)  # the heads' chain (γ, or num_steps beside a lookup)
+        self.depth = max(self.tree.depth) if self.tree is not None else self.steps  # heads used
+        self.lookup = opts.lookup(ctx.target)
+        self.device = ctx.device
         have = self.net.config.num_heads
         if self.depth > have:
-            what = f"a tree {self.depth} deep" if self.tree is not None else f"num_speculative_tokens {gamma}"
+            name = "num_steps" if opts.num_steps else "num_speculative_tokens"
+            what = f"a tree {self.depth} deep" if self.tree is not None else f"{name} {self.depth}"
             raise SpecDecodeError(f"medusa: {what} needs {self.depth} heads, but {path} has {have} heads")
         self.typical = (opts.posterior_threshold, opts.posterior_alpha) if opts.acceptance == "typical" else None
         self.last = torch.zeros(0, self.target.config.hidden_size, dtype=ctx.dtype, device=ctx.device)  # [B, H]
 
     def max_draft_tokens(self, num_tokens: int) -> int:
-        return self.tree.num_nodes - 1 if self.tree is not None else min(num_tokens, self.depth)
+        own = self.tree.num_nodes - 1 if self.tree is not None else min(num_tokens, self.depth)
+        return max(own, num_tokens) if self.lookup else own  # a lookup row's chain: γ nodes
 
     def prefill(self, batch: Batch, rows: list[int], hidden: list[Tensor] | None = None) -> None:
         assert hidden is not None and len(hidden) == len(rows)
@@ -206,15 +231,23 @@ class MedusaDrafter:
         self.last = torch.cat([self.last, torch.stack(newest).to(self.last.dtype)])
 
     def propose(self, batch: Batch, num_tokens: int) -> Draft:
+        found, matched = look_up(batch, self.lookup, self.gamma)  # found[b] = [] where the heads draft
+        roots = [s.token_ids[-1] for s in batch.seqs]
+        if nothing_to_draft(batch, found):  # every row copies: no head runs
+            return copies_only(batch, roots, found, matched, self.tree is not None, self.device)
         K = self.depth if self.tree is not None else min(num_tokens, self.depth)
         logits = self.net.logits(self.net(self.last, K))  # [B, K, Vd]: head k at index k - 1
-        if self.tree is not None:
-            return self._fill_tree(batch, logits)
+        if self.tree is not None:  # a lookup row's tree is its chain
+            return trees_with_lookup(lambda _: self._fill_tree(batch, logits), batch, roots, K, found, self.device)
         if batch.all_greedy or self.typical is not None:
             tokens = self.net.head.vocab_ids[argmax(logits)]  # [B, K], q one-hot
-            return Draft(tokens=tokens, typical=self.typical)
-        tokens, q = self.net.head.sample(logits, batch, self.target.config.vocab_size)  # [B, K], [B, K, V]
-        return Draft(tokens=tokens, q=q)
+            draft = Draft(tokens=tokens, typical=self.typical)
+        else:  # a copying row draws from scratch: its own stream is for its own drafts
+            drafting = model_rows(found, self.device) if self.lookup is not None else None
+            V = self.target.config.vocab_size
+            tokens, q = self.net.head.sample(logits, batch, V, 0, drafting)  # [B, K], [B, K, V]
+            draft = Draft(tokens=tokens, q=q)
+        return draft if self.lookup is None else splice_chains(draft, found, matched)
 
     def _fill_tree(self, batch: Batch, logits: Tensor) -> Draft:
         """The static tree: node i at depth d is head d's ``rank[i]``-th likeliest token (a

@@ -1,4 +1,4 @@
-"""Prompt lookup beside a model drafter (``prompt_lookup_max`` on `eagle` and `draft_model`):
+"""Prompt lookup beside a model drafter (``prompt_lookup_max`` on `eagle`, `draft_model`, `dflash`, `medusa`):
 rows whose suffix n-gram occurred before draft its continuation, the others draft with the
 model, in the same round. Greedy equals plain greedy (chains, dynamic and static trees, alone
 and batched, both kinds of row seen); sampled output follows the target's exact joint
@@ -15,7 +15,9 @@ import torch
 
 from specdecode import LLM
 from specdecode.config import SpecConfig, SpecDecodeError
+from specdecode.drafters.dflash_net import DFlashNet
 from specdecode.drafters.eagle_net import FeatureNet
+from specdecode.drafters.medusa import MedusaNet
 from specdecode.kv_cache import NoCache
 from specdecode.model.loader import load_model
 from tests.engine.checks import (
@@ -39,30 +41,45 @@ def setup(tmp_path_factory):
     target = make_tiny_checkpoint(root / "target", "llama", seed=0)
     model = load_model(str(target), dtype=torch.float32, device="cpu").model
     models = {"eagle": str(trained_folder(FeatureNet, model, root / "eagle", draft_vocab=0)),
-              "draft_model": str(early_exit_checkpoint(target, root / "draft", 1))}  # fmt: skip
+              "draft_model": str(early_exit_checkpoint(target, root / "draft", 1)),
+              "medusa": str(trained_folder(MedusaNet, model, root / "medusa", draft_vocab=0)),
+              "dflash": str(trained_folder(DFlashNet, model, root / "dflash", steps=30, num_layers=1, block_size=4,
+                                           draft_vocab=0))}  # fmt: skip
     return str(target), models, LLM(model=str(target), dtype="float32", device="cpu")
 
 
 def count_sources(drafter, monkeypatch) -> dict[str, int]:
-    """Counts the rows each round gave to lookup and to the model (wraps the drafter module's `look_up`)."""
-    seen = {"lookup": 0, "model": 0}
+    """Counts the rows each round gave to lookup and to the model (wraps the drafter module's
+    `look_up`), and checks that each copying row's proposal is its copy (wraps `propose`);
+    "mixed" counts the rounds in which both kinds of row drafted."""
+    seen = {"lookup": 0, "model": 0, "mixed": 0}
     module = sys.modules[type(drafter).propose.__module__]
-    look_up = module.look_up
+    look_up, propose, last = module.look_up, drafter.propose, []
 
     def spy(batch, lookup, num_tokens):
         found, matched = look_up(batch, lookup, num_tokens)
         seen["lookup"] += sum(1 for f in found if f)
         seen["model"] += sum(1 for f in found if not f)
+        seen["mixed"] += any(found) and not all(found)
+        last[:] = [found]
         return found, matched
 
+    def checked(batch, num_tokens):
+        draft = propose(batch, num_tokens)
+        tokens = draft.tokens if draft.tree is None else draft.tree.tokens[:, 1:]
+        for b, copy in enumerate(last[0]):
+            assert not copy or tokens[b, : len(copy)].tolist() == copy, (b, copy, tokens[b].tolist())
+        return draft
+
     monkeypatch.setattr(module, "look_up", spy)
+    monkeypatch.setattr(drafter, "propose", checked)
     return seen
 
 
 @pytest.mark.parametrize(
     "method,shape,steps",
     [("eagle", {}, 1), ("eagle", TREE, 2), ("draft_model", {}, 2), ("draft_model", TREE, 2),
-     ("draft_model", STATIC, 2)],
+     ("draft_model", STATIC, 2), ("dflash", {}, 2), ("medusa", {}, 2), ("medusa", STATIC, 2)],
 )  # fmt: skip
 def test_greedy_equals_plain(setup, monkeypatch, method, shape, steps):
     target, models, plain = setup
@@ -74,7 +91,7 @@ def test_greedy_equals_plain(setup, monkeypatch, method, shape, steps):
     batch = []
     for max_tokens in (1, 17, 40):
         batch = assert_greedy_matches_plain(llm, plain, PROMPTS, max_tokens, (method, shape))
-    assert seen["lookup"] > 0 and seen["model"] > 0, seen
+    assert seen["lookup"] > 0 and seen["model"] > 0 and seen["mixed"] > 0, seen
     # lookup drafts run deeper than the model's and are accepted there
     assert any(len(o.metrics.accepted_per_position) > steps and o.metrics.accepted_per_position[steps] > 0
                for o in batch), [o.metrics.accepted_per_position for o in batch]  # fmt: skip
@@ -84,17 +101,21 @@ def test_greedy_equals_plain(setup, monkeypatch, method, shape, steps):
     "method,shape,prompt_lookup_min,temperature,top_k,top_p",
     [("eagle", {}, 1, 1.0, 0, 1.0), ("eagle", {}, 2, 0.8, 3, 1.0), ("eagle", {"topk": 2}, 2, 1.0, 0, 0.9),
      ("draft_model", {}, 2, 1.0, 0, 0.85), ("draft_model", {"topk": 2}, 2, 0.9, 0, 1.0),
-     ("draft_model", {"speculative_token_tree": [[0], [1], [0, 0]]}, 2, 1.0, 0, 1.0)],
+     ("draft_model", {"speculative_token_tree": [[0], [1], [0, 0]]}, 2, 1.0, 0, 1.0),
+     ("dflash", {}, 2, 1.0, 0, 0.9), ("medusa", {}, 2, 0.8, 3, 1.0), ("medusa", STATIC, 2, 1.0, 0, 1.0)],
 )  # fmt: skip
 def test_sampled_joint_distribution_matches_target(tmp_path, monkeypatch, method, shape, prompt_lookup_min,
                                                    temperature, top_k, top_p):  # fmt: skip
     target = sampling_target(tmp_path / "t")
-    if method == "eagle":
+    nets = {"eagle": (FeatureNet, {}), "medusa": (MedusaNet, {}),
+            "dflash": (DFlashNet, {"num_layers": 1, "block_size": 4})}  # fmt: skip
+    if method in nets:
         model = load_model(str(target), dtype=torch.float32, device="cpu").model
-        drafter = trained_folder(FeatureNet, model, tmp_path / "net", steps=20, draft_vocab=5)  # q = 0 on one token
+        cls, config = nets[method]
+        drafter = trained_folder(cls, model, tmp_path / "net", steps=20, draft_vocab=5, **config)  # q = 0 on one token
     else:
         drafter = make_tiny_checkpoint(tmp_path / "d", "llama", seed=5, logit_scale=0.5, vocab_size=SAMPLING_VOCAB)
-    steps = {} if "speculative_token_tree" in shape else {"num_steps": 1}
+    steps = {} if "speculative_token_tree" in shape else {"num_steps": 2 if method in ("dflash", "medusa") else 1}
     spec = {"method": method, "model": str(drafter), "num_speculative_tokens": 2, "prompt_lookup_max": 2,
             "prompt_lookup_min": prompt_lookup_min, **steps, **shape}  # fmt: skip
     llm = LLM(model=str(target), speculative_config=spec, dtype="float32", device="cpu")
@@ -267,7 +288,39 @@ def test_an_adaptive_budget_asking_for_less_still_gets_the_copies_gamma_deep(set
     assert any(got > n for n, got in asked), asked
 
 
-@pytest.mark.parametrize("method", ["eagle", "draft_model", "layer_skip"])
+@pytest.mark.parametrize("method", ["dflash", "medusa"])
+def test_rounds_where_every_row_copies_run_no_block_or_heads(setup, monkeypatch, method):
+    """dflash's block and medusa's heads draft from the target's features alone (handed over in
+    on_verified whatever drafted), so a round where every row copies skips them outright."""
+    target, models, plain = setup
+    spec = {"method": method, "model": models[method], "num_speculative_tokens": 4, "num_steps": 2,
+            "prompt_lookup_max": 3}  # fmt: skip
+    llm = LLM(model=target, speculative_config=spec, dtype="float32", device="cpu")
+    drafter = llm.engine.drafter
+    module = sys.modules[type(drafter).propose.__module__]
+    count = {"copies only": 0, "model": 0, "passes": 0}
+    look_up = module.look_up
+
+    def spy(batch, lookup, num_tokens):
+        found, matched = look_up(batch, lookup, num_tokens)
+        count["copies only" if all(found) else "model"] += 1
+        return found, matched
+
+    monkeypatch.setattr(module, "look_up", spy)
+    name = "block_logits" if method == "dflash" else "forward"
+    run = getattr(drafter.net, name)
+
+    def counted(*args, **kwargs):
+        count["passes"] += 1
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(drafter.net, name, counted)
+    assert_greedy_matches_plain(llm, plain, [PROMPTS[3]], 40, method)
+    assert count["copies only"] > 0 and count["model"] > 0, count
+    assert count["passes"] == count["model"], count
+
+
+@pytest.mark.parametrize("method", ["eagle", "draft_model", "layer_skip", "dflash", "medusa"])
 @pytest.mark.parametrize(
     "extra,message",
     [({"prompt_lookup_min": 2}, "need prompt_lookup_max"), ({"num_steps": 1}, "need prompt_lookup_max"),
@@ -288,9 +341,18 @@ def test_a_static_tree_takes_no_num_steps():
             "num_steps": 1, **STATIC}  # fmt: skip
     with pytest.raises(SpecDecodeError, match="static tree.* excludes topk, num_draft_tokens and num_steps"):
         SpecConfig.parse(spec)
+    with pytest.raises(SpecDecodeError, match="static tree.* excludes num_steps"):
+        SpecConfig.parse({**spec, "method": "medusa", "model": None})
 
 
-@pytest.mark.parametrize("method", ["eagle", "draft_model"])
+@pytest.mark.parametrize("lookup", [{"prompt_lookup_max": 3}, {"datastore": True}])
+def test_medusa_typical_acceptance_takes_no_lookup(lookup):
+    with pytest.raises(SpecDecodeError, match='acceptance "typical" drafts the heads\' chain alone') as e:
+        SpecConfig.parse({"method": "medusa", "num_speculative_tokens": 3, "acceptance": "typical", **lookup})
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("method", ["eagle", "draft_model", "dflash", "medusa"])
 def test_num_steps_past_gamma_gets_one_line(setup, method):
     target, models, _ = setup
     spec = {"method": method, "model": models[method], "num_speculative_tokens": 2, "num_steps": 3,
