@@ -75,9 +75,10 @@ class DFlashDrafter:
         if self.steps > self.net.block_size:
             what = "num_steps" if spec.options.num_steps else "num_speculative_tokens"
             default = "" if spec.options.num_steps else f" ({self.default_num_speculative_tokens} when not given)"
+            hint = "" if spec.options.num_steps or not spec.options.lookup_on else " (or num_steps, beside a lookup)"
             raise SpecDecodeError(
                 f"dflash drafts at most its block size of {self.net.block_size} tokens per pass; "
-                f"{what} is {self.steps}{default}: set it to at most {self.net.block_size}"
+                f"{what} is {self.steps}{default}: set it to at most {self.net.block_size}{hint}"
             )
         self.hidden_layers: tuple[int, ...] = self.net.hidden_layers
         self.lookup = spec.options.lookup(ctx.target)

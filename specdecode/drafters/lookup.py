@@ -69,9 +69,14 @@ class LookupKeys:
         if self.num_steps is not None and (not is_int(self.num_steps) or self.num_steps < 1):
             raise SpecDecodeError(f"num_steps must be an integer >= 1, got {self.num_steps!r}")
 
+    @property
+    def lookup_on(self) -> bool:
+        """Whether these keys ask for a lookup (prompt lookup or a datastore)."""
+        return self.prompt_lookup_max is not None or bool(self.datastore)
+
     def lookup(self, target: LoadedModel) -> Lookup | None:
         """The lookup these keys ask for (its datastore loaded for ``target``), or None when off."""
-        if self.prompt_lookup_max is None and not self.datastore:
+        if not self.lookup_on:
             return None
         ngram = None if self.prompt_lookup_max is None else (self.prompt_lookup_min, self.prompt_lookup_max)
         store = open_datastore(self.datastore, target) if self.datastore else None

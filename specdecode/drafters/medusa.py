@@ -204,20 +204,20 @@ class MedusaDrafter:
         self.net: MedusaNet = load_net(MedusaNet, path, self.target, ctx.dtype, ctx.device, ctx.quantization)
         gamma = spec.num_speculative_tokens
         tree = opts.speculative_token_tree
-        vocab = self.net.head.size  # drafts come from the draft vocabulary
-        if tree == DEFAULT_TREE:
-            tree = [c for c in MC_SIM_7B_63 if len(c) <= gamma and max(c) < vocab]
+        vocab, have = self.net.head.size, self.net.config.num_heads  # drafts come from the draft vocabulary
+        if tree == DEFAULT_TREE:  # cut to γ levels and to the heads there are
+            tree = [c for c in MC_SIM_7B_63 if len(c) <= min(gamma, have) and max(c) < vocab]
         self.tree: TreeShape | None = parse_token_tree(tree, vocab, gamma) if tree is not None else None
         self.gamma = gamma
         self.steps = opts.steps(gamma)  # the heads' chain (γ, or num_steps beside a lookup)
         self.depth = max(self.tree.depth) if self.tree is not None else self.steps  # heads used
-        self.lookup = opts.lookup(ctx.target)
-        self.device = ctx.device
-        have = self.net.config.num_heads
         if self.depth > have:
             name = "num_steps" if opts.num_steps else "num_speculative_tokens"
             what = f"a tree {self.depth} deep" if self.tree is not None else f"{name} {self.depth}"
-            raise SpecDecodeError(f"medusa: {what} needs {self.depth} heads, but {path} has {have} heads")
+            hint = f"; with a lookup, set num_steps to at most {have}" if opts.lookup_on and not opts.num_steps else ""
+            raise SpecDecodeError(f"medusa: {what} needs {self.depth} heads, but {path} has {have} heads{hint}")
+        self.lookup = opts.lookup(ctx.target)  # after the checks: a datastore takes a second to load
+        self.device = ctx.device
         self.typical = (opts.posterior_threshold, opts.posterior_alpha) if opts.acceptance == "typical" else None
         self.last = torch.zeros(0, self.target.config.hidden_size, dtype=ctx.dtype, device=ctx.device)  # [B, H]
 

@@ -25,8 +25,10 @@ from specdecode.drafters.datastore import (
     suffix_order,
     tokenizer_digest,
 )
+from specdecode.drafters.dflash_net import DFlashNet
 from specdecode.drafters.eagle_net import FeatureNet
 from specdecode.drafters.learned import WEIGHTS_DIR, target_fingerprint
+from specdecode.drafters.medusa import MedusaNet
 from specdecode.model.loader import load_model
 from specdecode.train.datastore import HEADER, _ids, answer_tokens
 from specdecode.train.datastore import main as build_main
@@ -180,7 +182,10 @@ def setup(tmp_path_factory):
     target = make_tiny_checkpoint(root / "target", "llama", seed=0)
     model = load_model(str(target), dtype=torch.float32, device="cpu").model
     models = {"eagle": str(trained_folder(FeatureNet, model, root / "eagle", draft_vocab=0)),
-              "draft_model": str(early_exit_checkpoint(target, root / "draft", 1))}  # fmt: skip
+              "draft_model": str(early_exit_checkpoint(target, root / "draft", 1)),
+              "medusa": str(trained_folder(MedusaNet, model, root / "medusa", draft_vocab=0)),
+              "dflash": str(trained_folder(DFlashNet, model, root / "dflash", steps=30, num_layers=1, block_size=4,
+                                           draft_vocab=0))}  # fmt: skip
     plain = LLM(model=str(target), dtype="float32", device="cpu")
     others = [[5, 9], [7, 1, 2], [3, 3, 8], [12, 4], [6]]
     answers = [p + o.token_ids for p, o in zip(others, plain.generate(others, greedy(30)))]
@@ -203,8 +208,10 @@ def count_datastore_rows(drafter, monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    "method,shape,lookup", [("eagle", {}, {}), ("eagle", {}, {"prompt_lookup_max": 3}), ("draft_model", {}, {})]
-)
+    "method,shape,lookup",
+    [("eagle", {}, {}), ("eagle", {}, {"prompt_lookup_max": 3}), ("draft_model", {}, {}), ("dflash", {}, {}),
+     ("medusa", {}, {})],
+)  # fmt: skip
 def test_greedy_equals_plain(setup, monkeypatch, method, shape, lookup):
     target, models, plain, store = setup
     spec = {"method": method, "model": models[method], "num_speculative_tokens": 4, "num_steps": 1,

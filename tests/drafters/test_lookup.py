@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from specdecode import LLM
-from specdecode.config import SpecConfig, SpecDecodeError
+from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError
 from specdecode.drafters.dflash_net import DFlashNet
 from specdecode.drafters.eagle_net import FeatureNet
 from specdecode.drafters.medusa import MedusaNet
+from specdecode.engine.serving import ServingEngine
 from specdecode.kv_cache import NoCache
 from specdecode.model.loader import load_model
 from tests.engine.checks import (
@@ -115,7 +116,7 @@ def test_sampled_joint_distribution_matches_target(tmp_path, monkeypatch, method
         drafter = trained_folder(cls, model, tmp_path / "net", steps=20, draft_vocab=5, **config)  # q = 0 on one token
     else:
         drafter = make_tiny_checkpoint(tmp_path / "d", "llama", seed=5, logit_scale=0.5, vocab_size=SAMPLING_VOCAB)
-    steps = {} if "speculative_token_tree" in shape else {"num_steps": 2 if method in ("dflash", "medusa") else 1}
+    steps = {} if "speculative_token_tree" in shape else {"num_steps": 1}
     spec = {"method": method, "model": str(drafter), "num_speculative_tokens": 2, "prompt_lookup_max": 2,
             "prompt_lookup_min": prompt_lookup_min, **steps, **shape}  # fmt: skip
     llm = LLM(model=str(target), speculative_config=spec, dtype="float32", device="cpu")
@@ -288,6 +289,32 @@ def test_an_adaptive_budget_asking_for_less_still_gets_the_copies_gamma_deep(set
     assert any(got > n for n, got in asked), asked
 
 
+@pytest.mark.parametrize("method", ["eagle", "dflash", "medusa"])
+def test_seeded_sampling_beside_copies_is_reproducible_whatever_else_runs(setup, method):
+    """A copying row's share of a net pass run for its neighbours draws from scratch: its own
+    stream advances by its own drafts only, so a seeded request samples the same tokens alone
+    (where its copied rounds run no pass at all) as among other requests."""
+    target, models, _ = setup
+    model = load_model(target, dtype=torch.float32, device="cpu")
+    spec = SpecConfig.parse({"method": method, "model": models[method], "num_speculative_tokens": 3, "num_steps": 2,
+                             "prompt_lookup_min": 1, "prompt_lookup_max": 2})  # fmt: skip
+    sampled = SamplingParams(temperature=1.0, max_tokens=15, seed=7, ignore_eos=True)
+
+    def run(crowded: bool) -> list[int]:
+        engine = ServingEngine(model, spec, max_model_len=96, max_num_seqs=4)
+        if crowded:
+            for i, prompt in enumerate(PROMPTS[:3]):
+                engine.add_request(f"o{i}", prompt, SamplingParams(temperature=0.9, max_tokens=9, seed=i,
+                                                                   ignore_eos=True))  # fmt: skip
+            engine.step()
+        engine.add_request("x", PROMPTS[3], sampled)
+        return [t for _ in range(200) if engine.has_unfinished() for e in engine.step() if e.request_id == "x"
+                for t in e.new_token_ids]  # fmt: skip
+
+    alone = run(False)
+    assert run(True) == alone and len(alone) == 15
+
+
 @pytest.mark.parametrize("method", ["dflash", "medusa"])
 def test_rounds_where_every_row_copies_run_no_block_or_heads(setup, monkeypatch, method):
     """dflash's block and medusa's heads draft from the target's features alone (handed over in
@@ -349,6 +376,21 @@ def test_a_static_tree_takes_no_num_steps():
 def test_medusa_typical_acceptance_takes_no_lookup(lookup):
     with pytest.raises(SpecDecodeError, match='acceptance "typical" drafts the heads\' chain alone') as e:
         SpecConfig.parse({"method": "medusa", "num_speculative_tokens": 3, "acceptance": "typical", **lookup})
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "method,extra,message",
+    [("dflash", {"num_steps": 5}, r"block size of 4 .* num_steps is 5: set it to at most 4$"),
+     ("dflash", {}, r"num_speculative_tokens is 6 .* at most 4 \(or num_steps, beside a lookup\)"),
+     ("medusa", {"num_steps": 5}, r"num_steps 5 needs 5 heads, but .* has 4 heads$"),
+     ("medusa", {}, r"num_speculative_tokens 6 needs 6 heads, .* set num_steps to at most 4")],
+)  # fmt: skip
+def test_a_net_too_short_for_its_steps_gets_one_line(setup, method, extra, message):
+    target, models, _ = setup
+    spec = {"method": method, "model": models[method], "num_speculative_tokens": 6, "prompt_lookup_max": 3, **extra}
+    with pytest.raises(SpecDecodeError, match=message) as e:
+        LLM(model=target, speculative_config=spec, dtype="float32", device="cpu")
     assert "\n" not in str(e.value)
 
 
