@@ -186,7 +186,7 @@ class MedusaOptions(LookupKeys):
             if self.num_steps is not None:  # its shape sets the heads' depth
                 raise SpecDecodeError("speculative_token_tree (a static tree) excludes num_steps")
         LookupKeys.__post_init__(self)
-        if self.acceptance == "typical" and (self.prompt_lookup_max is not None or self.datastore):
+        if self.acceptance == "typical" and self.lookup_on:
             raise SpecDecodeError('medusa acceptance "typical" drafts the heads\' chain alone; drop prompt_lookup_max '
                                   "and datastore")  # fmt: skip
 
