@@ -44,9 +44,13 @@ def _ids(rendered: Any) -> list[int]:
     return rendered["input_ids"] if hasattr(rendered, "keys") else rendered
 
 
-def read_answers(files: list[Path], tokenizer: Any) -> list[list[int]]:
-    """The answers of every chat record in ``files`` (`find_files`'s; files other than .jsonl are skipped)."""
+def read_answers(files: list[Path], tokenizer: Any, drop_held_out: bool = False) -> list[list[int]]:
+    """The answers of every chat record in ``files`` (`find_files`'s; files other than .jsonl are
+    skipped); with ``drop_held_out``, not those of a record whose first user turn names a benchmark
+    prompt's subject (`instructions.names_held_out`)."""
     from jinja2 import TemplateError
+
+    from specdecode.train.instructions import names_held_out
 
     docs: list[list[int]] = []
     for file in files:
@@ -63,6 +67,8 @@ def read_answers(files: list[Path], tokenizer: Any) -> list[list[int]]:
                 record = json.loads(line)
                 messages = record["messages"]
                 assert isinstance(messages, list)
+                if drop_held_out and names_held_out(_first_request(messages)):
+                    continue
                 docs += answer_tokens(messages, tokenizer)
             except (ValueError, KeyError, TypeError, AssertionError):
                 raise SpecDecodeError(f'{file}:{number}: expected a JSON chat record {{"messages": [...]}}') from None
@@ -75,6 +81,12 @@ def read_answers(files: list[Path], tokenizer: Any) -> list[list[int]]:
     return docs
 
 
+def _first_request(messages: list[Any]) -> str:
+    """The first user turn's text ("" where there is none)."""
+    user = [m.get("content") for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+    return user[0] if user and isinstance(user[0], str) else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     from specdecode.entrypoints.cli import OneLineParser  # argparse's errors as one line, exit 2
 
@@ -83,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="the folder to write")
     ap.add_argument("--target", default=None, help="model path or alias (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--note", default=None, help="a line recorded in config.json (how the records were made)")
+    ap.add_argument("--drop-held-out", action="store_true",
+                    help="skip records whose request names a benchmark prompt's subject (as the shipped store does)")
     args = ap.parse_args(argv)
     try:
         from specdecode.drafters.datastore import build_datastore, tokenizer_digest
@@ -93,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         target = load_model(args.target, device="cpu")
         if target.tokenizer is None:
             raise SpecDecodeError(f"{target.name} has no tokenizer to render chat records with")
-        store = build_datastore(read_answers(files, target.tokenizer))
-        extra = {"built_from": [str(p) for p in args.data], **({"note": args.note} if args.note else {})}
+        store = build_datastore(read_answers(files, target.tokenizer, args.drop_held_out))
+        extra = {"built_from": [str(p) for p in args.data], **({"note": args.note} if args.note else {}),
+                 **({"drop_held_out": True} if args.drop_held_out else {})}  # fmt: skip
         try:
             out = store.save(args.out, target_fingerprint(target.model), extra, tokenizer_digest(target.tokenizer))
         except OSError as e:  # --out an existing file, a read-only place

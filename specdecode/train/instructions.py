@@ -200,7 +200,8 @@ CLASS_THINGS = (
 # the subjects of the benchmark prompts: no instruction built here may mention them
 HELD_OUT = ("cat", "guitar", "hiking", "hike", "backpacking", "palindrome", "palindromic", "bank account",
             "ten most common", "bicycle lane", "bike lane", "lizard", "hybrid working", "sky is blue",
-            "robot who learns to paint", "lists and tuples", "inventory", "most common word", "word count")  # fmt: skip
+            "robot who learns to paint", "lists and tuples", "inventory", "most common word", "word count",
+            "should I pack", "to pack", "packing")  # fmt: skip
 _HELD_OUT_WORDS = re.compile(r"\b(" + "|".join(re.escape(w) for w in HELD_OUT) + r")s?\b", re.IGNORECASE)
 
 

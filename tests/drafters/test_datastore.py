@@ -292,6 +292,14 @@ def test_the_builder_writes_a_folder_and_refuses_bad_input(tmp_path, capsys):
     loaded = load_model(str(target), dtype=torch.float32, device="cpu")
     assert load_datastore(tmp_path / "s", target_fingerprint(loaded.model), loaded.tokenizer).num_documents == 3
     assert json.loads((tmp_path / "s" / "config.json").read_text())["tokenizer"] == tokenizer_digest(loaded.tokenizer)
+    # --drop-held-out skips a record whose request names a benchmark subject (here "what to pack")
+    near = {"messages": [{"role": "user", "content": "Not sure what to pack for Peru."},
+                         {"role": "assistant", "content": "a hat"}]}  # fmt: skip
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps(r) for r in [*records, near]) + "\n")
+    for flag, documents in (([], 4), (["--drop-held-out"], 3)):
+        out = tmp_path / f"s{len(flag)}"
+        assert build_main(["--data", str(tmp_path / "b.jsonl"), "--out", str(out), "--target", str(target), *flag]) == 0
+        assert load_datastore(out, target_fingerprint(loaded.model), loaded.tokenizer).num_documents == documents
     (tmp_path / "bad.jsonl").write_text('{"text": "plain text"}\n')
     (tmp_path / "a_file").write_text("")
     capsys.readouterr()
