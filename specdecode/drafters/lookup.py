@@ -56,7 +56,7 @@ class LookupKeys:
     datastore_min_prob: float = DEFAULT_MIN_PROB
 
     def __post_init__(self) -> None:
-        if self.prompt_lookup_max is None and not self.datastore:
+        if not self.lookup_on:
             if self.prompt_lookup_min is not None or self.num_steps is not None:
                 raise SpecDecodeError("prompt_lookup_min and num_steps need prompt_lookup_max (prompt lookup) "
                                       "or a datastore")  # fmt: skip
