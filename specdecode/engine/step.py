@@ -104,11 +104,14 @@ class Engine:
     def _target(
         self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, block_mask: torch.Tensor | None = None,
         logits_at: torch.Tensor | None = None, valid: torch.Tensor | None = None, packed: bool = False,
+        fp32_logits: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-        """One target pass: logits, and the drafter's features [B, T, F] (None if it reads none)."""
+        """One target pass: logits, and the drafter's features [B, T, F] (None if it reads none).
+        ``fp32_logits`` False where only their argmax is read (Transformer.forward)."""
         out = self.model(
             tokens, positions, cache, block_mask=block_mask, logits_at=logits_at,
             hidden_layers=self.hidden_layers, batch_invariant=self.batch_invariant, valid=valid, packed=packed,
+            fp32_logits=fp32_logits,
         )  # fmt: skip
         if not self.hidden_layers:
             return out, None
@@ -132,13 +135,15 @@ class Engine:
         tokens = torch.cat([batch.last_tokens(), draft_tokens.clamp(min=0)], dim=1)  # [B, 1 + w]
         positions = cache.lengths[:, None] + torch.arange(1 + width, device=self.device)
         valid = torch.arange(1 + width, device=self.device)[None, :] <= num_draft[:, None]  # a row pays for its own drafts
-        logits, hidden = self._target(tokens, positions, cache, valid=valid, packed=True)  # [N, V], [B, 1 + w, F]
+        greedy = batch.all_greedy  # only the argmax is read: the logits stay in the head's dtype
+        # logits [N, V] at the real positions; hidden [B, 1 + w, F]
+        logits, hidden = self._target(tokens, positions, cache, valid=valid, packed=True, fp32_logits=not greedy)
         if draft.typical is not None:  # LOSSY opt-in (Medusa's typical acceptance): flag the requests it bent
             # a greedy row's p is one-hot, where typical acceptance is greedy verification (exact), and
             # a row without drafts samples from p alone
             for seq, n in zip(batch.seqs, num_draft.tolist()):
                 seq.stats.lossy |= n > 0 and not seq.params.greedy
-        if batch.all_greedy:
+        if greedy:
             out, num_accepted = greedy_verify(_argmax_at(logits, valid), draft_tokens)
         elif draft.typical is not None:
             p = _probs_at(logits, valid, batch, zero_padding=True)  # typical reads every position's entropy
@@ -168,7 +173,9 @@ class Engine:
             logits, aux_logits = logits[:, : tree.num_nodes], logits[:, tree.num_nodes :]  # [B, N, V], [B, A, V]
             logits, valid = logits.flatten(0, 1)[tree.valid.reshape(-1)], tree.valid  # as packed: [N, V]
         else:
-            logits, hidden = self._target(tokens, positions, cache, block_mask=mask, valid=valid, packed=True)  # [N, V]
+            logits, hidden = self._target(
+                tokens, positions, cache, block_mask=mask, valid=valid, packed=True, fp32_logits=not batch.all_greedy
+            )  # [N, V]
         if batch.all_greedy:
             out, num_accepted, nodes = tree_greedy_verify(_argmax_at(logits, valid), tree)  # [B, N] -> paths
         else:
@@ -230,6 +237,8 @@ class Engine:
 def _argmax_at(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """[B, T] the target's argmax at each real position of a pass, from its packed logits
     [N, V] (``valid``'s True entries, row-major); 0 at padding, which verification never reads."""
+    if logits.shape[0] == valid.numel():  # no padding (plain decoding, a chain batch of one)
+        return argmax(logits).view(valid.shape)
     out = torch.zeros(valid.numel(), dtype=torch.long, device=logits.device)
     out[valid.reshape(-1)] = argmax(logits)
     return out.view(valid.shape)

@@ -53,15 +53,19 @@ from specdecode.config import SpecDecodeError
 CPU_ISAS = {
     "amx": (
         ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c", "fma"),
-        ("int4_avx512_bf16.c", "block_bf16.c", "a8_avx2.c"),
+        ("int4_avx512_bf16.c", "block_bf16.c", "a8_avx2.c", "argmax.c"),
         ("-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c"),
     ),
     "avx512_bf16": (
         ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c", "fma"),
-        ("int4_avx512_bf16.c", "block_bf16.c", "a8_avx2.c"),
+        ("int4_avx512_bf16.c", "block_bf16.c", "a8_avx2.c", "argmax.c"),
         ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c"),
     ),
-    "avx2": (("avx2", "fma", "f16c"), ("int4_avx2.c", "block_avx2.c", "a8_avx2.c"), ("-mavx2", "-mfma", "-mf16c")),
+    "avx2": (
+        ("avx2", "fma", "f16c"),
+        ("int4_avx2.c", "block_avx2.c", "a8_avx2.c", "argmax.c"),
+        ("-mavx2", "-mfma", "-mf16c"),
+    ),
 }
 INT4_CPU_KERNELS = ("auto", *CPU_ISAS, "stock")
 _HEADERS = ("avx2.h", "block.h", "block_body.h")
@@ -170,7 +174,24 @@ def cpu_lib(isa: str | None = None) -> ctypes.CDLL | None:
     lib.q8_a8_gemm.argtypes, lib.q8_a8_gemm.restype = lib.int4_a8_gemm.argtypes, None
     lib.block_forward.argtypes = [ctypes.c_void_p] * 5
     lib.block_forward.restype = None
+    lib.argmax_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.argmax_bf16.restype = None
     return lib
+
+
+def cpu_argmax(x: Tensor, isa: str | None = None) -> Tensor | None:
+    """``x.float().max(dim=-1).indices`` for bf16 ``x`` [..., V] on the CPU, through our library
+    (``isa``'s build, default the best; kernels/argmax.c: the same index, ties and NaN included,
+    ~10x faster); None where it does not run (another dtype or device, no build, torch.compile)."""
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] == 0 or torch.compiler.is_compiling():
+        return None
+    lib = cpu_lib(isa)
+    if lib is None:
+        return None
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty(x2.shape[0], dtype=torch.long)
+    lib.argmax_bf16(x2.data_ptr(), x2.shape[0], x2.shape[1], out.data_ptr())
+    return out.view(x.shape[:-1])
 
 
 def pick_cpu_kernel(kernel: str) -> str:

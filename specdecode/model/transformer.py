@@ -249,6 +249,7 @@ class Transformer(nn.Module):
         valid: Tensor | None = None,
         embeds: Tensor | None = None,
         packed: bool = False,
+        fp32_logits: bool = True,
     ) -> Tensor | tuple[Tensor, list[Tensor]]:
         """Logits [B, T or K, V] (fp32) for ``tokens`` [B, T] at RoPE ``positions`` [B, T].
 
@@ -272,6 +273,8 @@ class Transformer(nn.Module):
         ``valid``'s True entries (all B·T tokens without ``valid``), instead of [B, T, V]: a
         verify pass with one deep row among 32 would otherwise write 32·T·V zeros (~10 ms at
         T = 9 on the default model) that nothing reads.
+        ``fp32_logits`` False leaves the logits in the head's dtype where no soft cap applies (bf16
+        under a bf16 head: a greedy pass that only takes their argmax skips converting them).
         """
         cfg = self.config
         B, T = positions.shape
@@ -302,7 +305,7 @@ class Transformer(nn.Module):
         hiddens[-1] = x
         if logits_at is not None:
             x = step.unpack(x).gather(1, logits_at[:, :, None].expand(-1, -1, x.shape[-1]))
-        logits = self.head_logits(x, fused=store is not None)
+        logits = self.head_logits(x, fused=store is not None, fp32=fp32_logits)
         if packed:
             logits = logits.reshape(-1, logits.shape[-1])  # [N, V]
         elif logits_at is None:
@@ -311,15 +314,16 @@ class Transformer(nn.Module):
             return logits
         return logits, [step.unpack(hiddens[i]) for i in hidden_layers]
 
-    def head_logits(self, x: Tensor, fused: bool = False) -> Tensor:
+    def head_logits(self, x: Tensor, fused: bool = False, fp32: bool = True) -> Tensor:
         """Final-normed hidden states [..., H] -> fp32 logits [..., V] (soft-capped where the
-        architecture caps them); ``fused``: through the fused CPU block's head."""
-        if fused and self.cpu_blocks is not None:
-            logits = self.cpu_blocks.head(x, self.lm_head).float()
-        else:
-            logits = self.lm_head(x).float()
+        architecture caps them); ``fused``: through the fused CPU block's head; ``fp32`` False:
+        in the head's own dtype where there is no cap (the cap is computed in fp32)."""
+        logits = self.cpu_blocks.head(x, self.lm_head) if fused and self.cpu_blocks is not None else self.lm_head(x)
         cap = self.config.final_logit_softcap
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        if cap is None:
+            return logits.float() if fp32 else logits
+        logits = logits.float()
+        return torch.tanh(logits / cap) * cap
 
     def _layers(
         self, x: Tensor, positions: Tensor, cache: KVCache, block_mask: Tensor | None, valid: Tensor | None,

@@ -399,3 +399,32 @@ def test_cpu_rms_norm_equals_torch_and_is_row_invariant(offset):
         alone = norm(x[1:, 2:3])
     torch.testing.assert_close(ours, reference, rtol=2**-7, atol=1e-6)
     assert torch.equal(alone, ours[1:, 2:3])
+
+
+@pytest.mark.parametrize("kernel", OURS)
+def test_argmax_kernel_is_torchs_argmax_over_fp32(kernel):
+    """Greedy verification's argmax over bf16 logits (kernels/argmax.c) returns the index torch
+    returns over the same values in fp32: the first of tied maxima, NaN winning over +inf (the
+    first NaN of a row), -0 tied with +0, all-negative and -inf rows, and row lengths with and
+    without a vector tail."""
+    from specdecode.model.cpu_int4 import cpu_argmax
+
+    g = torch.Generator().manual_seed(0)
+    for V in (1, 5, 16, 31, 32, 33, 100, 49152):
+        rows = [
+            torch.randn(4, V, generator=g) * 8,
+            torch.randint(-3, 3, (4, V), generator=g).float(),  # many ties
+            -torch.rand(4, V, generator=g) - 1.0,  # all negative
+            torch.full((2, V), -float("inf")),
+        ]
+        x = torch.cat(rows).to(torch.bfloat16)
+        x[0, V // 2] = float("nan")
+        x[0, -1] = float("nan")
+        x[1, V // 3] = float("inf")
+        if V > 2:
+            x[2, :] = -1.0
+            x[2, V - 2], x[2, V - 1] = -0.0, 0.0  # -0 first: the first index of the tie wins
+        want = x.float().max(dim=-1).indices
+        got = cpu_argmax(x.view(2, -1, V), kernel)
+        assert got.shape == (2, x.shape[0] // 2) and torch.equal(got.reshape(-1), want), V
+    assert cpu_argmax(torch.randn(3, 8), kernel) is None  # fp32 is torch's

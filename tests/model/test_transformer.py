@@ -166,6 +166,24 @@ def test_bf16_close_to_fp32(tmp_path):
     assert (outs[0] - outs[1]).abs().max() < 0.1 * outs[0].abs().max()
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_logits_in_the_heads_dtype_for_an_argmax(tmp_path, arch):
+    """``fp32_logits=False`` (a greedy pass) leaves bf16 logits as the head gave them, the same
+    values the default converts to fp32, and the same argmax; a soft-capped head (Gemma) still
+    returns fp32, since its cap is computed there."""
+    from specdecode.sampling import argmax
+
+    m = load_model(str(make_tiny_checkpoint(tmp_path, arch)), dtype="bf16", device="cpu", progress=False).model
+    seq = tokens_of(12, 5)[None]
+    with torch.inference_mode():
+        full = m(seq, torch.arange(12)[None], m.new_cache(1, 16))
+        raw = m(seq, torch.arange(12)[None], m.new_cache(1, 16), fp32_logits=False)
+    assert full.dtype == torch.float32
+    assert raw.dtype == (torch.float32 if arch == "gemma3" else torch.bfloat16)
+    assert torch.equal(raw.float(), full)
+    assert torch.equal(argmax(raw), full.argmax(dim=-1))
+
+
 @pytest.mark.parametrize(
     "params",
     [
