@@ -108,7 +108,7 @@ class DFlashDrafter:
     def propose(self, batch: Batch, num_tokens: int) -> Draft:
         found, matched = look_up(batch, self.lookup, self.gamma)  # found[b] = [] where the block drafts
         if nothing_to_draft(batch, found):  # every row copies: no block pass
-            return copies_only(batch, found, matched, self.ctx.device)
+            return copies_only(found, matched, self.ctx.device)
         draft = self._block(batch, min(num_tokens, self.steps, self.net.block_size), found)
         return draft if self.lookup is None else splice_chains(draft, found, matched)
 

@@ -143,7 +143,7 @@ class DraftModelDrafter:
         found, matched = look_up(batch, self.lookup, self.gamma)  # found[b] = [] where the model drafts
         tree = self.static_tree is not None or self.topk > 1
         if nothing_to_draft(batch, found):  # the tokens the draft has not seen wait for a round it drafts in
-            return copies_only(batch, found, matched, self.ctx.device)
+            return copies_only(found, matched, self.ctx.device)
         seen = self.cache.lengths.tolist()
         logits = self._feed([s.token_ids[n:] for s, n in zip(batch.seqs, seen)], self.cache)
         if tree:

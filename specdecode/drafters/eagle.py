@@ -155,7 +155,7 @@ class EagleDrafter:
             # the net drafts in (fed then in one pass: each entry's output is the same, the fused
             # block computes every token alone). A run of copied rounds costs no net pass (~1 ms
             # each on CPU).
-            return copies_only(batch, found, matched, self.device)
+            return copies_only(found, matched, self.device)
         logits, out = self._feed_pending(batch)  # every row's, lookup rows' too: the cache stays whole
         if self.topk > 1:
             return self._tree(batch, logits, out, roots, depth, found)

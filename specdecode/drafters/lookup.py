@@ -191,7 +191,7 @@ def nothing_to_draft(batch: Batch, found: list[list[int]]) -> bool:
     return any(found) and all(f or n == 0 for f, n in zip(found, limits))
 
 
-def copies_only(batch: Batch, found: list[list[int]], matched: list[int], device: torch.device) -> Draft:
+def copies_only(found: list[list[int]], matched: list[int], device: torch.device) -> Draft:
     """The draft of a round in which no row needs the model (`nothing_to_draft`), with no model
     pass: the copies as chains, for a tree drafter too (a tree of one branch is verified as a
     chain anyway, and building it cost ~0.2-0.4 ms a round). The model's pending input waits for
