@@ -14,10 +14,8 @@ switched off wholesale. A ``throughput_floor`` φ below 1 then trades throughput
 per-user speed: positions go on being added while the step's own rate, (B + Σ s) / (t(P) + f),
 still rises, f being the prefill the step carries (it runs a chunk of a joining request's
 prompt just before its decode round), as long as the rows keep φ of the optimum's
-predicted throughput.
-
-Where c_k comes from (acceptance counts by request state, shadow rounds, their calibration)
-is engine/acceptance.py's.
+predicted throughput. Where c_k comes from (acceptance counts by request state, shadow
+rounds, their calibration) is engine/acceptance.py's.
 """
 
 from __future__ import annotations
