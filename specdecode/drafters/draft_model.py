@@ -138,12 +138,12 @@ class DraftModelDrafter:
             self._feed([batch.seqs[r].token_ids[:-1] for r in rows], self.cache)
 
     def propose(self, batch: Batch, num_tokens: int) -> Draft:
-        roots = [s.token_ids[-1] for s in batch.seqs]
-        depth = min(num_tokens, self.steps)
         found, matched = look_up(batch, self.lookup, self.gamma)  # found[b] = [] where the model drafts
-        tree = self.static_tree is not None or self.topk > 1
         if nothing_to_draft(batch, found):  # the tokens the draft has not seen wait for a round it drafts in
             return copies_only(found, matched, self.ctx.device)
+        roots = [s.token_ids[-1] for s in batch.seqs]
+        depth = min(num_tokens, self.steps)
+        tree = self.static_tree is not None or self.topk > 1
         seen = self.cache.lengths.tolist()
         logits = self._feed([s.token_ids[n:] for s, n in zip(batch.seqs, seen)], self.cache)
         if tree:

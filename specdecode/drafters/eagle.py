@@ -148,8 +148,6 @@ class EagleDrafter:
         return logits[:, 0], out[:, 0]
 
     def propose(self, batch: Batch, num_tokens: int) -> Draft:
-        roots = [s.token_ids[-1] for s in batch.seqs]
-        depth = min(num_tokens, self.steps)
         found, matched = look_up(batch, self.lookup, self.gamma)  # found[b] = [] where the net drafts
         if nothing_to_draft(batch, found):  # every row copies: the features owed wait for a round
             # the net drafts in (fed then in one pass: each entry's output is the same, the fused
@@ -157,8 +155,9 @@ class EagleDrafter:
             # each on CPU).
             return copies_only(found, matched, self.device)
         logits, out = self._feed_pending(batch)  # every row's, lookup rows' too: the cache stays whole
+        depth = min(num_tokens, self.steps)
         if self.topk > 1:
-            return self._tree(batch, logits, out, roots, depth, found)
+            return self._tree(batch, logits, out, [s.token_ids[-1] for s in batch.seqs], depth, found)
         draft = self._chain(batch, logits, out, depth, model_rows(found, self.device))
         return draft if self.lookup is None else splice_chains(draft, found, matched)
 

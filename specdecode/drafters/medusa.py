@@ -232,9 +232,9 @@ class MedusaDrafter:
 
     def propose(self, batch: Batch, num_tokens: int) -> Draft:
         found, matched = look_up(batch, self.lookup, self.gamma)  # found[b] = [] where the heads draft
-        roots = [s.token_ids[-1] for s in batch.seqs]
         if nothing_to_draft(batch, found):  # every row copies: no head runs
             return copies_only(found, matched, self.device)
+        roots = [s.token_ids[-1] for s in batch.seqs]
         K = self.depth if self.tree is not None else min(num_tokens, self.depth)
         logits = self.net.logits(self.net(self.last, K))  # [B, K, Vd]: head k at index k - 1
         if self.tree is not None:  # a lookup row's tree is its chain
