@@ -56,7 +56,7 @@ METHODS = {
                               "num_draft_tokens": 6, "prompt_lookup_max": 5, "datastore": True},  # fmt: skip
     "eagle_tree4_datastore": {"method": "eagle", "num_speculative_tokens": 8, "num_steps": 2, "topk": 2,
                               "num_draft_tokens": 4, "prompt_lookup_max": 5, "datastore": True},  # fmt: skip
-    # 6 nodes 2 deep (one net pass fewer than tree6; the copies up to 12 tokens): tree6's τ on code, fifty-first session
+    # 6 nodes 2 deep, copies up to 12 tokens: tree6's τ on code with one net pass fewer (fifty-first session)
     "eagle_tree6d2_datastore": {"method": "eagle", "num_speculative_tokens": 12, "num_steps": 2, "topk": 3,
                                 "num_draft_tokens": 6, "prompt_lookup_max": 5, "datastore": True},  # fmt: skip
     "ngram": {"method": "ngram", "num_speculative_tokens": 8},  # the lookup alone, for reference
