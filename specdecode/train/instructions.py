@@ -203,11 +203,25 @@ HELD_OUT = ("cat", "guitar", "hiking", "hike", "backpacking", "palindrome", "pal
             "robot who learns to paint", "lists and tuples", "inventory", "most common word", "word count",
             "should I pack", "to pack", "packing")  # fmt: skip
 _HELD_OUT_WORDS = re.compile(r"\b(" + "|".join(re.escape(w) for w in HELD_OUT) + r")s?\b", re.IGNORECASE)
+# A code task can be near a benchmark code prompt (a palindrome check ignoring punctuation, a bank
+# account class, a script printing a text file's ten most common words) without naming its subject:
+# "a dictionary mapping each word to its frequency", "remove all punctuation from a string". In a
+# request for Python, these are held out too (code only: "the top 10 fitness apps" is no such request).
+_PYTHON = re.compile(r"\bPython\b", re.IGNORECASE)
+_NEAR_CODE = re.compile(
+    r"palindrom|reads? the same|same (forwards|backwards)|\[::-1\]|punctuation|\bbank|deposit|withdraw|text files?"
+    r"|\bwords?\b.*(frequen|count|occurr|number of|how many|tally|common)"
+    r"|(frequen|count|occurr|number of|how many|tally|common).*\bwords?\b",
+    re.IGNORECASE,
+)
 
 
 def names_held_out(text: str) -> bool:
-    """Whether ``text`` names a benchmark prompt's subject (a whole word of `HELD_OUT`, or its plural)."""
-    return _HELD_OUT_WORDS.search(text) is not None
+    """Whether ``text`` names a benchmark prompt's subject (a whole word of `HELD_OUT`, or its plural),
+    or asks for Python code near a benchmark code prompt's (`_NEAR_CODE`)."""
+    if _HELD_OUT_WORDS.search(text) is not None:
+        return True
+    return _PYTHON.search(text) is not None and _NEAR_CODE.search(text) is not None
 
 
 @functools.cache
