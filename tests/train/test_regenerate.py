@@ -60,6 +60,29 @@ def test_instructions_keep_clear_of_the_benchmark_prompts():
     assert all(names_held_out(p) for p in learned)  # HELD_OUT names a subject of each learned-drafter prompt
 
 
+def test_code_tasks_near_a_benchmark_code_prompt_are_held_out():
+    """A request for Python that shares a benchmark code prompt's code without naming its subject is
+    held out; the same words outside a code request, and unrelated code tasks, are not."""
+    from specdecode.train.instructions import names_held_out
+
+    near = [
+        "Write a Python script to create a dictionary where each key is a word and the value is its frequency.",
+        "Write a Python function that returns the input string with all the punctuation removed.",
+        "Write a Python function that takes a list of words and returns the number of occurrences of each word.",
+        "Write a Python class with deposit and withdraw methods.",
+        "Write a Python script that reads a text file and prints its lines in reverse order.",
+    ]
+    apart = [
+        "Tell me five fun facts about the history of banking.",  # not code
+        "How many words should a cover letter have?",  # the word rule, outside code
+        "Write a Python function that checks whether parentheses in a string are balanced.",
+        "Write a Python function that finds the most frequent element in a list.",
+        "Write a Python function `str(val)`. Convert float to string, taking the locale into account.",
+    ]
+    assert [names_held_out(t) for t in near] == [True] * len(near)
+    assert [names_held_out(t) for t in apart] == [False] * len(apart)
+
+
 def test_passages_become_texts_to_summarise(tmp_path):
     from specdecode.train.regenerate import read_passages
 
