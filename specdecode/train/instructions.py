@@ -209,7 +209,7 @@ _HELD_OUT_WORDS = re.compile(r"\b(" + "|".join(re.escape(w) for w in HELD_OUT) +
 # request for Python, these are held out too (code only: "the top 10 fitness apps" is no such request).
 _PYTHON = re.compile(r"\bPython\b", re.IGNORECASE)
 _NEAR_CODE = re.compile(
-    r"palindrom|reads? the same|same (forwards|backwards)|\[::-1\]|punctuation|\bbank|deposit|withdraw|text files?"
+    r"palindrom|reads? the same|same (forwards|backwards)|\[::-1\]|punctuation|\bbank|deposit|withdraw|\btext files?\b"
     r"|\bwords?\b.*(frequen|count|occurr|number of|how many|tally|common)"
     r"|(frequen|count|occurr|number of|how many|tally|common).*\bwords?\b",
     re.IGNORECASE,
