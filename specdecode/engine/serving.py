@@ -37,6 +37,7 @@ from specdecode.engine.budget import BudgetPolicy, FixedBudget, apply_budgets
 from specdecode.engine.cost import VerifyCost, clock, measure_attention_cost
 from specdecode.engine.requests import EngineStats, Request, RequestEvent
 from specdecode.engine.step import Engine
+from specdecode.model.cpu_block import MAX_POSITIONS
 from specdecode.model.loader import LoadedModel
 from specdecode.paged_cache import PagedKVCache, new_paged_cache
 from specdecode.sampling import argmax, logits_to_probs, sample, sampling_tensors
@@ -58,7 +59,7 @@ class ServingEngine(Engine):
         block_size: int = 16,
         max_num_batched_tokens: int = 256,
         quantization: str | None = None,
-        batch_invariant: bool = False,
+        batch_invariant: bool | None = None,
         drafter: Drafter | None = None,
         budget: BudgetPolicy | None = None,
     ) -> None:
@@ -67,11 +68,13 @@ class ServingEngine(Engine):
             raise SpecDecodeError("max_num_seqs, block_size and max_num_batched_tokens must be >= 1")
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        # A prefill chunk runs as passes of at most what the fused CPU block takes (model/cpu_block.py),
-        # where it runs: a 142-token prompt took 146 ms in passes of 64 against 182 ms in one torch
-        # pass (GGUF, AVX512, 2 threads), and prefill is most of a busy step. The kernel computes
-        # every token alone, so a prompt's logits do not depend on where chunks split it.
-        self.prefill_pass = self.model.fused_positions(batch_invariant) or max_num_batched_tokens
+        # A prefill chunk runs as passes of at most MAX_POSITIONS where the fused CPU block or our
+        # row-invariant kernels run (model/cpu_block.py, model/invariant.py): they compute every
+        # token alone, so a prompt's K/V do not depend on where chunks split it (a request resumed
+        # after preemption recomputes exactly what it decoded), and the fused block beats the
+        # torch blocks on passes that short.
+        invariant = self.batch_invariant or self.model.fused_positions() > 0
+        self.prefill_pass = MAX_POSITIONS if invariant else max_num_batched_tokens
         per_seq = -(-(max_model_len + self.round_room) // block_size)  # blocks one full sequence needs
         if num_blocks is None:
             cfg = target.config

@@ -29,6 +29,7 @@ from specdecode.drafters.base import Draft, Drafter, DrafterContext
 from specdecode.drafters.registry import create_drafter
 from specdecode.engine.batch import Batch, Sequence, SpecStats
 from specdecode.kv_cache import KVCache
+from specdecode.model.cpu_int4 import cpu_lib
 from specdecode.model.loader import LoadedModel
 from specdecode.sampling import argmax, logits_to_probs
 from specdecode.tree import commit_paths
@@ -67,17 +68,23 @@ class Engine:
         max_model_len: int,
         drafter: Drafter | None = None,
         quantization: str | None = None,
-        batch_invariant: bool = False,
+        batch_invariant: bool | None = None,
     ) -> None:
         """``drafter`` overrides the registry: bring your own `Drafter` (``spec`` still gives γ).
-        ``batch_invariant`` makes every decode / verify pass compute each position's attention
-        alone (see Transformer.forward), so speculative greedy equals plain greedy bit for bit
-        wherever the linears are row-invariant too."""
+        ``batch_invariant`` makes every pass compute each position alone (Transformer.forward),
+        so speculative greedy equals plain greedy bit for bit. None (the default) turns it on
+        where our row-invariant CPU kernels run (fp32 / bf16 on a CPU our library is built
+        for), at no cost worth a flag; elsewhere (CUDA) it would run attention a query at a
+        time, so it stays off unless asked for."""
         if drafter is not None and spec is None:
             raise ValueError("a custom drafter needs a SpecConfig for its num_speculative_tokens")
         self.target = target
         self.model = target.model
         self.spec = spec
+        param = self.model.embed.weight
+        if batch_invariant is None:
+            batch_invariant = param.device.type == "cpu" and param.dtype in (torch.float32, torch.bfloat16)
+            batch_invariant = batch_invariant and cpu_lib() is not None
         self.batch_invariant = batch_invariant
         self.max_model_len = max_model_len
         param = self.model.embed.weight  # the activation dtype (linears may hold quantized weights)

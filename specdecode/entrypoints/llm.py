@@ -109,11 +109,12 @@ class LLM:
     weights), and is "none" otherwise. "gguf-a8" / "int4-a8" also quantize each row's
     activations to int8 per group of 32, as llama.cpp does: on AVX2-only CPUs ~1.5x faster,
     close to but not exactly the file's weights (opt-in; still row-invariant, so lossless).
-    ``batch_invariant=True`` computes each position's attention alone in decode and verify
-    passes: with row-invariant linears (int4 / gguf on our CPU kernel) speculative greedy
-    output then equals plain greedy bit for bit; it costs one attention call per position.
-    Where the fused CPU block runs (``llm.kernels`` ends in "fused CPU blocks"), passes of up
-    to 64 positions are invariant without it, and with it longer passes run the block too.
+    ``batch_invariant`` (default: on where our CPU kernels run, fp32 or bf16 on a CPU with
+    AVX2 or AVX512 and a C compiler) computes every position alone, whatever shares its pass:
+    the fused CPU block, or our attention and dense GEMMs beside the int4 / Q8_0 kernels
+    (model/invariant.py). Speculative greedy output then equals plain greedy bit for bit. On
+    CUDA it is off by default: True there runs attention a query at a time, but cuBLAS and
+    torch's int4 kernel still pick their reduction by row count (equal up to float rounding).
     Prompts run through the continuous-batching `ServingEngine` the server uses, at most
     ``max_num_seqs`` at a time; the rest queue. ``compile`` (True / "auto", or a torch.compile
     mode) compiles the target's torch blocks and warms the decode, verify and prefill shapes
@@ -132,7 +133,7 @@ class LLM:
         device: str = "auto",
         max_model_len: int | None = None,
         quantization: str | None = "auto",
-        batch_invariant: bool = False,
+        batch_invariant: bool | None = None,
         max_num_seqs: int = 16,
         num_blocks: int | None = None,
         compile: bool | str = False,

@@ -165,16 +165,17 @@ def _warm_buckets(model: torch.nn.Module) -> None:
     run the torch blocks. Dynamic shapes make one such pass stand for every batch and width of
     its kind. Scratch caches."""
     dev = model.embed.weight.device
-    B, T = 2, MAX_POSITIONS // 2 + 16  # packed: 48 + 24 real tokens, still over MAX_POSITIONS
-    cache = model.new_cache(B, T)
-    tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
-    positions = torch.arange(T, device=dev).expand(B, T)
-    valid = torch.ones(B, T, dtype=torch.bool, device=dev)
-    valid[1, T // 2 :] = False
-    tree = torch.ones(T, T, dtype=torch.bool, device=dev).tril().expand(B, T, T)
-    with torch.inference_mode():
-        for extra in ({}, {"valid": valid}, {"block_mask": tree}):
-            model(tokens, positions, cache, **extra)
-        rows = MAX_POSITIONS + 1  # and decoding one token on each of more rows than that
-        one = torch.zeros(rows, 1, dtype=torch.long, device=dev)
-        model(one, torch.zeros_like(one), model.new_cache(rows, 1))
+    # over MAX_POSITIONS (packed: 48 + 24 real tokens); then as few as our row-invariant
+    # kernels take on CPU (model/invariant.py), a graph of their own
+    for B, T, rows in ((2, MAX_POSITIONS // 2 + 16, MAX_POSITIONS + 1), (2, 8, 3)):
+        cache = model.new_cache(B, T)
+        tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
+        positions = torch.arange(T, device=dev).expand(B, T)
+        valid = torch.ones(B, T, dtype=torch.bool, device=dev)
+        valid[1, T // 2 :] = False
+        tree = torch.ones(T, T, dtype=torch.bool, device=dev).tril().expand(B, T, T)
+        with torch.inference_mode():
+            for extra in ({}, {"valid": valid}, {"block_mask": tree}):
+                model(tokens, positions, cache, **extra)
+            one = torch.zeros(rows, 1, dtype=torch.long, device=dev)  # one token on each of several rows
+            model(one, torch.zeros_like(one), model.new_cache(rows, 1))

@@ -53,17 +53,17 @@ from specdecode.config import SpecDecodeError
 CPU_ISAS = {
     "amx": (
         ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c", "fma"),
-        ("int4_avx512_bf16.c", "block_bf16.c", "a8_avx2.c", "argmax.c"),
+        ("int4_avx512_bf16.c", "block_bf16.c", "a8_avx2.c", "argmax.c", "invariant.c"),
         ("-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c"),
     ),
     "avx512_bf16": (
         ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c", "fma"),
-        ("int4_avx512_bf16.c", "block_bf16.c", "a8_avx2.c", "argmax.c"),
+        ("int4_avx512_bf16.c", "block_bf16.c", "a8_avx2.c", "argmax.c", "invariant.c"),
         ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c"),
     ),
     "avx2": (
         ("avx2", "fma", "f16c"),
-        ("int4_avx2.c", "block_avx2.c", "a8_avx2.c", "argmax.c"),
+        ("int4_avx2.c", "block_avx2.c", "a8_avx2.c", "argmax.c", "invariant.c"),
         ("-mavx2", "-mfma", "-mf16c"),
     ),
 }
@@ -176,6 +176,11 @@ def cpu_lib(isa: str | None = None) -> ctypes.CDLL | None:
     lib.block_forward.restype = None
     lib.argmax_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     lib.argmax_bf16.restype = None
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    lib.attend_rows.argtypes = [i32] * 6 + [ctypes.c_float] + [ptr] * 5 + [i64] * 3 + [ptr, i32]
+    lib.attend_rows.restype = None
+    lib.f32_gemm.argtypes = [ptr, i32, i32, ptr, i32, ptr, i32]
+    lib.f32_gemm.restype = None
     return lib
 
 

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from specdecode.kv_cache import ContiguousKVCache, KVCache
 from specdecode.model.cpu_block import MAX_POSITIONS, CpuBlocks
+from specdecode.model import invariant
 from specdecode.model.cpu_int4 import cpu_rms_norm, fast_cpu_norm
 from specdecode.model.masks import FULL, SLIDING, attention_masks, split_plan, visible_keys
 from specdecode.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
@@ -76,7 +77,7 @@ class Attention(nn.Module):
         """``mask`` is [B, 1, G*T, S] (query rows folded, see masks.attention_masks) or None (causal / T == 1)."""
         B, T = step.slots.shape
         H, Hkv, D = self.heads, self.kv_heads, self.head_dim
-        qkv = step.unpack(self.qkv(x)).view(B, T, H + 2 * Hkv, D)
+        qkv = step.unpack(step.linear(self.qkv, x)).view(B, T, H + 2 * Hkv, D)
         v = qkv[:, :, H + Hkv :]
         if self.qk_norm:
             q, k = qkv[:, :, :H], qkv[:, :, H : H + Hkv]
@@ -84,7 +85,7 @@ class Attention(nn.Module):
         else:  # one RoPE over q and k together
             q, k = apply_rope(qkv[:, :, : H + Hkv], *rope).split((H, Hkv), dim=2)
         out = self._attend(q, k, v, mask, step)
-        return self.o(step.pack_rows(out.reshape(B, T, H * D)))
+        return step.linear(self.o, step.pack_rows(out.reshape(B, T, H * D)))
 
     # Eager even inside a compiled block: model/compiled.py marks it so when it first compiles
     # (not here: torch.compiler.disable imports dynamo, ~1 s at every start). The cache's
@@ -96,7 +97,9 @@ class Attention(nn.Module):
         B, T = step.slots.shape
         Hkv, G, D = self.kv_heads, self.group, self.head_dim
         k, v = step.cache.append(self.layer, k.transpose(1, 2), v.transpose(1, 2), step.slots, step.kv_len)
-        if step.visible is not None:
+        if step.vis is not None:  # our row-invariant kernel (model/invariant.py)
+            out = invariant.attend(q, k, v, step.vis[self.kind], self.scale, step.pack)
+        elif step.visible is not None:
             out = self._attend_rowwise(q, k, v, step.visible[self.kind])
         elif step.split is not None:
             out = self._attend_split(q, k, v, step.split, *step.split_masks[self.kind])
@@ -149,9 +152,10 @@ class MLP(nn.Module):
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = F.silu if cfg.activation == "silu" else lambda h: F.gelu(h, approximate="tanh")
 
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(self.act(gate) * up)
+    def forward(self, x: Tensor, step: _Step | None = None) -> Tensor:
+        lin = step.linear if step is not None else lambda m, h: m(h)  # noqa: E731
+        gate, up = lin(self.gate_up, x).chunk(2, dim=-1)
+        return lin(self.down, self.act(gate) * up)
 
 
 class Block(nn.Module):
@@ -166,7 +170,7 @@ class Block(nn.Module):
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor | None, step: _Step) -> Tensor:
         h = self.attn(self.attn_norm(x), rope, mask, step)
         x = x + (self.attn_out_norm(h) if self.sandwich else h)
-        h = self.mlp(self.mlp_norm(x))
+        h = self.mlp(self.mlp_norm(x), step)
         return x + (self.mlp_out_norm(h) if self.sandwich else h)
 
 
@@ -186,6 +190,13 @@ class _Step:
     # mask's rows for every row's first query [B, 1, G, S] and for their later ones [R, 1, G*(T-1), S]
     split: Tensor | None = None
     split_masks: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    # row-invariant pass on CPU (model/invariant.py): our GEMMs for dense linears, and per layer
+    # kind the slots each query sees [B·T, S] uint8 for our attention (set by `_layers`)
+    exact: bool = False
+    vis: dict[str, Tensor] | None = None
+
+    def linear(self, module: nn.Module, x: Tensor) -> Tensor:
+        return invariant.linear(module, x) if self.exact else module(x)
 
     def unpack(self, x: Tensor) -> Tensor:
         """[N, F] packed rows -> [B, T, F] with zeros at padding (identity when not packed)."""
@@ -300,12 +311,13 @@ class Transformer(nn.Module):
             rope = self.rope_angles(FULL, positions)  # the kernel's layers are all FULL
             x, hiddens = self.cpu_blocks.run(x, rope, cache.lengths, store, block_mask, step.pack, want)
         else:
+            step.exact = invariant.exact_kernels(x) and (batch_invariant or x.numel() <= MAX_POSITIONS * x.shape[-1])
             x, hiddens = self._layers(x, positions, cache, block_mask, valid, batch_invariant, step, want)
         x = self.norm(x)
         hiddens[-1] = x
         if logits_at is not None:
             x = step.unpack(x).gather(1, logits_at[:, :, None].expand(-1, -1, x.shape[-1]))
-        logits = self.head_logits(x, fused=store is not None, fp32=fp32_logits)
+        logits = self.head_logits(x, fused=store is not None, fp32=fp32_logits, exact=step.exact)
         if packed:
             logits = logits.reshape(-1, logits.shape[-1])  # [N, V]
         elif logits_at is None:
@@ -314,11 +326,15 @@ class Transformer(nn.Module):
             return logits
         return logits, [step.unpack(hiddens[i]) for i in hidden_layers]
 
-    def head_logits(self, x: Tensor, fused: bool = False, fp32: bool = True) -> Tensor:
+    def head_logits(self, x: Tensor, fused: bool = False, fp32: bool = True, exact: bool = False) -> Tensor:
         """Final-normed hidden states [..., H] -> fp32 logits [..., V] (soft-capped where the
-        architecture caps them); ``fused``: through the fused CPU block's head; ``fp32`` False:
-        in the head's own dtype where there is no cap (the cap is computed in fp32)."""
-        logits = self.cpu_blocks.head(x, self.lm_head) if fused and self.cpu_blocks is not None else self.lm_head(x)
+        architecture caps them); ``fused``: through the fused CPU block's head; ``exact``: through
+        our row-invariant GEMM (invariant.py); ``fp32`` False: in the head's own dtype where
+        there is no cap (the cap is computed in fp32)."""
+        if fused and self.cpu_blocks is not None:
+            logits = self.cpu_blocks.head(x, self.lm_head)
+        else:
+            logits = invariant.linear(self.lm_head, x) if exact else self.lm_head(x)
         cap = self.config.final_logit_softcap
         if cap is None:
             return logits.float() if fp32 else logits
@@ -335,11 +351,18 @@ class Transformer(nn.Module):
         kv_len = step.kv_len
         ropes = {kind: self.rope_tables(kind, positions, x.dtype) for kind in set(cfg.layer_types)}
         masks = attention_masks(cfg, positions, cache.lengths, block_mask, kv_len)
-        if step.pack is not None and not batch_invariant:
+        if step.exact:  # our attention: each query over the slots it sees
+            G = cfg.num_heads // cfg.num_kv_heads
+            step.vis = {FULL: invariant.visibility(masks[FULL], cache.lengths, T, kv_len, G)}
+            if SLIDING in cfg.layer_types:
+                same = masks[SLIDING] is masks[FULL]
+                step.vis[SLIDING] = step.vis[FULL] if same else invariant.visibility(
+                    masks[SLIDING], cache.lengths, T, kv_len, G)  # fmt: skip
+        elif step.pack is not None and not batch_invariant:
             plan = split_plan(valid, masks, cfg.num_heads // cfg.num_kv_heads)
             if plan is not None:
                 step.split, step.split_masks = plan
-        if batch_invariant:
+        if batch_invariant and not step.exact:  # off CPU: one SDPA per query
             step.visible = {FULL: visible_keys(masks[FULL], cache.lengths, T)}
             same = masks[SLIDING] is masks[FULL]  # no window in play: sliding layers see what full ones do
             step.visible[SLIDING] = step.visible[FULL] if same else visible_keys(masks[SLIDING], cache.lengths, T)
