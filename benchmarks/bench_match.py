@@ -1,94 +1,127 @@
-"""Token match rate of speculative against plain greedy decoding, per weight format, with and
-without the batch-invariant verify mode (issue 6). Default model, CPU, batch 1, greedy, 128
-new tokens, `ngram` (γ = 8), the chat and input-reuse prompts of prompts.json.
+"""Match grid: is speculative greedy output identical to plain greedy output, in the default
+configuration, for every registered method × activation dtype × weight format?
 
-A γ+1-position verify pass can round differently from a 1-position pass, so in bf16 a
-speculative greedy output may leave plain greedy's path at a near-tie and never come back.
-*match* is the fraction of plain greedy's tokens that the speculative output reproduces
-before the first difference; *identical* counts outputs equal to the last token. Timings
-are not measured here (see bench_quant.py and bench_core.py).
+Default model, batch 1 (``--batched``: every prompt at once), greedy, the 42 prompts of prompts_match.json (chat, code and
+summaries; half end in whitespace or newlines, as pasted text does). Per cell: the share of
+prompts whose output equals plain greedy's to the last token, and the first divergence
+positions where one does not. Plain greedy runs once per dtype × format and serves every
+method. Timings are not measured here.
 
-    python benchmarks/bench_match.py --threads 2 [--modes bf16 int8 gguf gguf-a8] --plot docs/match_rate.png
+    python benchmarks/bench_match.py --results docs/results.md --plot docs/match_grid.png
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
-from args import out_path, positive_int, run
+from args import out_path, positive_int, run, write_results
 
 from specdecode import LLM, SamplingParams
+from specdecode.drafters.registry import method_names
 from specdecode.entrypoints.cli import OneLineParser
 
 HERE = Path(__file__).resolve().parent
-MODES = {"bf16": None, "int8": "int8", "gguf Q4_1": "gguf", "gguf Q4_1 a8": "gguf-a8"}
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+# a draft model needs one: the target itself (its drafts then differ from the target's only
+# where a verify pass would round differently, which is what this grid looks for)
+EXTRA = {"draft_model": {"model": "smollm2-135m"}}
 
 
-def prefix_match(a: list[int], b: list[int]) -> float:
-    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    return n / max(len(b), 1)
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """The first position where two outputs differ, None when identical."""
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if n is None and len(a) != len(b):
+        n = min(len(a), len(b))
+    return n
 
 
 def main() -> int:
     ap = OneLineParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--max-tokens", type=positive_int, default=128)
+    ap.add_argument("--max-tokens", type=positive_int, default=64)
     ap.add_argument("--threads", type=positive_int, default=None)
-    ap.add_argument("--plot", type=out_path, default=None, help="PNG bar chart of the mean match rate")
+    ap.add_argument("--prompts", type=positive_int, default=None, help="the first N prompts of each kind")
+    ap.add_argument("--methods", nargs="+", default=method_names(), choices=method_names())
+    ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    ap.add_argument("--quantizations", nargs="+", default=["gguf", "int4", "none"], choices=["gguf", "int4", "none"])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--batched", action="store_true",
+                    help="speculative runs take every prompt at once (continuous batching, 16 rows), not one by one")
     ap.add_argument("--json", type=out_path, default=None)
-    ap.add_argument("--modes", nargs="+", default=["bf16", "int8", "gguf"], choices=["bf16", "int8", "gguf", "gguf-a8"],
-                    help="weight formats (gguf-a8: int8 activations)")
+    ap.add_argument("--plot", type=out_path, default=None, help="PNG heat map of the identical share")
+    ap.add_argument("--results", type=out_path, default=None, help="the results page to write the table into")
     args = ap.parse_args()
-    modes = {name: q for name, q in MODES.items() if (q or "bf16") in args.modes}
     if args.threads:
         torch.set_num_threads(args.threads)
-    prompts = json.loads((HERE / "prompts.json").read_text())
-    texts = [(kind, t) for kind in ("chat", "input_reuse") for t in prompts[kind]]
-    spec = {"method": "ngram", "num_speculative_tokens": 8}
+    kinds = json.loads((HERE / "prompts_match.json").read_text())
+    texts = [(kind, t) for kind, ts in kinds.items() for t in ts[: args.prompts]]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    rows = []
-    for mode, quant in modes.items():
-        for invariant in (False, True):
-            llm = LLM(speculative_config=spec, dtype="bfloat16", device="cpu", quantization=quant,
-                      batch_invariant=invariant)  # fmt: skip
-            for kind, text in texts:
-                ids = llm.encode_chat(text)
-                plain = llm.generate([ids], params, speculative=False)[0].token_ids
-                fast = llm.generate([ids], params)[0].token_ids
-                rows.append({"mode": mode, "batch_invariant": invariant, "kind": kind, "prompt": text[:36],
-                             "match": prefix_match(fast, plain), "identical": fast == plain})  # fmt: skip
-                print(f"{mode:10s} invariant={invariant!s:5s} {kind:11s} match {rows[-1]['match']:.2f}", flush=True)
-    print("\n| weights | batch_invariant | mean match | identical outputs |\n|---|---|---|---|")
-    summary = []
-    for mode in modes:
-        for invariant in (False, True):
-            sel = [r for r in rows if r["mode"] == mode and r["batch_invariant"] == invariant]
-            mean = statistics.mean(r["match"] for r in sel)
-            same = sum(r["identical"] for r in sel)
-            summary.append((mode, invariant, mean))
-            print(f"| {mode} | {'on' if invariant else 'off'} | {mean:.2f} | {same}/{len(sel)} |")
+    cells = []
+    for dt in args.dtypes:
+        for quant in args.quantizations:
+            plain_llm = LLM(dtype=DTYPES[dt], device=args.device, quantization=quant)
+            ids = [plain_llm.encode_chat(t) for _, t in texts]
+            plain = [plain_llm.generate([i], params)[0].token_ids for i in ids]
+            del plain_llm
+            for method in args.methods:
+                spec = {"method": method, **EXTRA.get(method, {})}
+                llm = LLM(speculative_config=spec, dtype=DTYPES[dt], device=args.device, quantization=quant)
+                if args.batched:
+                    outs = [o.token_ids for o in llm.generate(ids, params)]
+                else:
+                    outs = [llm.generate([i], params)[0].token_ids for i in ids]
+                diverged = []
+                for (kind, text), out, want in zip(texts, outs, plain):
+                    at = first_divergence(out, want)
+                    if at is not None:
+                        diverged.append({"kind": kind, "prompt": text[:40], "position": at})
+                cells.append({"dtype": dt, "quantization": quant, "method": method, "prompts": len(texts),
+                              "identical": len(texts) - len(diverged), "diverged": diverged})  # fmt: skip
+                print(f"{dt:4s} {quant:5s} {method:11s} identical {cells[-1]['identical']}/{len(texts)}"
+                      + (f"  first divergences at {[d['position'] for d in diverged]}" if diverged else ""), flush=True)  # fmt: skip
+                del llm
+    configs = [(dt, q) for dt in args.dtypes for q in args.quantizations]
+    head = "| method | " + " | ".join(f"{dt} {q}" for dt, q in configs) + " |"
+    lines = [head, "|---" * (len(configs) + 1) + "|"]
+    for method in args.methods:
+        row = []
+        for dt, q in configs:
+            c = next(c for c in cells if (c["dtype"], c["quantization"], c["method"]) == (dt, q, method))
+            mark = f"{100 * c['identical'] / c['prompts']:.0f}%"
+            if c["diverged"]:
+                mark += " (at " + ", ".join(str(d["position"]) for d in c["diverged"][:4]) + ")"
+            row.append(mark)
+        lines.append(f"| {method} | " + " | ".join(row) + " |")
+    table = "\n".join(lines)
+    print("\n" + table)
+    total = sum(c["identical"] for c in cells), sum(c["prompts"] for c in cells)
+    print(f"\nidentical to plain greedy: {total[0]}/{total[1]}")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps(cells, indent=1))
+    if args.results:
+        batch = "all prompts at once, continuous batching" if args.batched else "batch 1"
+        body = (f"Share of {len(texts)} prompts whose speculative greedy output is identical to plain greedy "
+                f"({args.max_tokens} tokens, {batch}, each method's default configuration; in brackets, the "
+                f"first positions where outputs diverged). In all: {total[0]}/{total[1]}.\n\n{table}\n")  # fmt: skip
+        write_results(args.results, "match-grid-batched" if args.batched else "match-grid", body)
     if args.plot:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(7, 3.6))
-        x = range(len(modes))
-        for j, invariant in enumerate((False, True)):
-            vals = [m for mode, inv, m in summary if inv == invariant]
-            label = "batch_invariant=True" if invariant else "default (batch_invariant=False)"
-            ax.bar([i + (j - 0.5) * 0.38 for i in x], vals, width=0.38, label=label)
-        ax.set_xticks(list(x), list(modes))
-        ax.set_ylim(0, 1.05)
-        ax.set_ylabel("tokens matching plain greedy\n(before the first difference)")
-        ax.set_title(f"ngram γ=8 vs plain greedy, {len(texts)} prompts, {args.max_tokens} tokens (CPU)")
-        ax.legend(loc="lower right", fontsize=8)
+        grid = [[next(c["identical"] / c["prompts"] for c in cells if (c["dtype"], c["quantization"], c["method"])
+                      == (dt, q, m)) for dt, q in configs] for m in args.methods]  # fmt: skip
+        fig, ax = plt.subplots(figsize=(1.2 * len(configs) + 2, 0.4 * len(args.methods) + 1.5))
+        ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(configs)), [f"{dt}\n{q}" for dt, q in configs])
+        ax.set_yticks(range(len(args.methods)), args.methods)
+        for r, row in enumerate(grid):
+            for c, v in enumerate(row):
+                ax.text(c, r, f"{100 * v:.0f}%", ha="center", va="center", fontsize=8)
+        ax.set_title(f"greedy output identical to plain greedy ({len(texts)} prompts)")
         fig.tight_layout()
         fig.savefig(args.plot, dpi=110)
         print(f"wrote {args.plot}")

@@ -74,7 +74,7 @@ class ServingEngine(Engine):
         # after preemption recomputes exactly what it decoded), and the fused block beats the
         # torch blocks on passes that short.
         invariant = self.batch_invariant or self.model.fused_positions() > 0
-        self.prefill_pass = MAX_POSITIONS if invariant else max_num_batched_tokens
+        self.prefill_pass = min(MAX_POSITIONS, max_num_batched_tokens) if invariant else max_num_batched_tokens
         per_seq = -(-(max_model_len + self.round_room) // block_size)  # blocks one full sequence needs
         if num_blocks is None:
             cfg = target.config

@@ -43,8 +43,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    "e.g. the default GGUF blocks, still multiply in bfloat16; --quantization none for float32 math)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda")
     g.add_argument("--quantization", default="auto", help=QUANTIZATION_HELP)
-    g.add_argument("--batch-invariant", action="store_true", default=None,
-                   help="compute every position alone (the default on CPU; on CUDA: attention a query at a time)")
+    g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                   help="compute every position alone, so speculative greedy equals plain greedy bit for bit "
+                   "(default: on where our CPU kernels run; on CUDA: attention a query at a time)")
     _add_compile(g)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--compare", action="store_true", help="also run plain decoding and report the speedup")

@@ -17,9 +17,10 @@ identity). ``mode="reduce-overhead"`` also captures each bucket as a CUDA graph 
 that fails to compile raises as any error of the pass would: nothing here changes torch's
 process-wide error handling (only its recompile limit, raised for the buckets).
 
-With the fused CPU block (cpu_block.py) the passes it takes (≤ MAX_POSITIONS tokens) stay
-one C call per layer, faster than any compiled graph on this CPU (docs/benchmarks.md); the
-compiled blocks then serve only longer passes (prefill chunks). Attention and the cache
+With the fused CPU block (cpu_block.py) the passes it takes stay one C call per layer,
+faster than any compiled graph on a CPU; by default (batch-invariant passes) it takes every
+pass the engine runs, so compiling has nothing left to do there; with batch_invariant=False
+the compiled blocks serve the passes over MAX_POSITIONS tokens. Attention and the cache
 write stay eager inside a compiled block (`Attention._attend`), so a block is two graphs.
 
 Does not own: the forward itself (transformer.py) or which passes run (engine/).
@@ -155,27 +156,27 @@ def warm_up(engines: Sequence, progress: bool = True) -> None:
                 engine.step()
             bar.update(1)
     for model in dict.fromkeys(engine.target.model for engine in engines):
-        _warm_buckets(model)
+        _warm_buckets(model, any(e.batch_invariant for e in engines if e.target.model is model))
 
 
-def _warm_buckets(model: torch.nn.Module) -> None:
+def _warm_buckets(model: torch.nn.Module, batch_invariant: bool) -> None:
     """The buckets the dummy requests may not reach: several rows of several tokens, causal,
     packed (rows of different lengths) and tree-masked, and many rows of one token. Each is
     over 64 positions, so that where the fused CPU block runs the shorter passes, these still
     run the torch blocks. Dynamic shapes make one such pass stand for every batch and width of
-    its kind. Scratch caches."""
+    its kind. Scratch caches. ``batch_invariant``: as the engines run their passes (on CPU our
+    row-invariant kernels: graphs of their own)."""
     dev = model.embed.weight.device
-    # over MAX_POSITIONS (packed: 48 + 24 real tokens); then as few as our row-invariant
-    # kernels take on CPU (model/invariant.py), a graph of their own
-    for B, T, rows in ((2, MAX_POSITIONS // 2 + 16, MAX_POSITIONS + 1), (2, 8, 3)):
-        cache = model.new_cache(B, T)
-        tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
-        positions = torch.arange(T, device=dev).expand(B, T)
-        valid = torch.ones(B, T, dtype=torch.bool, device=dev)
-        valid[1, T // 2 :] = False
-        tree = torch.ones(T, T, dtype=torch.bool, device=dev).tril().expand(B, T, T)
-        with torch.inference_mode():
-            for extra in ({}, {"valid": valid}, {"block_mask": tree}):
-                model(tokens, positions, cache, **extra)
-            one = torch.zeros(rows, 1, dtype=torch.long, device=dev)  # one token on each of several rows
-            model(one, torch.zeros_like(one), model.new_cache(rows, 1))
+    B, T = 2, MAX_POSITIONS // 2 + 16  # packed: 48 + 24 real tokens, still over MAX_POSITIONS
+    cache = model.new_cache(B, T)
+    tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
+    positions = torch.arange(T, device=dev).expand(B, T)
+    valid = torch.ones(B, T, dtype=torch.bool, device=dev)
+    valid[1, T // 2 :] = False
+    tree = torch.ones(T, T, dtype=torch.bool, device=dev).tril().expand(B, T, T)
+    with torch.inference_mode():
+        for extra in ({}, {"valid": valid}, {"block_mask": tree}):
+            model(tokens, positions, cache, batch_invariant=batch_invariant, **extra)
+        rows = MAX_POSITIONS + 1  # and decoding one token on each of more rows than that
+        one = torch.zeros(rows, 1, dtype=torch.long, device=dev)
+        model(one, torch.zeros_like(one), model.new_cache(rows, 1), batch_invariant=batch_invariant)

@@ -15,6 +15,8 @@ is ours (cuBLAS and SDPA pick kernels by shape): there passes stay as torch comp
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
 
@@ -28,41 +30,55 @@ def exact_kernels(x: Tensor) -> bool:
     return ok and cpu_lib() is not None
 
 
-def visibility(mask: Tensor | None, lengths: Tensor, T: int, kv_len: int, group: int) -> Tensor:
-    """uint8 [B·T, kv_len]: the slots query (b, t) sees, from a folded mask [B, 1, G·T, S]
-    (masks.attention_masks; its group-0 rows) or, with no mask, causally."""
+@dataclass
+class Visibility:
+    """Which slots each computed query of a pass sees, for one layer kind: built once a pass."""
+
+    vis: Tensor  # uint8 [N, S]
+    rows: Tensor  # int32 [N]: each query's batch row
+    pack: Tensor | None  # the computed queries' flat indices into B·T (None: all B·T)
+
+
+def visibility(
+    mask: Tensor | None, lengths: Tensor, T: int, kv_len: int, group: int, pack: Tensor | None = None
+) -> Visibility:
+    """The slots query (b, t) sees, from a folded mask [B, 1, G·T, S] (masks.attention_masks;
+    its group-0 rows) or, with no mask, causally; ``pack``: only the real tokens of a padded
+    pass (flat indices into B·T) are computed."""
+    B = lengths.shape[0]
     if mask is None:
         s = torch.arange(kv_len, device=lengths.device)
         ends = lengths[:, None] + torch.arange(T, device=lengths.device)  # [B, T] the newest slot each query sees
-        return (s[None, None, :] <= ends[:, :, None]).reshape(-1, kv_len).to(torch.uint8)
-    B = mask.shape[0]
-    return mask.view(B, group, T, -1)[:, 0].reshape(B * T, -1).to(torch.uint8)
+        vis = s[None, None, :] <= ends[:, :, None]
+    else:
+        vis = mask.view(B, group, T, -1)[:, 0]
+    vis = vis.reshape(B * T, -1)
+    rows = torch.arange(B, dtype=torch.int32).repeat_interleave(T)
+    if pack is not None:
+        vis, rows = vis[pack], rows[pack]
+    return Visibility(vis.to(torch.uint8).contiguous(), rows, pack)
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, vis: Tensor, scale: float, pack: Tensor | None = None) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, seen: Visibility, scale: float) -> Tensor:
     """Attention of queries ``q`` [B, T, H, D] over ``k`` / ``v`` [B, Hkv, S, D] (the cache as
-    `KVCache.append` returns it; any strides with D contiguous), query (b, t) seeing the slots
-    ``vis[b·T + t]``; each query computed alone. ``pack``: the real tokens of a padded pass
-    (flat indices into B·T), the only ones computed (the others are left 0). [B, T, H, D]."""
+    `KVCache.append` returns it; any strides with D contiguous), each query computed alone over
+    the slots ``seen`` gives it, in slot order. Queries left out of ``seen.pack`` are 0. [B, T, H, D]."""
     B, T, H, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     if k.stride(-1) != 1 or v.stride(-1) != 1 or k.stride() != v.stride():
         k, v = k.contiguous(), v.contiguous()
     qf = q.reshape(B * T, H, D)
-    rows = torch.arange(B, dtype=torch.int32).repeat_interleave(T)
-    if pack is not None:
-        qf, rows, vis = qf[pack], rows[pack], vis[pack]
-    qf, vis = qf.contiguous(), vis[:, :S].contiguous()
+    qf = (qf if seen.pack is None else qf[seen.pack]).contiguous()
     out = torch.empty_like(qf)
-    sb, sh, ss = k.stride(0), k.stride(1), k.stride(2)
     cpu_lib().attend_rows(
-        int(q.dtype == torch.bfloat16), qf.shape[0], S, H, Hkv, D, scale, qf.data_ptr(), rows.data_ptr(),
-        vis.data_ptr(), k.data_ptr(), v.data_ptr(), sb, sh, ss, out.data_ptr(), torch.get_num_threads(),
+        int(q.dtype == torch.bfloat16), qf.shape[0], S, H, Hkv, D, scale, qf.data_ptr(), seen.rows.data_ptr(),
+        seen.vis.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2), out.data_ptr(),
+        torch.get_num_threads(),
     )  # fmt: skip
-    if pack is None:
+    if seen.pack is None:
         return out.view(B, T, H, D)
     full = out.new_zeros(B * T, H, D)
-    full[pack] = out
+    full[seen.pack] = out
     return full.view(B, T, H, D)
 
 

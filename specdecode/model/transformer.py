@@ -98,7 +98,7 @@ class Attention(nn.Module):
         Hkv, G, D = self.kv_heads, self.group, self.head_dim
         k, v = step.cache.append(self.layer, k.transpose(1, 2), v.transpose(1, 2), step.slots, step.kv_len)
         if step.vis is not None:  # our row-invariant kernel (model/invariant.py)
-            out = invariant.attend(q, k, v, step.vis[self.kind], self.scale, step.pack)
+            out = invariant.attend(q, k, v, step.vis[self.kind], self.scale)
         elif step.visible is not None:
             out = self._attend_rowwise(q, k, v, step.visible[self.kind])
         elif step.split is not None:
@@ -193,7 +193,7 @@ class _Step:
     # row-invariant pass on CPU (model/invariant.py): our GEMMs for dense linears, and per layer
     # kind the slots each query sees [B·T, S] uint8 for our attention (set by `_layers`)
     exact: bool = False
-    vis: dict[str, Tensor] | None = None
+    vis: dict[str, invariant.Visibility] | None = None
 
     def linear(self, module: nn.Module, x: Tensor) -> Tensor:
         return invariant.linear(module, x) if self.exact else module(x)
@@ -270,10 +270,11 @@ class Transformer(nn.Module):
         must satisfy ``positions[b, t] <= cache.lengths[b] + t`` (true for chains and
         depth-positioned trees). With ``hidden_layers``, also returns the residual
         stream after those layers ([B, T, H] each; -1 = the final normed hidden).
-        ``batch_invariant`` runs attention one query at a time over exactly its visible
-        keys, so a position's logits do not depend on what else is in the pass, as long
-        as the linears are row-invariant too (our int4 and bf16 CPU kernels are; torch's bf16 GEMMs
-        are not). Where `cpu_blocks` runs, every pass is computed that way (cpu_block.py).
+        ``batch_invariant`` computes every position alone, so that its logits do not depend on
+        what else is in the pass: on CPU through the fused block (cpu_block.py, which computes
+        its passes that way whether asked or not) or our attention and dense GEMMs
+        (invariant.py) beside the int4 / Q8_0 kernels; elsewhere attention runs one query at
+        a time over exactly its visible keys (CUDA's linears stay as cuBLAS computes them).
         ``valid`` [B, T] bool marks the real tokens of a padded batch (rows drafting fewer
         tokens than the widest): the linears and the LM head then run on the real tokens
         only, so a row pays for its own draft length, not the batch's widest. Padding may
@@ -311,7 +312,7 @@ class Transformer(nn.Module):
             rope = self.rope_angles(FULL, positions)  # the kernel's layers are all FULL
             x, hiddens = self.cpu_blocks.run(x, rope, cache.lengths, store, block_mask, step.pack, want)
         else:
-            step.exact = invariant.exact_kernels(x) and (batch_invariant or x.numel() <= MAX_POSITIONS * x.shape[-1])
+            step.exact = batch_invariant and invariant.exact_kernels(x)
             x, hiddens = self._layers(x, positions, cache, block_mask, valid, batch_invariant, step, want)
         x = self.norm(x)
         hiddens[-1] = x
@@ -353,11 +354,11 @@ class Transformer(nn.Module):
         masks = attention_masks(cfg, positions, cache.lengths, block_mask, kv_len)
         if step.exact:  # our attention: each query over the slots it sees
             G = cfg.num_heads // cfg.num_kv_heads
-            step.vis = {FULL: invariant.visibility(masks[FULL], cache.lengths, T, kv_len, G)}
+            step.vis = {FULL: invariant.visibility(masks[FULL], cache.lengths, T, kv_len, G, step.pack)}
             if SLIDING in cfg.layer_types:
                 same = masks[SLIDING] is masks[FULL]
                 step.vis[SLIDING] = step.vis[FULL] if same else invariant.visibility(
-                    masks[SLIDING], cache.lengths, T, kv_len, G)  # fmt: skip
+                    masks[SLIDING], cache.lengths, T, kv_len, G, step.pack)  # fmt: skip
         elif step.pack is not None and not batch_invariant:
             plan = split_plan(valid, masks, cfg.num_heads // cfg.num_kv_heads)
             if plan is not None:

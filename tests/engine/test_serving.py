@@ -266,7 +266,7 @@ def test_a_chunk_runs_as_passes_of_at_most_prefill_pass_tokens(plain, ckpts):
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     want = plain.generate([long_prompt], params)[0].token_ids
     engine = make_engine(plain, ckpts, "ngram", max_num_batched_tokens=16, block_size=4)
-    assert engine.prefill_pass == 16  # no fused CPU block in fp32: a chunk is one pass
+    assert engine.prefill_pass == 16  # a chunk of at most 64 positions is one pass
     engine.prefill_pass = 3  # as the fused block's 64 would split a longer chunk
     widths, target = [], engine._target
     engine._target = lambda tokens, *a, **kw: widths.append(tokens.shape[1]) or target(tokens, *a, **kw)

@@ -102,11 +102,13 @@ def test_compiled_int4_blocks_run_our_kernel_as_a_custom_op(tiny):
                   marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))],
 )  # fmt: skip
 def test_compiled_speculative_greedy_equals_plain_greedy(tiny, device, dtype, mode):
-    """fp32: every pass compiled. bf16: the fused CPU block keeps the short passes, and the
-    prefills longer than it takes (the warm-up's, and the 80-token prompt's here) run the
-    compiled torch blocks. CUDA: CUDA graphs."""
+    """fp32: every pass compiled (our row-invariant kernels as custom ops). bf16: by default the
+    fused CPU block takes every pass, so it runs with batch_invariant=False, where the block
+    keeps the short passes and the prefills longer than it takes (the warm-up's, and the
+    80-token prompt's here) run the compiled torch blocks. CUDA: CUDA graphs."""
     torch._dynamo.utils.counters.clear()
-    llm = LLM(model=tiny, speculative_config=NGRAM, dtype=dtype, device=device, compile=mode)
+    inv = {"batch_invariant": False} if dtype == "bfloat16" else {}
+    llm = LLM(model=tiny, speculative_config=NGRAM, dtype=dtype, device=device, compile=mode, **inv)
     try:
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the warm-up compiled
         assert llm.compile_mode == ("reduce-overhead" if device == "cuda" else "default")
@@ -136,13 +138,15 @@ def test_the_warm_up_leaves_no_bucket_to_compile_while_serving(tiny, dtype):
         valid = torch.ones(B, T, dtype=torch.bool)
         valid[0, 2:] = False
         tree = torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T)
+        inv = {"batch_invariant": llm.engine.batch_invariant}  # as the engine runs its passes
         with torch.inference_mode():
             for extra in ({}, {"valid": valid}, {"block_mask": tree}):
-                model(tokens, positions, cache, **extra)
+                model(tokens, positions, cache, **extra, **inv)
             cache.commit(torch.full((B,), T))
-            model(tokens[:, :1], cache.lengths[:, None], cache)  # B rows decoding one token
+            model(tokens[:, :1], cache.lengths[:, None], cache, **inv)  # B rows decoding one token
             rows = 3 if dtype == "float32" else 70
-            model(torch.ones(rows, 1, dtype=torch.long), torch.zeros(rows, 1, dtype=torch.long), model.new_cache(rows, 1))
+            one = torch.ones(rows, 1, dtype=torch.long)
+            model(one, torch.zeros(rows, 1, dtype=torch.long), model.new_cache(rows, 1), **inv)
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == built
     finally:
         uncompile_blocks(model)
