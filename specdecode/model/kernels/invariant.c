@@ -76,6 +76,32 @@ static inline vf vpow2i(vf n) {
 }
 #endif
 
+#if VL == 16
+/* r[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once (a shuffle-add tree); each
+   vector's lanes are added in the same order wherever it sits among the 16. */
+static inline vf vsum_each(const vf* v) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; i++)
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; i++)
+    x[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                            _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                            _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#else
+/* The same for 8 vectors of 8 lanes: pairs, quads within each 128-bit half, then the halves. */
+static inline vf vsum_each(const vf* v) {
+  __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+#endif
+
 /* e^x in VL lanes: 2^n p(r), n = round(x / ln 2), r = x - n ln 2 (two-part ln 2), p degree 6 (~2 ulp). */
 static inline vf vexp(vf x) {
   x = vmax(vmin(x, vset(88.0f)), vset(-87.0f));
@@ -107,6 +133,104 @@ static inline const float* as_f32(const void* src, int bf16, int D, int Dp, floa
   return dst;
 }
 
+/* Softmax in place over each of G score rows (n values at a stride of S + VL, the row's
+   padding to a multiple of VL written here), VL at a time. */
+static void softmax_rows(float* sc, int G, int n, int S) {
+  for (int g = 0; g < G; g++) {
+    float* s = sc + (int64_t)g * (S + VL);
+    const int np = (n + VL - 1) / VL * VL;
+    for (int j = n; j < np; j++) s[j] = -INFINITY;
+    vf mx = vset(-INFINITY);
+    for (int j = 0; j < np; j += VL) mx = vmax(mx, vload(s + j));
+    const vf top = vset(vhmax(mx));
+    vf sum = vzero();
+    for (int j = 0; j < np; j += VL) {
+      vf e = vexp(vsub(vload(s + j), top));
+      vstore(s + j, e);
+      if (j + VL > n) { /* padding lanes: exp(-inf) clamps to a tiny value; make them 0 */
+        for (int t = n; t < j + VL; t++) s[t] = 0.0f;
+        e = vload(s + j);
+      }
+      sum = vadd(sum, e);
+    }
+    const vf inv = vset(1.0f / vsum(sum));
+    for (int j = 0; j < np; j += VL) vstore(s + j, vmul(vload(s + j), inv));
+  }
+}
+
+static inline vf vload_any(const void* p, int bf16) {
+  return bf16 ? vload_bf16((const uint16_t*)p) : vload((const float*)p);
+}
+
+/* One query's G heads over its n keys, G and C (= D / VL) constants in the common instances,
+   so q and the outputs stay in registers; scores VL keys at a time through vsum_each. The
+   same arithmetic for a query whatever its neighbours, as the generic loop below. */
+static inline __attribute__((always_inline)) void attend_job(
+    const int BF, const int G, const int C, float scale, const char* qi, const char* kbase, const char* vbase,
+    int64_t ss, const int32_t* keys, int n, float* sc, int S, char* oi) {
+  const int D = C * VL, E = BF ? 2 : 4;
+  vf qv[8][C];
+  for (int g = 0; g < G; g++)
+    for (int c = 0; c < C; c++) qv[g][c] = vload_any(qi + ((int64_t)g * D + c * VL) * E, BF);
+  const vf vscale = vset(scale);
+  for (int j0 = 0; j0 < n; j0 += VL) {
+    const int nj = n - j0 < VL ? n - j0 : VL;
+    vf acc[8][VL];
+    for (int jj = 0; jj < VL; jj++) {
+      vf a[8];
+      for (int g = 0; g < G; g++) a[g] = vzero();
+      if (jj < nj) {
+        const char* k = kbase + (int64_t)keys[j0 + jj] * ss * E;
+        for (int c = 0; c < C; c++) {
+          vf kv = vload_any(k + (int64_t)c * VL * E, BF);
+          for (int g = 0; g < G; g++) a[g] = vfma(qv[g][c], kv, a[g]);
+        }
+      }
+      for (int g = 0; g < G; g++) acc[g][jj] = a[g];
+    }
+    for (int g = 0; g < G; g++) vstore(sc + (int64_t)g * (S + VL) + j0, vmul(vsum_each(acc[g]), vscale));
+  }
+  softmax_rows(sc, G, n, S);
+  vf o[8][C];
+  for (int g = 0; g < G; g++)
+    for (int c = 0; c < C; c++) o[g][c] = vzero();
+  for (int j = 0; j < n; j++) {
+    const char* v = vbase + (int64_t)keys[j] * ss * E;
+    vf p[8];
+    for (int g = 0; g < G; g++) p[g] = vset(sc[(int64_t)g * (S + VL) + j]);
+    for (int c = 0; c < C; c++) {
+      vf vv = vload_any(v + (int64_t)c * VL * E, BF);
+      for (int g = 0; g < G; g++) o[g][c] = vfma(p[g], vv, o[g][c]);
+    }
+  }
+  float ob[VL];
+  for (int g = 0; g < G; g++)
+    for (int c = 0; c < C; c++) {
+      if (BF) {
+        vstore(ob, o[g][c]);
+        for (int l = 0; l < VL; l++) ((uint16_t*)oi)[(int64_t)g * D + c * VL + l] = to_bf16(ob[l]);
+      } else {
+        vstore((float*)oi + (int64_t)g * D + c * VL, o[g][c]);
+      }
+    }
+}
+
+typedef void (*job_fn)(float, const char*, const char*, const char*, int64_t, const int32_t*, int, float*, int, char*);
+#define JOB(BF, G, C) static void job_##BF##_##G##_##C(float scale, const char* qi, const char* kb, const char* vb, \
+    int64_t ss, const int32_t* keys, int n, float* sc, int S, char* oi) \
+  { attend_job(BF, G, C, scale, qi, kb, vb, ss, keys, n, sc, S, oi); }
+#define JOBS(BF, C) JOB(BF, 1, C) JOB(BF, 2, C) JOB(BF, 3, C) JOB(BF, 4, C) JOB(BF, 5, C) JOB(BF, 6, C) \
+  JOB(BF, 7, C) JOB(BF, 8, C)
+#define TABLE(BF, C) {0, job_##BF##_1_##C, job_##BF##_2_##C, job_##BF##_3_##C, job_##BF##_4_##C, job_##BF##_5_##C, \
+  job_##BF##_6_##C, job_##BF##_7_##C, job_##BF##_8_##C}
+#if VL == 16 /* head_dim 64 and 128 */
+JOBS(0, 4) JOBS(0, 8) JOBS(1, 4) JOBS(1, 8)
+static const job_fn JOBS_64[2][9] = {TABLE(0, 4), TABLE(1, 4)}, JOBS_128[2][9] = {TABLE(0, 8), TABLE(1, 8)};
+#else
+JOBS(0, 8) JOBS(0, 16) JOBS(1, 8) JOBS(1, 16)
+static const job_fn JOBS_64[2][9] = {TABLE(0, 8), TABLE(1, 8)}, JOBS_128[2][9] = {TABLE(0, 16), TABLE(1, 16)};
+#endif
+
 /* Attention of N queries: q and out [N, H, D] (fp32, or bf16 when `bf16`), contiguous; query
    i belongs to batch row row[i] and sees the slots s with vis[i, s] (vis [N, S]); K / V of
    (row b, kv head h, slot s) start at element b * sb + h * sh + s * ss of k / v (D contiguous).
@@ -116,6 +240,9 @@ void attend_rows(int bf16, int N, int S, int H, int Hkv, int D, float scale, con
                  int threads) {
   const int G = H / Hkv, Dp = (D + VL - 1) / VL * VL, C = Dp / VL, E = bf16 ? 2 : 4;
   const int jobs = N * Hkv;
+  /* head_dim 64 and 128 (most models) through their instances; any other D or G > 8 through
+     the generic loop (its own arithmetic: one model always takes the same one) */
+  const job_fn fast = G > 8 ? NULL : D == 64 ? JOBS_64[bf16 != 0][G] : D == 128 ? JOBS_128[bf16 != 0][G] : NULL;
   const int parallel = (int64_t)jobs * S * G * D > 200000;
 #pragma omp parallel num_threads(threads) if (parallel)
   {
@@ -132,12 +259,17 @@ void attend_rows(int bf16, int N, int S, int H, int Hkv, int D, float scale, con
       for (int s = 0; s < S; s++)
         if (seen[s]) keys[n++] = s;
       const char* qi = (const char*)q + ((int64_t)i * H + (int64_t)kh * G) * D * E;
+      const char* kbase = (const char*)k + ((int64_t)row[i] * sb + (int64_t)kh * sh) * E;
+      const char* vbase = (const char*)v + ((int64_t)row[i] * sb + (int64_t)kh * sh) * E;
+      char* oi = (char*)out + ((int64_t)i * H + (int64_t)kh * G) * D * E;
+      if (fast != NULL) {
+        fast(scale, qi, kbase, vbase, ss, keys, n, sc, S, oi);
+        continue;
+      }
       for (int g = 0; g < G; g++) {
         const float* src = as_f32(qi + (int64_t)g * D * E, bf16, D, Dp, qb + (int64_t)g * Dp);
         if (src != qb + (int64_t)g * Dp) memcpy(qb + (int64_t)g * Dp, src, sizeof(float) * Dp);
       }
-      const char* kbase = (const char*)k + ((int64_t)row[i] * sb + (int64_t)kh * sh) * E;
-      const char* vbase = (const char*)v + ((int64_t)row[i] * sb + (int64_t)kh * sh) * E;
       for (int j = 0; j < n; j++) { /* scores: one dot product per (head, key) */
         const float* kr = as_f32(kbase + (int64_t)keys[j] * ss * E, bf16, D, Dp, kb);
         for (int g = 0; g < G; g++) {
@@ -146,26 +278,7 @@ void attend_rows(int bf16, int N, int S, int H, int Hkv, int D, float scale, con
           sc[(int64_t)g * (S + VL) + j] = vsum(a) * scale;
         }
       }
-      for (int g = 0; g < G; g++) { /* softmax over the n visible keys, VL at a time, the tail padded */
-        float* s = sc + (int64_t)g * (S + VL);
-        const int np = (n + VL - 1) / VL * VL;
-        for (int j = n; j < np; j++) s[j] = -INFINITY;
-        vf mx = vset(-INFINITY);
-        for (int j = 0; j < np; j += VL) mx = vmax(mx, vload(s + j));
-        const vf top = vset(vhmax(mx));
-        vf sum = vzero();
-        for (int j = 0; j < np; j += VL) {
-          vf e = vexp(vsub(vload(s + j), top));
-          vstore(s + j, e);
-          if (j + VL > n) { /* padding lanes: exp(-inf) clamps to a tiny value; make them 0 */
-            for (int t = n; t < j + VL; t++) s[t] = 0.0f;
-            e = vload(s + j);
-          }
-          sum = vadd(sum, e);
-        }
-        const vf inv = vset(1.0f / vsum(sum));
-        for (int j = 0; j < np; j += VL) vstore(s + j, vmul(vload(s + j), inv));
-      }
+      softmax_rows(sc, G, n, S);
       for (int x = 0; x < G * Dp; x++) ob[x] = 0.0f;
       for (int j = 0; j < n; j++) { /* outputs: the values summed in slot order */
         const float* vr = as_f32(vbase + (int64_t)keys[j] * ss * E, bf16, D, Dp, kb);
@@ -175,7 +288,6 @@ void attend_rows(int bf16, int N, int S, int H, int Hkv, int D, float scale, con
           for (int c = 0; c < C; c++) vstore(o + c * VL, vfma(p, vload(vr + c * VL), vload(o + c * VL)));
         }
       }
-      char* oi = (char*)out + ((int64_t)i * H + (int64_t)kh * G) * D * E;
       for (int g = 0; g < G; g++) {
         if (bf16)
           for (int d = 0; d < D; d++) ((uint16_t*)oi)[(int64_t)g * D + d] = to_bf16(ob[(int64_t)g * Dp + d]);
