@@ -112,7 +112,12 @@ def write_results(path: str, name: str, body: str) -> None:
     import datetime
     import shlex
 
+    import os
+
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    where = os.path.relpath(os.getcwd(), Path(__file__).resolve().parents[1])  # from the repository's root
+    if where != ".":
+        command = f"cd {shlex.quote(where)} && {command}"
     stamp = f"`{command}`  \n{datetime.date.today().isoformat()}, {machine()}\n\n"
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
     block = f"{start}\n{stamp}{body.rstrip()}\n{end}"

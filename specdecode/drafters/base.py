@@ -112,6 +112,10 @@ class Drafter(Protocol):
     # final normed hidden); () for drafters that need only tokens. The engine then hands
     # their features, concatenated over the layers in this order, to prefill / on_verified.
     hidden_layers: tuple[int, ...]
+    # Optional (absent = False): True where a row's drafts depend on other requests' tokens
+    # (suffix's global tree of finished outputs). Its output distribution stays the target's,
+    # but a seeded sampled request then draws other random numbers under other traffic.
+    learns_from_other_requests: bool
 
     def __init__(self, spec: "SpecConfig", ctx: DrafterContext) -> None: ...
 

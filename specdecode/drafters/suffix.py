@@ -92,6 +92,7 @@ class SuffixDrafter:
         self.device = ctx.device
         self.max_depth = self.options.suffix_decoding_max_tree_depth
         self.cache = GlobalCache(self.max_depth, self.options.suffix_decoding_max_cached_requests)
+        self.learns_from_other_requests = self.options.suffix_decoding_max_cached_requests > 0
         self.stats = SuffixStats()
         self._rows: list[_Row] = []
 
