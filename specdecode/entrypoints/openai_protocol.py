@@ -14,10 +14,10 @@ import json
 import re
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from specdecode.config import SamplingParams, SpecDecodeError
+from specdecode.config import SamplingParams, SpecDecodeError, first_line
 from specdecode.engine.batch import SpecStats
 from specdecode.entrypoints.llm import RequestMetrics
 
@@ -132,10 +132,31 @@ class CompletionRequest(_Request):
         return p
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, v: str) -> str:
+        if v not in ROLES:
+            raise PydanticCustomError("role", f"must be one of {', '.join(ROLES)}")
+        return v
+
+    @model_validator(mode="after")
+    def _fields_for_the_role(self) -> "ChatMessage":
+        # OpenAI's rules: only an assistant message that calls tools may leave content null, and
+        # a tool result names the call it answers
+        calls = (self.model_extra or {}).get("tool_calls")
+        if self.content is None and not (self.role == "assistant" and calls):
+            raise PydanticCustomError("content", f"a {self.role} message needs content")
+        if self.role == "tool" and not isinstance((self.model_extra or {}).get("tool_call_id"), str):
+            raise PydanticCustomError("tool_call_id", "a tool message needs tool_call_id (a string)")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -182,6 +203,8 @@ def parse_body(raw: bytes, model_cls: type[_Request]) -> Any:
         raise bad_request(f"request body is not valid JSON: {e.msg} at char {e.pos}") from None
     except RecursionError:
         raise bad_request("request body is nested too deeply") from None
+    except ValueError as e:  # Python's limit on an integer's digits (4300)
+        raise bad_request(f"request body holds a number Python will not read: {first_line(e)}") from None
     try:  # a lone surrogate ("\\ud800") is a valid JSON escape but no text a tokenizer takes
         json.dumps(obj, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as e:

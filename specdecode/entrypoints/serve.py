@@ -8,6 +8,7 @@ exits at once.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import uvicorn
@@ -57,7 +58,20 @@ def run_server(
     app = create_app(engine, target.tokenizer, target.name, max_model_len=max_model_len,
                      vocab_size=target.config.vocab_size, api_key=api_key, aliases=[model] if model else [])  # fmt: skip
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level)
+    logging.getLogger("uvicorn.error").info(loaded_line(engine, quantization))
     DrainingServer(config, app.state.server.engine_thread).run()
+
+
+def loaded_line(engine: Any, quantization: str | None) -> str:
+    """What a server runs, in one log line: model, weights, kernels, exactness, speculation."""
+    from specdecode.model.quant import describe_kernels
+
+    target, spec = engine.target, engine.spec
+    method = "none (plain decoding)" if spec is None else f"{spec.method}, num_speculative_tokens {spec.num_speculative_tokens}"
+    return (f"specdecode: model {target.name} ({target.config.num_layers} layers, {engine.model.embed.weight.dtype}, "
+            f"{engine.device}); weights {target.quantization or quantization or 'as stored'}; kernels "
+            f"{describe_kernels(engine.model)}; batch-invariant passes {'on' if engine.batch_invariant else 'off'}; "
+            f"speculative method {method}")  # fmt: skip
 
 
 class DrainingServer(uvicorn.Server):

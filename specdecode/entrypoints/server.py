@@ -23,6 +23,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from specdecode.config import SamplingParams, SpecDecodeError
 from specdecode.entrypoints.engine_thread import ADMITTED, EngineThread, ShuttingDown
@@ -277,8 +278,10 @@ def create_app(
     async def check_key(request: Request) -> None:
         if server.api_key is None:
             return
-        given = request.headers.get("authorization", "").encode()
-        if not secrets.compare_digest(given, f"Bearer {server.api_key}".encode()):
+        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+        # the scheme is case-insensitive (RFC 7235); the key is compared in constant time
+        ok = scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode(), server.api_key.encode())
+        if not ok:
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
@@ -318,6 +321,10 @@ def create_app(
         headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
         return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
+    @app.exception_handler(ClientDisconnect)
+    async def gone(request: Request, e: ClientDisconnect) -> Response:  # left mid-body: nobody to answer
+        return Response(status_code=400)
+
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError) -> Response:
         err = validation_error(e.errors())  # FastAPI's 422 becomes OpenAI's 400
@@ -326,6 +333,8 @@ def create_app(
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> Response:
         kind = "invalid_request_error" if e.status_code < 500 else "internal_server_error"
-        return JSONResponse(APIError(e.status_code, str(e.detail), kind).body(), status_code=e.status_code)
+        # Starlette's own headers (a 405's Allow) go out with the body
+        return JSONResponse(APIError(e.status_code, str(e.detail), kind).body(), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))  # fmt: skip
 
     return app

@@ -8,6 +8,7 @@ for SIGTERM), with counts and waits bounded so the file runs in well under a min
 from __future__ import annotations
 
 import json
+import logging
 import re
 
 import httpx
@@ -175,6 +176,7 @@ BAD = [
     ("max_tokens true", {"max_tokens": True}, "max_tokens"),  # was taken for 1
     ("ignore_eos not a boolean", {"ignore_eos": "yes"}, "ignore_eos"),  # was taken for true
     ("logprobs 0", {"logprobs": 0}, "logprobs"),  # asks for the chosen tokens' logprobs: was silently ignored
+    ("an integer of 5000 digits", b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", None),  # was a 500
 ]
 
 
@@ -214,6 +216,11 @@ def test_bad_chat_input_is_400(client):
     assert client.post("/v1/chat/completions", json={**both, **defaults}).status_code == 200
     r = client.post("/v1/chat/completions", json={**both, "response_format": {"type": "json_object"}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    for messages in ([{"role": "wizard", "content": "hi"}], [{"role": "user", "content": None}],
+                     [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}]):  # fmt: skip
+        r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        assert "\n" not in r.json()["error"]["message"]
     surrogate = b'{"messages": [{"role": "user", "content": "hi\\ud800"}], "max_tokens": 2}'
     r = client.post("/v1/chat/completions", content=surrogate, headers={"content-type": "application/json"})
     assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], r.text
@@ -237,8 +244,9 @@ def test_api_key(target):
                 assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         # auth comes before parsing: a bad body without a key is still 401
         assert c.post("/v1/completions", content=b"{", headers={}).status_code == 401
-        good = {"Authorization": "Bearer s3cret"}
-        assert c.post("/v1/completions", json=body, headers=good).status_code == 200
+        for scheme in ("Bearer", "bearer", "BEARER"):  # the scheme is case-insensitive (RFC 7235)
+            good = {"Authorization": f"{scheme} s3cret"}
+            assert c.post("/v1/completions", json=body, headers=good).status_code == 200
         assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
 
 
@@ -272,3 +280,29 @@ def test_a_lossy_stream_says_so_without_asking_for_usage(lossy):
             chunks = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert [c.get("lossy") for c in chunks] == [None] * (len(chunks) - 1) + [True if lossy else None]
+
+
+def test_a_wrong_method_is_405_with_allow(client):
+    r = client.get("/v1/completions")
+    assert r.status_code == 405 and "POST" in r.headers["allow"], r.headers
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_client_gone_mid_body_logs_no_traceback(served, client):
+    """A client that sends half its body and hangs up: no traceback, and the server serves on."""
+    import socket
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append  # uvicorn's loggers do not reach the root logger
+    logger = logging.getLogger("uvicorn.error")
+    logger.addHandler(handler)
+    try:
+        with socket.create_connection(("127.0.0.1", served.port), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{\"prompt\": \"hel")  # fmt: skip
+        assert client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2}).status_code == 200
+        assert client.get("/health").status_code == 200  # the gone request has been handled by now
+    finally:
+        logger.removeHandler(handler)
+    assert not records, [r.getMessage() for r in records]
