@@ -151,7 +151,7 @@ def resolve_model(name: str) -> ModelShape:
     """A preset name, or anything load_model accepts (its config gives the shapes)."""
     if name in MODELS:
         return MODELS[name]
-    from specdecode.model.loader import load_model
+    from specdecode.model.loader import load_config
 
-    loaded = load_model(None if name == "default" else name, dtype="bfloat16", device="cpu", progress=True)
-    return shape_from_config(loaded.name, loaded.config)
+    config, display = load_config(None if name == "default" else name)  # the shapes only: no weights read
+    return shape_from_config(display, config)

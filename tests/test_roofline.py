@@ -33,3 +33,20 @@ def test_bad_hardware():
     with pytest.raises(SpecDecodeError, match="valid: h100"):
         resolve_hardware("tpu9")
     assert main(["theory"]) == 2
+
+
+def test_a_folder_with_only_a_config_gives_the_roofline(tmp_path, capsys):
+    """The roofline reads the shapes only: a config.json alone (no weights) is enough, and its
+    figures equal the built-in Llama-3-8B preset's for the same shapes."""
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+              "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+              "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
+              "rms_norm_eps": 1e-5, "tie_word_embeddings": False}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    args = ["theory", "--hardware", "h100", "--batch", "64", "--gamma", "4", "--json"]
+    assert main([*args, "--model", str(tmp_path)]) == 0
+    mine = json.loads(capsys.readouterr().out)
+    assert main([*args, "--model", "llama-3-8b"]) == 0
+    preset = json.loads(capsys.readouterr().out)
+    assert mine["threshold_positions"] == pytest.approx(preset["threshold_positions"])
+    assert mine["flops_per_position"] == pytest.approx(preset["flops_per_position"])

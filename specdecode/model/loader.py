@@ -143,6 +143,35 @@ def keeps_gguf_blocks(path: str | None, device: torch.device) -> bool:
     return native and cpu_lib() is not None and gguf_keeps_blocks(source)
 
 
+def _folder(source: Path, name: str, progress: bool) -> Path:
+    """The HF folder of a model: itself, or a .gguf's converted folder (converted once)."""
+    if source.is_file():
+        if source.suffix != ".gguf":
+            raise SpecDecodeError(f"not a model folder or .gguf file: {source}")
+        return converted_folder(source, name, progress)
+    return source
+
+
+def _read_config(folder: Path) -> ModelConfig:
+    from transformers import AutoConfig
+
+    if not (folder / "config.json").is_file():
+        raise SpecDecodeError(f"no config.json in model folder {folder}")
+    try:
+        hf_config = AutoConfig.from_pretrained(str(folder))
+    except Exception as e:  # transformers' validators raise their own kinds (a string hidden_size, 0 heads, ...)
+        raise SpecDecodeError(f"cannot read {folder / 'config.json'}: {first_line(e)}") from None
+    config = ModelConfig.from_hf(hf_config)
+    return dataclasses.replace(config, eos_token_ids=_eos_ids(config, folder))
+
+
+def load_config(path: str | None, progress: bool = True) -> tuple[ModelConfig, str]:
+    """A model's config and display name, reading no weights (a folder needs only its
+    config.json; a .gguf is converted once, as `load_model` does)."""
+    source, name = _resolve(path)
+    return _read_config(_folder(source, name, progress)), name
+
+
 def load_model(
     path: str | None,
     dtype: str | torch.dtype = "auto",
@@ -161,8 +190,6 @@ def load_model(
     on (there it is ~2.5x faster than bf16 and exact to the file), else none (vLLM, too,
     keeps a GGUF quantized unless told otherwise). ``.quantization`` says what it became.
     """
-    from transformers import AutoConfig
-
     dtype, device = resolve_dtype(dtype), resolve_device(device)  # before any slow conversion
     quant = parse_quantization(quantization)
     source, name = _resolve(path)
@@ -170,22 +197,10 @@ def load_model(
         quant = parse_quantization("gguf" if keeps_gguf_blocks(path, device) else None)
     if quant is not None and quant.a8 and (device.type != "cpu" or cpu_lib() is None):
         raise SpecDecodeError(f"quantization '{quant}' (int8 activations) needs our CPU kernel: AVX2 and a C compiler")
-    if source.is_file():
-        if source.suffix != ".gguf":
-            raise SpecDecodeError(f"not a model folder or .gguf file: {source}")
-        folder = converted_folder(source, name, progress)
-    elif quant is not None and quant.mode == "gguf":
+    if source.is_dir() and quant is not None and quant.mode == "gguf":
         raise SpecDecodeError(f"quantization '{quant}' needs a .gguf file, not the folder {source}")
-    else:
-        folder = source
-    if not (folder / "config.json").is_file():
-        raise SpecDecodeError(f"no config.json in model folder {folder}")
-    try:
-        hf_config = AutoConfig.from_pretrained(str(folder))
-    except Exception as e:  # transformers' validators raise their own kinds (a string hidden_size, 0 heads, ...)
-        raise SpecDecodeError(f"cannot read {folder / 'config.json'}: {first_line(e)}") from None
-    config = ModelConfig.from_hf(hf_config)  # an unsupported config fails before the weights are read
-    config = dataclasses.replace(config, eos_token_ids=_eos_ids(config, folder))
+    folder = _folder(source, name, progress)
+    config = _read_config(folder)  # an unsupported config fails before the weights are read
     if dtype == torch.float16 and config.architecture in FLOAT16_UNSTABLE:
         raise SpecDecodeError(f"{config.architecture} does not run in float16 (its activations overflow it, as "
                               "vLLM refuses too); use bfloat16 or float32")  # fmt: skip
