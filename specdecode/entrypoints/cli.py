@@ -89,6 +89,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--device", default="auto", help="auto, cpu, cuda")
     s.add_argument("--quantization", default="auto", help=QUANTIZATION_HELP)
     s.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    s.add_argument("--max-tokens-limit", type=int, default=None,
+                   help="the most max_tokens a request may ask for, and the default (default: the context)")
+    s.add_argument("--max-request-bytes", type=int, default=8 << 20, help="request body limit (default: 8 MiB)")
+    s.add_argument("--max-stop", type=int, default=4, help="stop strings a request may send (default: 4, OpenAI's)")
     _add_compile(s)
     s.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -332,11 +336,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     from specdecode.entrypoints.serve import run_server
+    from specdecode.entrypoints.server import ServerLimits
 
     run_server(model=args.model, speculative_config=args.speculative_config, host=args.host, port=args.port,
                max_num_seqs=args.max_num_seqs, api_key=args.api_key, dtype=args.dtype, device=args.device,
                quantization=args.quantization, max_model_len=args.max_model_len, log_level=args.log_level,
-               compile=_compile(args))  # fmt: skip
+               compile=_compile(args), limits=ServerLimits(max_body_bytes=args.max_request_bytes,
+                                                           max_stop=args.max_stop, max_tokens_limit=args.max_tokens_limit))  # fmt: skip
     return 0
 
 

@@ -15,7 +15,7 @@ import uvicorn
 
 from specdecode.config import SpecDecodeError
 from specdecode.entrypoints.engine_thread import EngineThread
-from specdecode.entrypoints.server import create_app
+from specdecode.entrypoints.server import ServerLimits, create_app
 
 
 def run_server(
@@ -31,9 +31,13 @@ def run_server(
     max_model_len: int | None = None,
     log_level: str = "info",
     compile: bool | str = False,
+    limits: ServerLimits | None = None,
+    keep_alive_s: int = 5,
 ) -> None:
     """Load the model, build the engine and serve until SIGTERM / SIGINT (then drain).
-    ``compile`` as for `LLM`: the target's blocks compiled and warmed up before the port opens."""
+    ``compile`` as for `LLM`: the target's blocks compiled and warmed up before the port opens.
+    ``limits``: what one request may ask for (server.ServerLimits); ``keep_alive_s``: an idle
+    connection is closed after it (uvicorn's timeout_keep_alive)."""
     from specdecode.config import SpecConfig
     from specdecode.engine.serving import ServingEngine
     from specdecode.model.compiled import compile_target, parse_compile
@@ -56,8 +60,11 @@ def run_server(
         compile_target(target.model, compile_mode, lambda: [new_engine()])
     engine = new_engine()
     app = create_app(engine, target.tokenizer, target.name, max_model_len=max_model_len,
-                     vocab_size=target.config.vocab_size, api_key=api_key, aliases=[model] if model else [])  # fmt: skip
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level)
+                     vocab_size=target.config.vocab_size, api_key=api_key, aliases=[model] if model else [],
+                     limits=limits)  # fmt: skip
+    # headers of at most 64 KiB, idle connections closed (a slow body is bounded by read_body's limit)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=keep_alive_s,
+                            h11_max_incomplete_event_size=64 << 10)  # fmt: skip
     logging.getLogger("uvicorn.error").info(loaded_line(engine, quantization))
     DrainingServer(config, app.state.server.engine_thread).run()
 

@@ -11,12 +11,14 @@ scheduling and decoding (engine/), metric definitions (metrics.py).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -25,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from specdecode.config import SamplingParams, SpecDecodeError
+from specdecode.config import SamplingParams, SpecDecodeError, is_int
 from specdecode.entrypoints.engine_thread import ADMITTED, EngineThread, ShuttingDown
 from specdecode.entrypoints.openai_protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, bad_request, from_spec_error, parse_body, usage,
@@ -34,6 +36,40 @@ from specdecode.entrypoints.openai_protocol import (
 from specdecode.metrics import CONTENT_TYPE, ServerMetrics
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one request may ask for, so that none can stall the others (checked before any
+    tokenizing). ``max_prompt_chars`` None: 32 characters a token of the context, above any
+    tokenizer's; ``max_tokens_limit`` None: the context."""
+
+    max_body_bytes: int = 8 << 20
+    max_prompt_chars: int | None = None
+    max_stop: int = 4  # OpenAI's
+    max_stop_chars: int = 1000
+    max_messages: int = 1000
+    max_tokens_limit: int | None = None
+
+    def __post_init__(self) -> None:
+        for name, value in dataclasses.asdict(self).items():
+            if value is not None and (not is_int(value) or value < 1):
+                raise SpecDecodeError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, or a 413 as soon as it is known to pass ``limit`` bytes (its
+    Content-Length, else what has arrived), without reading the rest."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body is {int(declared)} bytes; the limit is {limit}", code="request_too_large")
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body is over the limit of {limit} bytes", code="request_too_large")
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 class _Output:
@@ -89,8 +125,9 @@ class _Server:
     """What the routes share: the engine thread, the tokenizer, the model's names and limits."""
 
     def __init__(self, engine: Any, tokenizer: Any, model_name: str, max_model_len: int, vocab_size: int,
-                 api_key: str | None, aliases: Sequence[str], metrics: ServerMetrics) -> None:  # fmt: skip
+                 api_key: str | None, aliases: Sequence[str], metrics: ServerMetrics, limits: ServerLimits) -> None:  # fmt: skip
         self.tokenizer, self.model_name, self.max_model_len, self.vocab_size = tokenizer, model_name, max_model_len, vocab_size
+        self.limits = dataclasses.replace(limits, max_prompt_chars=limits.max_prompt_chars or 32 * max_model_len)
         self.api_key, self.names, self.metrics = api_key, {model_name, *aliases}, metrics
         self.engine_thread = EngineThread(engine, metrics)
         self.created = int(time.time())
@@ -118,6 +155,25 @@ class _Server:
             raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
         return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
 
+    def check_limits(self, req: Any, texts: Sequence[str]) -> None:
+        """A request past the limits is a 400 naming the field, before anything is tokenized."""
+        lim = self.limits
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stop) > lim.max_stop:
+            raise bad_request(f"stop: at most {lim.max_stop} stop strings, got {len(stop)}", "stop")
+        if any(len(s) > lim.max_stop_chars for s in stop):
+            raise bad_request(f"stop: a stop string may have at most {lim.max_stop_chars} characters", "stop")
+        messages = getattr(req, "messages", None)
+        if messages is not None and len(messages) > lim.max_messages:
+            raise bad_request(f"messages: at most {lim.max_messages} messages, got {len(messages)}", "messages")
+        chars = sum(len(t) for t in texts)
+        if chars > lim.max_prompt_chars:
+            field = "messages" if messages is not None else "prompt"
+            raise bad_request(f"{field}: at most {lim.max_prompt_chars} characters, got {chars}", field)
+        if lim.max_tokens_limit is not None and req.max_tokens is not None and req.max_tokens > lim.max_tokens_limit:
+            raise req.as_sent(bad_request(f"max_tokens must be at most {lim.max_tokens_limit}, got {req.max_tokens}",
+                                          "max_tokens"))  # fmt: skip
+
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.names:
             raise APIError(400, f"model {name!r} is not served here; available: {self.model_name}",
@@ -129,6 +185,7 @@ class _Server:
         arrival = time.monotonic()
         room = max(1, self.max_model_len - len(prompt_ids))  # an unset max_tokens never overruns the context
         default_max = room if chat else min(COMPLETION_MAX_TOKENS, room)
+        default_max = min(default_max, self.limits.max_tokens_limit or default_max)
         params = req.sampling_params(default_max)
         if self.engine_thread.draining:
             raise APIError(503, "the server is shutting down", "service_unavailable")
@@ -257,6 +314,7 @@ def create_app(
     api_key: str | None = None,
     aliases: Sequence[str] = (),
     metrics: ServerMetrics | None = None,
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
     """The app over an already-built engine (a `ServingEngine` or anything with its interface).
 
@@ -264,7 +322,7 @@ def create_app(
     ``app.state.server.engine_thread.call(fn)`` runs ``fn(engine)`` between steps.
     """
     server = _Server(engine, tokenizer, model_name, max_model_len, vocab_size, api_key, aliases,
-                     metrics or ServerMetrics(model_name))  # fmt: skip
+                     metrics or ServerMetrics(model_name), limits or ServerLimits())  # fmt: skip
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -294,15 +352,21 @@ def create_app(
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
-        req = parse_body(await request.body(), CompletionRequest)
+        req = parse_body(await read_body(request, server.limits.max_body_bytes), CompletionRequest)
         server.check_model(req.model)
-        return await server.generate(request, req, server.tokenize(req.single_prompt()), chat=False)
+        prompt = req.single_prompt()
+        server.check_limits(req, [prompt] if isinstance(prompt, str) else [])
+        ids = await asyncio.to_thread(server.tokenize, prompt)  # off the event loop: /health stays live
+        return await server.generate(request, req, ids, chat=False)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = parse_body(await request.body(), ChatCompletionRequest)
+        req = parse_body(await read_body(request, server.limits.max_body_bytes), ChatCompletionRequest)
         server.check_model(req.model)
-        return await server.generate(request, req, server.encode_chat(req.plain_messages()), chat=True)
+        messages = req.plain_messages()
+        server.check_limits(req, [m["content"] for m in messages])
+        ids = await asyncio.to_thread(server.encode_chat, messages)  # the template and tokenizer, off the loop
+        return await server.generate(request, req, ids, chat=True)
 
     app.include_router(v1)
 

@@ -10,11 +10,15 @@ from __future__ import annotations
 import json
 import logging
 import re
+import socket
+import threading
+import time
 
 import httpx
 import pytest
 
-from specdecode.entrypoints.server import create_app
+from specdecode.config import SpecDecodeError
+from specdecode.entrypoints.server import ServerLimits, create_app
 from tests.entrypoints.server_helpers import (
     MAX_MODEL_LEN,
     ScriptedEngine,
@@ -290,8 +294,6 @@ def test_a_wrong_method_is_405_with_allow(client):
 
 def test_a_client_gone_mid_body_logs_no_traceback(served, client):
     """A client that sends half its body and hangs up: no traceback, and the server serves on."""
-    import socket
-
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.ERROR)
     handler.emit = records.append  # uvicorn's loggers do not reach the root logger
@@ -306,3 +308,64 @@ def test_a_client_gone_mid_body_logs_no_traceback(served, client):
     finally:
         logger.removeHandler(handler)
     assert not records, [r.getMessage() for r in records]
+
+
+# -- limits ------------------------------------------------------------------------------------
+
+
+def test_requests_past_the_limits_are_refused_before_tokenizing(target):
+    limits = ServerLimits(max_body_bytes=3000, max_prompt_chars=200, max_stop=2, max_stop_chars=5, max_messages=3,
+                          max_tokens_limit=5)  # fmt: skip
+    with ServerThread(make_app(target, limits=limits)) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        def post(path, body, status, param):
+            r = c.post(path, json=body)
+            assert r.status_code == status, (body, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param and "\n" not in err["message"], r.text
+
+        post("/v1/completions", {"prompt": "x" * 4000}, 413, None)
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as raw:  # refused on its declared size
+            raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000\r\n\r\n{}")
+            assert raw.recv(100).startswith(b"HTTP/1.1 413")
+        post("/v1/completions", {"prompt": "x" * 201}, 400, "prompt")
+        post("/v1/completions", {"prompt": "hi", "stop": ["a", "b", "c"]}, 400, "stop")
+        post("/v1/completions", {"prompt": "hi", "stop": "abcdef"}, 400, "stop")
+        post("/v1/completions", {"prompt": "hi", "max_tokens": 6}, 400, "max_tokens")
+        msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}] * 2
+        post("/v1/chat/completions", {"messages": msgs}, 400, "messages")
+        post("/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * 201}]}, 400, "messages")
+        post("/v1/chat/completions", {"messages": msgs[:1], "max_completion_tokens": 6}, 400, "max_completion_tokens")
+        r = c.post("/v1/chat/completions", json={"messages": msgs[:1], "ignore_eos": True})  # unset: the limit
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5, r.text
+        ok = c.post("/v1/completions", json={"prompt": "x" * 200, "stop": ["ab", "c"], "max_tokens": 5})
+        assert ok.status_code == 200, ok.text
+
+
+def test_bad_limits_are_one_line():
+    with pytest.raises(SpecDecodeError, match="max_stop must be an integer >= 1"):
+        ServerLimits(max_stop=0)
+
+
+def test_health_answers_while_a_maximal_request_is_tokenized(target):
+    """An 8 MB prompt is tokenized off the event loop: /health answers meanwhile. The bound is
+    generous (1 s): on the loop, tokenizing it held every client for seconds."""
+    big = ServerLimits(max_prompt_chars=8 << 20)
+    with ServerThread(make_app(target, limits=big)) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+        body = json.dumps({"prompt": "ab " * ((8 << 20) // 3 - 20)}).encode()
+        done = threading.Event()
+        status = []
+
+        def send():
+            with httpx.Client(base_url=srv.url, timeout=120) as other:
+                status.append(other.post("/v1/completions", content=body,
+                                         headers={"content-type": "application/json"}).status_code)  # fmt: skip
+            done.set()
+
+        threading.Thread(target=send, daemon=True).start()
+        waits = []
+        while not done.is_set() and len(waits) < 200:
+            t0 = time.monotonic()
+            assert c.get("/health").status_code == 200
+            waits.append(time.monotonic() - t0)
+        assert done.wait(120) and status == [400]  # longer than the context, found once tokenized
+        assert len(waits) >= 3 and max(waits) < 1.0, waits
