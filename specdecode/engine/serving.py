@@ -9,7 +9,8 @@ engine/adaptive.py), the records it keeps and reports (engine/requests.py), or H
 One step::
 
     admit waiting requests while rows and blocks allow (FIFO)
-    prefill one chunk (≤ max_num_batched_tokens prompt tokens, oldest prefilling request first);
+    prefill one chunk (the step's token budget less the decode round's positions; the request
+        with the fewest prompt tokens left first, at most max_long_prefills long ones);
         a request whose prompt is done samples its first token and joins the decode batch
     one speculative round over the decode batch: propose → per-row budgets → one target
         pass → verify → commit (rejected slots' blocks go back to the pool)
@@ -58,14 +59,16 @@ class ServingEngine(Engine):
         num_blocks: int | None = None,
         block_size: int = 16,
         max_num_batched_tokens: int = 256,
+        max_long_prefills: int = 1,
         quantization: str | None = None,
         batch_invariant: bool | None = None,
         drafter: Drafter | None = None,
         budget: BudgetPolicy | None = None,
     ) -> None:
         super().__init__(target, spec, max_model_len, drafter, quantization, batch_invariant)
-        if max_num_seqs < 1 or block_size < 1 or max_num_batched_tokens < 1:
-            raise SpecDecodeError("max_num_seqs, block_size and max_num_batched_tokens must be >= 1")
+        if max_num_seqs < 1 or block_size < 1 or max_num_batched_tokens < 1 or max_long_prefills < 1:
+            raise SpecDecodeError("max_num_seqs, block_size, max_num_batched_tokens and max_long_prefills must be >= 1")
+        self.max_long_prefills = max_long_prefills
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # A prefill chunk runs as passes of at most MAX_POSITIONS where the fused CPU block or our
@@ -224,12 +227,23 @@ class ServingEngine(Engine):
             owed += need
 
     def _prefill_chunk(self) -> list[RequestEvent]:
-        """Up to ``max_num_batched_tokens`` prompt tokens, oldest request first, in passes of
-        one request's at most ``prefill_pass`` tokens: no padding, so no request needs blocks
-        beyond its own chunk (prefill is compute-bound, so batching it would gain little)."""
-        budget, done, last_logits = self.max_num_batched_tokens, [], []
-        for req in list(self.prefilling):
-            n = min(req.prefill_target - req.cached, budget)
+        """The prompt tokens this step's budget leaves after the decode round's positions
+        (``max_num_batched_tokens`` less one plus γ per running request, at least one block),
+        the request with the fewest left first, so a short prompt is not held behind a long
+        one's chunks; at most ``max_long_prefills`` prompts with more than a budget left take
+        part. In passes of one request's at most ``prefill_pass`` tokens: no padding, so no
+        request needs blocks beyond its own chunk (prefill is compute-bound, so batching it
+        would gain little)."""
+        decode = sum(1 + req.gamma for req in self.running.values())
+        budget = max(self.cache.block_size, self.max_num_batched_tokens - decode)
+        done, last_logits, long = [], [], 0
+        for req in sorted(self.prefilling, key=lambda r: r.prefill_target - r.cached):  # stable: oldest first on ties
+            left = req.prefill_target - req.cached
+            if left > self.max_num_batched_tokens:
+                long += 1
+                if long > self.max_long_prefills:
+                    continue
+            n = min(left, budget)
             if n <= 0:
                 break
             budget -= n

@@ -365,3 +365,44 @@ def test_reset_after_a_step_that_failed_midway_leaves_a_clean_engine(plain, ckpt
     while engine.has_unfinished():
         out += [t for e in engine.step() for t in e.new_token_ids]
     assert out == reference[2]
+
+
+def test_a_short_prompt_is_not_held_behind_a_long_ones_prefill(plain):
+    """Fair chunked prefill, counted in steps: a 4-token request that arrives while a 200-token
+    prompt prefills in chunks of 16 gets its first token within two steps, long before the long
+    prompt's prefill ends; both decode exactly as alone. Two long prompts at once take turns
+    (max_long_prefills 1): the one with fewer tokens left goes first, whole."""
+    long_prompt = [(7 * i) % 90 + 3 for i in range(200)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    want = {p: plain.generate([list(p)], params)[0].token_ids for p in (tuple(long_prompt), (5, 9, 3, 4))}
+    engine = ServingEngine(plain.target, None, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=16)
+    engine.add_request("long", long_prompt, params)
+    out: dict[str, list[int]] = {"long": [], "short": []}
+    first_at, step = {}, 0
+    while engine.has_unfinished():
+        step += 1
+        if step == 3:
+            engine.add_request("short", [5, 9, 3, 4], params)
+        for e in engine.step():
+            out[e.request_id] += e.new_token_ids
+            first_at.setdefault(e.request_id, step)
+    assert first_at["short"] <= 4 and first_at["long"] >= 200 // 16
+    assert out["long"] == want[tuple(long_prompt)] and out["short"] == want[(5, 9, 3, 4)]
+    assert engine.cache.pool.num_used == 0
+
+    engine = ServingEngine(plain.target, None, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=16)
+    engine.add_request("a", long_prompt, params)
+    engine.add_request("b", long_prompt[:100], params)
+    first: dict[str, int] = {}
+    step = 0
+    while engine.has_unfinished():
+        step += 1
+        for e in engine.step():
+            if e.new_token_ids:
+                first.setdefault(e.request_id, step)
+    assert first["b"] <= 100 // 16 + 1 < first["a"]  # b (fewer left) prefilled first, before a took its turn
+
+
+def test_max_long_prefills_is_checked(plain):
+    with pytest.raises(SpecDecodeError, match="max_long_prefills"):
+        ServingEngine(plain.target, None, max_model_len=64, max_long_prefills=0)
