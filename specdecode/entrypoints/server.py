@@ -294,6 +294,30 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+_SCHEMAS: dict[str, Any] = {}  # the request models' nested schemas, for the OpenAPI document's components
+
+
+def _body_schema(model: Any) -> dict[str, Any]:
+    """The OpenAPI request body of a route that parses its raw body itself (read_body and
+    parse_body keep their limits and one-line errors): the pydantic model's JSON schema, so that
+    /docs, schema-driven clients and fuzzers know the fields."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    _SCHEMAS.update(schema.pop("$defs", {}))
+    _SCHEMAS[model.__name__] = schema
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def _openapi_with_bodies(app: FastAPI) -> dict[str, Any]:
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(_SCHEMAS)
+        app.openapi_schema = doc
+    return app.openapi_schema
+
+
 def _engine_error(e: BaseException) -> APIError:
     if isinstance(e, APIError):
         return e
@@ -350,7 +374,7 @@ def create_app(
                 "max_model_len": max_model_len}  # fmt: skip
         return {"object": "list", "data": [card]}
 
-    @v1.post("/completions")
+    @v1.post("/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
         req = parse_body(await read_body(request, server.limits.max_body_bytes), CompletionRequest)
         server.check_model(req.model)
@@ -359,7 +383,7 @@ def create_app(
         ids = await asyncio.to_thread(server.tokenize, prompt)  # off the event loop: /health stays live
         return await server.generate(request, req, ids, chat=False)
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         req = parse_body(await read_body(request, server.limits.max_body_bytes), ChatCompletionRequest)
         server.check_model(req.model)
@@ -369,6 +393,7 @@ def create_app(
         return await server.generate(request, req, ids, chat=True)
 
     app.include_router(v1)
+    app.openapi = lambda: _openapi_with_bodies(app)
 
     @app.get("/health")
     async def health() -> Response:

@@ -369,3 +369,15 @@ def test_health_answers_while_a_maximal_request_is_tokenized(target):
             waits.append(time.monotonic() - t0)
         assert done.wait(120) and status == [400]  # longer than the context, found once tokenized
         assert len(waits) >= 3 and max(waits) < 1.0, waits
+
+
+def test_the_openapi_document_describes_the_request_bodies(client):
+    doc = client.get("/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+    for path, model, field in (("/v1/completions", "CompletionRequest", "prompt"),
+                               ("/v1/chat/completions", "ChatCompletionRequest", "messages")):  # fmt: skip
+        body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{model}"}
+        assert field in schemas[model]["properties"] and field in schemas[model]["required"]
+    assert "role" in schemas["ChatMessage"]["properties"]  # nested models resolve
+    assert client.get("/docs").status_code == 200
