@@ -238,7 +238,7 @@ def test_a_draft_model_beside_copies_drafts_from_the_committed_tokens(setup, mon
     assert any(unfed) and not all(unfed), unfed  # rounds that copied ran no draft pass; the others did
 
 
-def test_an_adaptive_budget_plans_lookup_rows_on_its_own_estimates(setup, monkeypatch):
+def test_an_adaptive_budget_plans_lookup_rows_on_its_own_estimates(setup, monkeypatch, virtual_clock):
     """A lookup row has no draft probability to report: its confidences are NaN, which the
     budget replaces by its online estimates; greedy stays exact."""
     target, models, plain = setup
@@ -266,7 +266,7 @@ def test_an_adaptive_budget_plans_lookup_rows_on_its_own_estimates(setup, monkey
     assert seen and all(not math.isnan(c) for raw in seen for row in raw for c in row)
 
 
-def test_an_adaptive_budget_asking_for_less_still_gets_the_copies_gamma_deep(setup, monkeypatch):
+def test_an_adaptive_budget_asking_for_less_still_gets_the_copies_gamma_deep(setup, monkeypatch, virtual_clock):
     """The budget asks the drafter for the depth it planned before seeing the copies' evidence;
     a copy costs nothing at any depth, so lookup rows still propose up to γ and the budget
     plans again on them."""

@@ -63,7 +63,7 @@ def test_confidence_threshold_cuts_blocks_and_stays_exact(ckpts):
     assert rounds <= drafted < 8 * rounds
 
 
-def test_adaptive_budget_plans_on_the_blocks_draft_probabilities(ckpts, monkeypatch):
+def test_adaptive_budget_plans_on_the_blocks_draft_probabilities(ckpts, monkeypatch, virtual_clock):
     """Under an adaptive budget each block reports its tokens' draft probabilities (at least
     1/V: greedy takes the top one) as confidences, and greedy stays exact."""
     target, net = ckpts["llama"]
@@ -96,7 +96,7 @@ def test_sampled_joint_distribution_matches_target(tmp_path, temperature, top_k,
         assert sum(o.metrics.num_draft_tokens for o in outs) < 3 * sum(o.metrics.num_drafts for o in outs)
 
 
-def test_adaptive_budget_under_sampling_keeps_the_targets_distribution(tmp_path):
+def test_adaptive_budget_under_sampling_keeps_the_targets_distribution(tmp_path, virtual_clock):
     """The block's draft probabilities are q(d_k) of the tokens it sampled: a budget planned on
     them verifies d_k more often when q(d_k) is high, so a verified token no longer follows q_k
     and the output over-weights what the draft likes (chi-square p ~ 1e-23 at 3000 samples).
@@ -118,7 +118,7 @@ def test_adaptive_budget_under_sampling_keeps_the_targets_distribution(tmp_path)
     assert 0 < sum(o.metrics.num_drafts for o in outs) < samples  # some rounds drafted, some did not
 
 
-def test_adaptive_budget_with_a_confidence_stop_under_sampling_keeps_the_targets_distribution(tmp_path):
+def test_adaptive_budget_with_a_confidence_stop_under_sampling_keeps_the_targets_distribution(tmp_path, virtual_clock):
     """A confidence stop cuts a sampled block after a token whose q(d) is low, so the block's
     length follows its drafts; a plan capped by that length (the drafting overhead paid once
     makes a cap of 1 not worth drafting, a cap of 2 worth it) verified d_1 by its own q (chi-square

@@ -130,7 +130,7 @@ def test_drafter_nets_run_the_targets_quantized_kernels(setup):
     assert_greedy_matches_plain(llm, LLM(model=target, **kw), PROMPTS, 24, "eagle int4")
 
 
-def test_confidence_head_feeds_the_adaptive_budget_and_stays_lossless(setup, tmp_path, monkeypatch):
+def test_confidence_head_feeds_the_adaptive_budget_and_stays_lossless(setup, tmp_path, monkeypatch, virtual_clock):
     target, _, plain = setup
     model = load_model(target, dtype=torch.float32, device="cpu").model
     path = trained_folder(FeatureNet, model, tmp_path / "conf", draft_vocab=0, confidence_head=True)
@@ -149,7 +149,7 @@ def test_confidence_head_feeds_the_adaptive_budget_and_stays_lossless(setup, tmp
 
 
 @pytest.mark.parametrize("method", ["eagle", "mtp"])
-def test_draft_probabilities_feed_the_adaptive_budget_and_stay_lossless(setup, monkeypatch, method):
+def test_draft_probabilities_feed_the_adaptive_budget_and_stay_lossless(setup, monkeypatch, method, virtual_clock):
     """Without a confidence head, a chain drafted under an adaptive budget reports each token's
     draft probability as its confidence (greedy: the net's top probability, at least 1/V);
     under a fixed budget nothing reads it, and none is computed. Greedy stays exact."""

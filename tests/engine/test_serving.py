@@ -89,7 +89,7 @@ def run_staggered(engine: ServingEngine, params: list[SamplingParams], join_ever
 
 
 @pytest.mark.parametrize("name", list(SPECS))
-def test_joining_and_leaving_requests_decode_as_alone(plain, ckpts, reference, name):
+def test_joining_and_leaving_requests_decode_as_alone(plain, ckpts, reference, name, virtual_clock):
     engine = make_engine(plain, ckpts, name, max_num_seqs=4, block_size=4)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
     out = run_staggered(engine, params)
@@ -100,7 +100,7 @@ def test_joining_and_leaving_requests_decode_as_alone(plain, ckpts, reference, n
 
 
 @pytest.mark.parametrize("name", ["plain", "ngram", "draft_model_tree"])
-def test_preemption_recomputes_and_stays_exact(plain, ckpts, reference, name):
+def test_preemption_recomputes_and_stays_exact(plain, ckpts, reference, name, virtual_clock):
     # the smallest pool that holds one full sequence: several requests must take turns
     engine = make_engine(plain, ckpts, name, max_num_seqs=6, block_size=4, num_blocks=20)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
@@ -278,7 +278,7 @@ def test_a_chunk_runs_as_passes_of_at_most_prefill_pass_tokens(plain, ckpts):
 
 
 @pytest.mark.parametrize("name", ["ngram_adaptive", "ngram_tree"])
-def test_shadow_proposals_teach_the_budget_and_change_no_token(plain, ckpts, reference, name, monkeypatch):
+def test_shadow_proposals_teach_the_budget_and_change_no_token(plain, ckpts, reference, name, monkeypatch, virtual_clock):
     """Under a cost where no draft ever pays, the adaptive budget verifies nothing, yet steps
     still propose for its shadow rounds: the output stays plain greedy, chains settle shadow
     rounds, and a tree drafter (no shadows possible) stops being asked after its first tree."""

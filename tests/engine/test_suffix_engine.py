@@ -51,7 +51,7 @@ def test_greedy_equals_plain_across_calls(target, plain, options):
     assert 0 < len(drafter.cache) <= options.get("suffix_decoding_max_cached_requests", 10000)
 
 
-def test_adaptive_budget_when_no_row_finds_a_suffix(tmp_path):
+def test_adaptive_budget_when_no_row_finds_a_suffix(tmp_path, virtual_clock):
     """A round in which no row's context has a match proposes a chain of width 0; the adaptive
     budget's shadow rounds read its rows (an IndexError on the first such round)."""
     path = str(make_tiny_checkpoint(tmp_path / "t", "llama", seed=2, tie_word_embeddings=False))  # varied, no near-ties
