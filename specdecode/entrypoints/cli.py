@@ -268,6 +268,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "finish_reason": out.finish_reason,
         "speculative_config": spec.to_dict() if spec else None,
         "kernels": llm.kernels,
+        "batch_invariant": llm.engine.batch_invariant,
         "compile": llm.compile_mode,
         "metrics": out.metrics.to_dict(),
         "tokens_per_s": out.metrics.tokens_per_s,
@@ -301,7 +302,8 @@ def _print_stats(r: dict[str, Any], speculative: bool) -> None:
         if m["lossy"]:
             lines.append("LOSSY: typical acceptance; the output is not guaranteed to follow the target's distribution")
     lines.append(f"tokens/s: {r['tokens_per_s']:.1f}  ({m['num_generated_tokens']} tokens in {m['wall_time_s']:.2f} s)")
-    lines.append(f"kernels: {r['kernels']}" + (f"; torch blocks compiled ({r['compile']})" if r.get("compile") else ""))
+    lines.append(f"kernels: {r['kernels']}" + (f"; torch blocks compiled ({r['compile']})" if r.get("compile") else "")
+                 + ("; batch-invariant passes" if r.get("batch_invariant") else ""))  # fmt: skip
     if "speedup" in r:
         lines.append(f"plain decoding: {r['baseline_tokens_per_s']:.1f} tokens/s  speedup: {r['speedup']:.2f}x"
                      f"  (after the first token: {r['decode_speedup']:.2f}x)")

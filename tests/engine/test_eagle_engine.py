@@ -190,7 +190,8 @@ def test_prompt_entries_are_fed_when_a_row_joins(setup, monkeypatch):
     prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[2]]  # 7, 3 and 1 tokens: 6, 2 and 0 entries fed at once
     assert_greedy_matches_plain(llm, plain, prompts, 8, "eagle")
     assert seen[0] == ([1], [6])  # the first prompt alone
-    assert next(s for s in seen if len(s[0]) == 3) == ([1, 1, 1], [6, 2, 0])  # the three joining together
+    # the three joining together, the shortest prompt's prefill first (fewest tokens left first)
+    assert next(s for s in seen if len(s[0]) == 3) == ([1, 1, 1], [0, 2, 6])
 
 
 def _fresh_features(model, tokens: list[int], layers: tuple[int, ...]) -> torch.Tensor:
