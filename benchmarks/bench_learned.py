@@ -30,7 +30,8 @@ from args import decode_tokens, nonneg_float, out_path, positive_int, run
 from timing import Timer, paired_interval
 
 from specdecode import LLM, SamplingParams
-from specdecode.config import SpecConfig, SpecDecodeError
+from specdecode.drafters.registry import parse_spec
+from specdecode.config import SpecDecodeError
 from specdecode.entrypoints.cli import OneLineParser
 from specdecode.entrypoints.llm import RequestOutput
 from specdecode.theory import expected_speedup
@@ -84,7 +85,7 @@ def parse_method(arg: str) -> tuple[str, dict]:
         if not name or not isinstance(spec, dict):
             raise argparse.ArgumentTypeError(f"{arg!r}: give NAME=JSON with a name and a JSON object")
         try:
-            SpecConfig.parse(spec)  # its errors before any model loads
+            parse_spec(spec)  # its errors before any model loads
         except SpecDecodeError as e:
             raise argparse.ArgumentTypeError(f"{arg!r}: {e}") from None
         return name, spec

@@ -42,7 +42,8 @@ from args import decode_tokens, out_path, positive_int, run
 from timing import Timer
 
 from specdecode import LLM, SamplingParams
-from specdecode.config import SpecConfig, SpecDecodeError
+from specdecode.drafters.registry import parse_spec
+from specdecode.config import SpecDecodeError
 from specdecode.entrypoints.cli import OneLineParser
 from specdecode.theory import expected_speedup, expected_tokens_per_round
 
@@ -67,7 +68,7 @@ def parse_config(text: str) -> dict:
 def config_arg(text: str) -> str:
     """--configs' type: ``text`` as given, once `parse_config` and `SpecConfig` take it."""
     try:
-        SpecConfig.parse(parse_config(text))
+        parse_spec(parse_config(text))
     except SpecDecodeError as e:
         raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
     return text

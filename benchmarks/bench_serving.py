@@ -48,7 +48,7 @@ from args import decode_tokens, device, nonneg_int, out_path, positive_int, run
 from load import Calibration, ClosedLoop, Recording, ece, merge_runs, run_load, run_loads
 from timing import paired_interval
 
-from specdecode.config import SpecConfig
+from specdecode.drafters.registry import parse_spec
 from specdecode.engine.acceptance import AFTER_FULL, AFTER_MISS, AFTER_NOTHING
 from specdecode.engine.adaptive import AdaptiveBudget
 from specdecode.engine.cost import VerifyCost, least_squares_line
@@ -289,7 +289,7 @@ def main() -> int:
     specs["adaptive"] = {"method": "ngram", "num_speculative_tokens": args.adaptive_gamma, "verify_budget": "adaptive"}
     for floor in args.adaptive_floors:  # the same policy, allowed to trade throughput for per-user speed
         specs[f"adaptive φ={floor:g}"] = dict(specs["adaptive"], throughput_floor=floor)
-    parsed = {name: SpecConfig.parse(spec) for name, spec in specs.items()}  # a bad γ or floor before the load
+    parsed = {name: parse_spec(spec) for name, spec in specs.items()}  # a bad γ or floor before the load
     model = load_model(args.model, dtype="bfloat16", device=args.device, quantization=args.quantization)
     mix = request_mix(model)
     engines = {}

@@ -1,16 +1,15 @@
 """User-facing settings, validated at the edge: sampling and speculation configs.
 
-Owns: the frozen dataclasses `SamplingParams` and `SpecConfig`, their parsing from
-JSON / dicts, and the one error type for bad input (`SpecDecodeError`). Everything
-past this module may assume its inputs are valid.
-Does not own: which drafting methods exist (drafters/registry.py) or their options
-(each drafter's own `Options` dataclass).
+Owns: the frozen dataclasses `SamplingParams` and `SpecConfig` (and `SamplingParams`'
+validation), the budget options every method shares, and the one error type for bad input
+(`SpecDecodeError`). Everything past the edge may assume its inputs are valid.
+Does not own: which drafting methods exist, nor parsing a speculative config into one
+(drafters/registry.py `parse_spec`, which reads each drafter's own `Options` dataclass).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -163,51 +162,6 @@ class SpecConfig:
     num_speculative_tokens: int
     options: Any = field(default=None)
     budget: BudgetOptions = field(default_factory=BudgetOptions)  # serving: per-step verification budgets
-
-    @staticmethod
-    def parse(value: "str | Mapping[str, Any] | SpecConfig | None") -> "SpecConfig | None":
-        """Parse a JSON string or dict as given on the CLI / API, or check a `SpecConfig`.
-        ``None`` means no speculation."""
-        from specdecode.drafters.registry import drafter_class, method_names
-
-        if value is None:
-            return None
-        if isinstance(value, SpecConfig):  # built by hand (it is exported): validated as its dict would be
-            if value.options is not None and not dataclasses.is_dataclass(value.options):
-                raise SpecDecodeError(
-                    "SpecConfig options must be the method's Options dataclass; or pass a dict to SpecConfig.parse"
-                )
-            value = value.to_dict()
-        if isinstance(value, str):
-            if not value.strip():
-                return None
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise SpecDecodeError(f"speculative config is not valid JSON: {e.msg} at char {e.pos}") from None
-        if not isinstance(value, Mapping):
-            raise SpecDecodeError("speculative config must be a JSON object like {\"method\": \"ngram\"}")
-        raw = dict(value)
-        method = raw.pop("method", None)
-        if method is None:
-            raise SpecDecodeError(f"speculative config needs a \"method\"; valid: {', '.join(method_names())}")
-        cls = drafter_class(method)  # raises with the valid names
-        gamma = raw.pop("num_speculative_tokens", cls.default_num_speculative_tokens)
-        fixed_given = raw.get("verify_budget") == "fixed"
-        budget = BudgetOptions.pop_from(raw)
-        if gamma == "auto":  # at most AUTO_MAX, each step's length chosen from the measured verify cost
-            if fixed_given:
-                raise SpecDecodeError(
-                    'num_speculative_tokens "auto" chooses γ with the adaptive budget; drop verify_budget "fixed"'
-                )
-            gamma = max(cls.default_num_speculative_tokens, AUTO_MAX_SPECULATIVE_TOKENS)
-            budget = dataclasses.replace(budget, verify_budget="adaptive")
-        if not is_int(gamma) or not 1 <= gamma <= MAX_SPECULATIVE_TOKENS:
-            raise SpecDecodeError(
-                f'num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}] or "auto", got {gamma!r}'
-            )
-        options = parse_options(cls.Options, raw, f"method {method!r}")
-        return SpecConfig(method=method, num_speculative_tokens=gamma, options=options, budget=budget)
 
     def to_dict(self) -> dict[str, Any]:
         out = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}

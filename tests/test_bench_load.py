@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from specdecode.config import SamplingParams, SpecConfig
+from specdecode.config import SamplingParams
+from specdecode.drafters.registry import parse_spec
 from specdecode.engine.serving import ServingEngine
 from specdecode.model.loader import load_model
 from tests.tiny import make_tiny_checkpoint
@@ -26,7 +27,7 @@ def _load():
 @pytest.mark.parametrize("budget", ["fixed", "adaptive"])
 def test_recording_wraps_a_serving_engine_through_to_the_end(tmp_path, budget):
     target = load_model(str(make_tiny_checkpoint(tmp_path / "m", "llama", seed=0)), dtype="float32", device="cpu")
-    spec = SpecConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+    spec = parse_spec({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
                              "max_matches": 2, "verify_budget": budget})  # fmt: skip
     engine = ServingEngine(target, spec, max_model_len=64)
     engine.budget = recording = _load().Recording(engine.budget)

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError
+from specdecode.config import SamplingParams, SpecDecodeError
+from specdecode.drafters.registry import parse_spec
 
 
 @pytest.mark.parametrize(
@@ -18,13 +19,13 @@ from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError
 )
 def test_bad_spec_config(value, match):
     with pytest.raises(SpecDecodeError, match=match) as e:
-        SpecConfig.parse(value)
+        parse_spec(value)
     assert "\n" not in str(e.value)
 
 
 def test_none_means_plain():
-    assert SpecConfig.parse(None) is None
-    assert SpecConfig.parse("") is None
+    assert parse_spec(None) is None
+    assert parse_spec("") is None
 
 
 @pytest.mark.parametrize(

@@ -1,16 +1,27 @@
-"""The registry: the ONLY place where method names are matched.
+"""The registry: the ONLY place where method names are matched, and where a speculative
+config is parsed (`parse_spec`: the method's name, γ, the shared budget keys, then the
+method's own `Options`).
 
-A new drafting method costs one file (a class implementing `Drafter`), one line here,
-and one test file. Classes are imported lazily so that `specdecode --help` and config
-validation stay fast.
+A new drafting method costs one file (a class implementing `Drafter`) and one line here;
+the conformance suite (tests/conformance) then tests it. Classes are imported lazily so that
+`specdecode --help` and config validation stay fast.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
-from specdecode.config import SpecConfig, SpecDecodeError
-from specdecode.drafters.base import Drafter, DrafterContext
+from specdecode.config import (
+    AUTO_MAX_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS, BudgetOptions, SpecConfig, SpecDecodeError, is_int,
+    parse_options,
+)  # fmt: skip
+
+if TYPE_CHECKING:
+    from specdecode.drafters.base import Drafter, DrafterContext
 
 _METHODS: dict[str, str] = {
     "dflash": "specdecode.drafters.dflash:DFlashDrafter",
@@ -39,3 +50,46 @@ def drafter_class(method: object) -> type[Drafter]:
 
 def create_drafter(spec: SpecConfig, ctx: DrafterContext) -> Drafter:
     return drafter_class(spec.method)(spec, ctx)
+
+
+def parse_spec(value: "str | Mapping[str, Any] | SpecConfig | None") -> "SpecConfig | None":
+    """Parse a JSON string or dict as given on the CLI / API, or check a `SpecConfig`.
+    ``None`` means no speculation."""
+    if value is None:
+        return None
+    if isinstance(value, SpecConfig):  # built by hand (it is exported): validated as its dict would be
+        if value.options is not None and not dataclasses.is_dataclass(value.options):
+            raise SpecDecodeError(
+                "SpecConfig options must be the method's Options dataclass; or pass a dict to parse_spec"
+            )
+        value = value.to_dict()
+    if isinstance(value, str):
+        if not value.strip():
+            return None
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise SpecDecodeError(f"speculative config is not valid JSON: {e.msg} at char {e.pos}") from None
+    if not isinstance(value, Mapping):
+        raise SpecDecodeError("speculative config must be a JSON object like {\"method\": \"ngram\"}")
+    raw = dict(value)
+    method = raw.pop("method", None)
+    if method is None:
+        raise SpecDecodeError(f"speculative config needs a \"method\"; valid: {', '.join(method_names())}")
+    cls = drafter_class(method)  # raises with the valid names
+    gamma = raw.pop("num_speculative_tokens", cls.default_num_speculative_tokens)
+    fixed_given = raw.get("verify_budget") == "fixed"
+    budget = BudgetOptions.pop_from(raw)
+    if gamma == "auto":  # at most AUTO_MAX, each step's length chosen from the measured verify cost
+        if fixed_given:
+            raise SpecDecodeError(
+                'num_speculative_tokens "auto" chooses γ with the adaptive budget; drop verify_budget "fixed"'
+            )
+        gamma = max(cls.default_num_speculative_tokens, AUTO_MAX_SPECULATIVE_TOKENS)
+        budget = dataclasses.replace(budget, verify_budget="adaptive")
+    if not is_int(gamma) or not 1 <= gamma <= MAX_SPECULATIVE_TOKENS:
+        raise SpecDecodeError(
+            f'num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}] or "auto", got {gamma!r}'
+        )
+    options = parse_options(cls.Options, raw, f"method {method!r}")
+    return SpecConfig(method=method, num_speculative_tokens=gamma, options=options, budget=budget)

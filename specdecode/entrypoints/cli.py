@@ -15,6 +15,7 @@ import sys
 from typing import Any, NoReturn
 
 from specdecode.config import SamplingParams, SpecDecodeError
+from specdecode.drafters.registry import parse_spec
 
 EXIT_BAD_INPUT = 2
 
@@ -239,10 +240,8 @@ class _TextStreamer:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from specdecode.config import SpecConfig
-
     params = _params(args)
-    spec = SpecConfig.parse(args.speculative_config)  # bad JSON fails before the model loads
+    spec = parse_spec(args.speculative_config)  # bad JSON fails before the model loads
     if args.threads is not None:
         if args.threads < 1:
             raise SpecDecodeError(f"--threads must be >= 1, got {args.threads}")
@@ -315,10 +314,9 @@ def _print_stats(r: dict[str, Any], speculative: bool) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import socket
 
-    from specdecode.config import SpecConfig
     from specdecode.model.compiled import parse_compile
 
-    SpecConfig.parse(args.speculative_config)  # bad JSON fails before the model loads
+    parse_spec(args.speculative_config)  # bad JSON fails before the model loads
     parse_compile(_compile(args))
     if not 0 <= args.port <= 65535:
         raise SpecDecodeError(f"--port must be in [0, 65535], got {args.port}")

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence, Union
 import torch
 
 from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError, is_int
+from specdecode.drafters.registry import parse_spec
 from specdecode.engine.batch import SpecStats
 from specdecode.engine.serving import ServingEngine
 
@@ -142,7 +143,7 @@ class LLM:
         from specdecode.model.loader import load_model
         from specdecode.model.quant import describe_kernels, parse_quantization
 
-        spec = SpecConfig.parse(speculative_config)  # fail on a bad config before loading anything
+        spec = parse_spec(speculative_config)  # fail on a bad config before loading anything
         for name, value, least in (("max_model_len", max_model_len, 2), ("max_num_seqs", max_num_seqs, 1),
                                    ("num_blocks", num_blocks, 1)):  # fmt: skip
             if value is not None and (not is_int(value) or value < least):

@@ -14,6 +14,7 @@ from typing import Any
 import uvicorn
 
 from specdecode.config import SpecDecodeError
+from specdecode.drafters.registry import parse_spec
 from specdecode.entrypoints.engine_thread import EngineThread
 from specdecode.entrypoints.server import ServerLimits, create_app
 
@@ -38,13 +39,12 @@ def run_server(
     ``compile`` as for `LLM`: the target's blocks compiled and warmed up before the port opens.
     ``limits``: what one request may ask for (server.ServerLimits); ``keep_alive_s``: an idle
     connection is closed after it (uvicorn's timeout_keep_alive)."""
-    from specdecode.config import SpecConfig
     from specdecode.engine.serving import ServingEngine
     from specdecode.model.compiled import compile_target, parse_compile
     from specdecode.model.loader import load_model
     from specdecode.model.quant import parse_quantization
 
-    spec = SpecConfig.parse(speculative_config)  # bad input fails before the model loads
+    spec = parse_spec(speculative_config)  # bad input fails before the model loads
     parse_quantization(quantization)
     compile_mode = parse_compile(compile)
     target = load_model(model, dtype=dtype, device=device, quantization=quantization)

@@ -370,12 +370,10 @@ def quantize_linears_(module: nn.Module, quantization: str | None) -> nn.Module:
 def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     """Replace ``model.<name>``; the fused CPU blocks of every Transformer in ``model``, which
     point into the old weights, are dropped (`Transformer.use_cpu_blocks` builds them again)."""
-    from specdecode.model.transformer import Transformer
-
     parent, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
-    for m in model.modules():  # the model itself, or a decoder body inside a drafter's net
-        if isinstance(m, Transformer):
+    for m in model.modules():  # the model itself, or a decoder body inside a drafter's net (a
+        if hasattr(m, "cpu_blocks"):  # Transformer, found by its field: quant sits below transformer.py)
             m.cpu_blocks = None
 
 

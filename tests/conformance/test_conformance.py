@@ -16,7 +16,8 @@ from __future__ import annotations
 import pytest
 
 from specdecode import LLM, SamplingParams
-from specdecode.config import SpecConfig, SpecDecodeError
+from specdecode.drafters.registry import parse_spec
+from specdecode.config import SpecDecodeError
 from specdecode.drafters.registry import method_names
 from specdecode.engine.serving import ServingEngine
 from tests.conformance.builders import BUILDERS, method_specs
@@ -83,7 +84,7 @@ def test_serving_with_joins_preemption_and_aborts(target, specs, method, variant
     prompts = PROMPTS + [[4, 4, 4, 4], [9, 8, 7, 6, 5, 4, 3]]
     lengths = [20, 7, 33, 25, 12, 18]
     want = [plain.generate([p], greedy(n))[0].token_ids for p, n in zip(prompts, lengths)]
-    spec = SpecConfig.parse(specs(method, variant))
+    spec = parse_spec(specs(method, variant))
     probe = ServingEngine(plain.target, spec, max_model_len=64, block_size=4)
     per_seq = -(-(64 + probe.round_room) // 4)
     engine = ServingEngine(plain.target, spec, max_model_len=64, max_num_seqs=6, block_size=4, num_blocks=per_seq + 2)
@@ -106,7 +107,7 @@ def test_serving_with_joins_preemption_and_aborts(target, specs, method, variant
 @pytest.mark.parametrize("method,variant", cases())
 def test_seeded_sampling_alone_equals_crowded(target, specs, method, variant):
     _, _, plain = target
-    spec = SpecConfig.parse(specs(method, variant))
+    spec = parse_spec(specs(method, variant))
     sampled = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=16, seed=7, ignore_eos=True)
 
     def run(others: int) -> list[int]:
@@ -129,7 +130,7 @@ def test_seeded_sampling_alone_equals_crowded(target, specs, method, variant):
 @pytest.mark.parametrize("method,variant", cases())
 def test_an_unknown_key_is_one_line_naming_it(specs, method, variant):
     with pytest.raises(SpecDecodeError) as err:
-        SpecConfig.parse({**specs(method, variant), "num_speculative_tokenz": 3})
+        parse_spec({**specs(method, variant), "num_speculative_tokenz": 3})
     assert "num_speculative_tokenz" in str(err.value) and "\n" not in str(err.value)
 
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from specdecode import LLM
-from specdecode.config import SpecConfig, SpecDecodeError
+from specdecode.drafters.registry import parse_spec
+from specdecode.config import SpecDecodeError
 from specdecode.drafters.datastore import (
     EVIDENCE,
     SENTINEL,
@@ -324,13 +325,13 @@ def test_the_builder_writes_a_folder_and_refuses_bad_input(tmp_path, capsys):
 @pytest.mark.parametrize("method", ["eagle", "ngram"])
 def test_bad_options_get_one_line(method, extra, message):
     with pytest.raises(SpecDecodeError, match=message) as e:
-        SpecConfig.parse({"method": method, "num_speculative_tokens": 4, **extra})
+        parse_spec({"method": method, "num_speculative_tokens": 4, **extra})
     assert "\n" not in str(e.value)
 
 
 def test_ngram_takes_a_datastore_for_chains_only():
     with pytest.raises(SpecDecodeError, match="datastore drafts chains: it needs max_matches 1"):
-        SpecConfig.parse({"method": "ngram", "num_speculative_tokens": 4, "max_matches": 2, "datastore": True})
+        parse_spec({"method": "ngram", "num_speculative_tokens": 4, "max_matches": 2, "datastore": True})
 
 
 def test_a_missing_or_foreign_datastore_gets_one_line(setup, tmp_path):

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError
+from specdecode.config import SamplingParams, SpecDecodeError
+from specdecode.drafters.registry import parse_spec
 from specdecode.drafters.dflash import DFlashDrafter
 from specdecode.drafters.dflash_net import DFlashNet, DFlashNetConfig, spread_layers
 from specdecode.drafters.learned import TrainBatch, load_net, save_net
@@ -102,7 +103,7 @@ def test_injected_context_equals_fresh_after_rounds(ckpts, loaded):
     """After many rounds with rejections, each row's context K/V are the net's projections
     of the target's features at exactly its committed tokens but the newest."""
     target, net = loaded
-    spec = SpecConfig.parse({"method": "dflash", "model": ckpts["net"], "num_speculative_tokens": 6})
+    spec = parse_spec({"method": "dflash", "model": ckpts["net"], "num_speculative_tokens": 6})
     engine = ServingEngine(target, spec, max_model_len=80)
     prompts = [[5, 9, 3], [7, 1, 2, 8, 4, 4, 6], [1]]
     params = [SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True),
@@ -204,7 +205,7 @@ def test_anchors_sit_on_generated_trained_positions(loaded):
 def test_bad_options_one_line(ckpts, loaded, spec, message):
     target, _ = loaded
     with pytest.raises(SpecDecodeError) as e:
-        parsed = SpecConfig.parse({"method": "dflash", "model": ckpts["net"], **spec})
+        parsed = parse_spec({"method": "dflash", "model": ckpts["net"], **spec})
         ServingEngine(target, parsed, max_model_len=64)
     assert message in str(e.value) and "\n" not in str(e.value)
 
@@ -219,7 +220,7 @@ def test_bad_net_config_and_wrong_target_one_line(ckpts, tmp_path):
     )
     target = load_model(str(other), dtype="float32", device="cpu", progress=False)
     with pytest.raises(SpecDecodeError) as e:
-        ServingEngine(target, SpecConfig.parse({"method": "dflash", "model": ckpts["net"], "num_speculative_tokens": 4}),
+        ServingEngine(target, parse_spec({"method": "dflash", "model": ckpts["net"], "num_speculative_tokens": 4}),
                       max_model_len=64)  # fmt: skip
     assert "was trained for a target with" in str(e.value) and "\n" not in str(e.value)
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.config import SamplingParams, SpecConfig
+from specdecode.config import SamplingParams
+from specdecode.drafters.registry import parse_spec
 from specdecode.drafters.base import DrafterContext
 from specdecode.drafters.registry import create_drafter
 from specdecode.engine.batch import Batch
@@ -18,7 +19,7 @@ from tests.tiny import make_tiny_checkpoint
 def test_reported_q_is_the_filtered_draft_distribution(tmp_path):
     path = str(make_tiny_checkpoint(tmp_path / "m", "llama", seed=0))
     loaded = load_model(path, dtype="float32", device="cpu")
-    spec = SpecConfig.parse({"method": "draft_model", "model": path, "num_speculative_tokens": 2})
+    spec = parse_spec({"method": "draft_model", "model": path, "num_speculative_tokens": 2})
     drafter = create_drafter(spec, DrafterContext(target=loaded, dtype=torch.float32, device=torch.device("cpu")))
     params = [SamplingParams(temperature=0.9, top_p=0.7, seed=1),
               SamplingParams(temperature=1.2, top_k=4, top_p=0.9, seed=2),

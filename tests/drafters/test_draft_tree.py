@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from specdecode.drafters.draft_tree import grow_tree
+from specdecode.drafters.registry import parse_spec
 
 V = 8
 
@@ -69,10 +70,10 @@ def test_static_tree_fills_ranks_level_by_level():
     [([], "at least one"), ([(0, 0)], "prefix"), ([(0,), (0,)], "twice"), ("[(0,", "speculative_token_tree")],
 )
 def test_malformed_static_tree_is_one_line(tree, match):
-    from specdecode.config import SpecConfig, SpecDecodeError
+    from specdecode.config import SpecDecodeError
 
     with pytest.raises(SpecDecodeError, match=match) as e:
-        SpecConfig.parse({"method": "draft_model", "model": "x", "speculative_token_tree": tree})
+        parse_spec({"method": "draft_model", "model": "x", "speculative_token_tree": tree})
     assert "\n" not in str(e.value)
 
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from specdecode import SamplingParams
-from specdecode.config import SpecConfig, SpecDecodeError
+from specdecode.drafters.registry import parse_spec
+from specdecode.config import SpecDecodeError
 from specdecode.drafters.base import DrafterContext
 from specdecode.drafters.lookahead import LookaheadDrafter, NgramPool, _Row, window_layout
 from specdecode.engine.batch import Batch
@@ -20,7 +21,7 @@ CPU = torch.device("cpu")
 
 
 def drafter(**options) -> LookaheadDrafter:
-    spec = SpecConfig.parse({"method": "lookahead", **options})
+    spec = parse_spec({"method": "lookahead", **options})
     return LookaheadDrafter(spec, DrafterContext(target=None, dtype=torch.float32, device=CPU))
 
 
@@ -194,14 +195,14 @@ def test_row_window_is_drawn_from_the_prompt():
 )
 def test_bad_options_are_one_line_errors(options, match):
     with pytest.raises(SpecDecodeError, match=match) as err:
-        SpecConfig.parse({"method": "lookahead", **options})
+        parse_spec({"method": "lookahead", **options})
     assert "\n" not in str(err.value)
 
 
 def test_defaults_parse_and_round_trip():
-    spec = SpecConfig.parse('{"method": "lookahead", "lookahead_window": 3, "lookahead_ngram": 5, "lookahead_guess": 2}')
+    spec = parse_spec('{"method": "lookahead", "lookahead_window": 3, "lookahead_ngram": 5, "lookahead_guess": 2}')
     assert (spec.options.lookahead_window, spec.options.lookahead_ngram, spec.options.lookahead_guess) == (3, 5, 2)
-    assert SpecConfig.parse(spec.to_dict()) == spec
+    assert parse_spec(spec.to_dict()) == spec
 
 
 @pytest.mark.parametrize(

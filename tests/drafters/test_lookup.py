@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from specdecode import LLM
-from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError
+from specdecode.drafters.registry import parse_spec
+from specdecode.config import SamplingParams, SpecDecodeError
 from specdecode.drafters.dflash_net import DFlashNet
 from specdecode.drafters.eagle_net import FeatureNet
 from specdecode.drafters.medusa import MedusaNet
@@ -300,7 +301,7 @@ def test_seeded_sampling_beside_copies_is_reproducible_whatever_else_runs(tmp_pa
     model = load_model(str(target), dtype=torch.float32, device="cpu")
     cls, config = SAMPLING_NETS[method]
     net = trained_folder(cls, model.model, tmp_path / "net", steps=20, draft_vocab=5, **config)
-    spec = SpecConfig.parse({"method": method, "model": str(net), "num_speculative_tokens": 3, "num_steps": 2,
+    spec = parse_spec({"method": method, "model": str(net), "num_speculative_tokens": 3, "num_steps": 2,
                              "prompt_lookup_max": 2})  # fmt: skip
     params = [SamplingParams(temperature=1.0, max_tokens=12 + i, seed=7 + i, ignore_eos=True) for i in range(4)]
 
@@ -367,7 +368,7 @@ def test_rounds_where_every_row_copies_run_no_block_or_heads(setup, monkeypatch,
 def test_bad_options_get_one_line(method, extra, message):
     model = {"model": "some/draft"} if method == "draft_model" else {}
     with pytest.raises(SpecDecodeError, match=message) as e:
-        SpecConfig.parse({"method": method, "num_speculative_tokens": 4, **model, **extra})
+        parse_spec({"method": method, "num_speculative_tokens": 4, **model, **extra})
     assert "\n" not in str(e.value)
 
 
@@ -375,15 +376,15 @@ def test_a_static_tree_takes_no_num_steps():
     spec = {"method": "draft_model", "model": "some/draft", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
             "num_steps": 1, **STATIC}  # fmt: skip
     with pytest.raises(SpecDecodeError, match="static tree.* excludes topk, num_draft_tokens and num_steps"):
-        SpecConfig.parse(spec)
+        parse_spec(spec)
     with pytest.raises(SpecDecodeError, match="static tree.* excludes num_steps"):
-        SpecConfig.parse({**spec, "method": "medusa", "model": None})
+        parse_spec({**spec, "method": "medusa", "model": None})
 
 
 @pytest.mark.parametrize("lookup", [{"prompt_lookup_max": 3}, {"datastore": True}])
 def test_medusa_typical_acceptance_takes_no_lookup(lookup):
     with pytest.raises(SpecDecodeError, match='acceptance "typical" drafts the heads\' chain alone') as e:
-        SpecConfig.parse({"method": "medusa", "num_speculative_tokens": 3, "acceptance": "typical", **lookup})
+        parse_spec({"method": "medusa", "num_speculative_tokens": 3, "acceptance": "typical", **lookup})
     assert "\n" not in str(e.value)
 
 

@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError
+from specdecode.config import SamplingParams, SpecDecodeError
+from specdecode.drafters.registry import parse_spec
 from specdecode.drafters.base import DrafterContext
 from specdecode.drafters.learned import TrainBatch, save_net
 from specdecode.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaNet
@@ -41,7 +42,7 @@ def setup(tmp_path_factory):
 
 def make_drafter(target, spec: dict) -> MedusaDrafter:
     ctx = DrafterContext(target=target, dtype=torch.float32, device=torch.device("cpu"))
-    return MedusaDrafter(SpecConfig.parse({"method": "medusa", **spec}), ctx)
+    return MedusaDrafter(parse_spec({"method": "medusa", **spec}), ctx)
 
 
 def test_net_is_small_and_saves_only_its_heads():
@@ -116,7 +117,7 @@ def one_line_error(fn) -> str:
 
 def test_bad_options_get_one_line(setup, tmp_path):
     target, folder, root = setup
-    parse = lambda **kw: SpecConfig.parse({"method": "medusa", "model": folder, **kw})
+    parse = lambda **kw: parse_spec({"method": "medusa", "model": folder, **kw})
     assert "acceptance" in one_line_error(lambda: parse(acceptance="greedy"))
     assert "posterior_threshold" in one_line_error(lambda: parse(acceptance="typical", posterior_threshold=0))
     assert "chain" in one_line_error(lambda: parse(acceptance="typical", speculative_token_tree=[[0]]))

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from specdecode.config import SpecConfig, SpecDecodeError
+from specdecode.config import SpecDecodeError
+from specdecode.drafters.registry import parse_spec
 from specdecode.drafters.ngram import NgramDrafter, NgramOptions, longest_match, lookup, lookup_rows
 
 
@@ -113,15 +114,15 @@ def test_a_proposal_carries_its_matched_length_as_evidence():
 
 def test_options_validated():
     with pytest.raises(SpecDecodeError, match="prompt_lookup_min"):
-        SpecConfig.parse({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2})
+        parse_spec({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2})
     with pytest.raises(SpecDecodeError, match="unknown key"):
-        SpecConfig.parse({"method": "ngram", "lookahead": 3})
-    spec = SpecConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
+        parse_spec({"method": "ngram", "lookahead": 3})
+    spec = parse_spec('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
     assert spec.num_speculative_tokens == 3 and spec.options.prompt_lookup_max == 4
     # one bound alone: the other's default (2 or 5) moves to meet it, never past it (vLLM: equal)
     for given, want in [({}, (2, 5)), ({"prompt_lookup_max": 1}, (1, 1)), ({"prompt_lookup_min": 7}, (7, 7)),
                         ({"prompt_lookup_min": 1}, (1, 5)), ({"prompt_lookup_max": 9}, (2, 9))]:  # fmt: skip
-        o = SpecConfig.parse({"method": "ngram", **given}).options
+        o = parse_spec({"method": "ngram", **given}).options
         assert (o.prompt_lookup_min, o.prompt_lookup_max) == want, given
 
 
@@ -147,8 +148,8 @@ def test_merge_into_tree_shares_prefixes_and_respects_budget():
 
 def test_tree_options_validated():
     with pytest.raises(SpecDecodeError, match="node budget"):
-        SpecConfig.parse({"method": "ngram", "max_matches": 3, "num_draft_tokens": 0})
+        parse_spec({"method": "ngram", "max_matches": 3, "num_draft_tokens": 0})
     with pytest.raises(SpecDecodeError, match="max_matches"):
-        SpecConfig.parse({"method": "ngram", "max_matches": 0})
+        parse_spec({"method": "ngram", "max_matches": 0})
     with pytest.raises(SpecDecodeError, match="it needs max_matches > 1"):  # a chain ignored it quietly
-        SpecConfig.parse({"method": "ngram", "num_draft_tokens": 12})
+        parse_spec({"method": "ngram", "num_draft_tokens": 12})

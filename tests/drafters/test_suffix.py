@@ -7,7 +7,8 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError
+from specdecode.config import SamplingParams, SpecDecodeError
+from specdecode.drafters.registry import parse_spec
 from specdecode.drafters.base import DrafterContext
 from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.drafters.suffix_tree import (
@@ -170,7 +171,7 @@ def test_global_cache_holds_exactly_its_entries(outputs, cap):
 
 
 def test_proposals_touch_the_entry_they_came_from():
-    spec = SpecConfig.parse({"method": "suffix", "suffix_decoding_max_cached_requests": 2})
+    spec = parse_spec({"method": "suffix", "suffix_decoding_max_cached_requests": 2})
     drafter = SuffixDrafter(spec, DrafterContext(target=None, dtype=torch.float32, device=torch.device("cpu")))
     a, b = [10, 11, 12, 13, 14], [20, 21, 22, 23, 24]
     ia = drafter.cache.add(a)
@@ -192,7 +193,7 @@ def make_batch(prompts, max_tokens=16):
 
 
 def make_drafter(**options):
-    spec = SpecConfig.parse({"method": "suffix", **options})
+    spec = parse_spec({"method": "suffix", **options})
     return SuffixDrafter(spec, DrafterContext(target=None, dtype=torch.float32, device=torch.device("cpu")))
 
 
@@ -234,7 +235,7 @@ def test_chains_come_out_as_chains():
 
 
 def test_options_validated():
-    spec = SpecConfig.parse({"method": "suffix"})
+    spec = parse_spec({"method": "suffix"})
     assert spec.num_speculative_tokens == SuffixDrafter.default_num_speculative_tokens
     assert spec.options.suffix_decoding_max_tree_depth == 24
     assert spec.options.suffix_decoding_max_cached_requests == 10000
@@ -249,7 +250,7 @@ def test_options_validated():
     for key, values in bad.items():
         for value in values:
             with pytest.raises(SpecDecodeError, match=key) as err:
-                SpecConfig.parse({"method": "suffix", key: value})
+                parse_spec({"method": "suffix", key: value})
             assert "\n" not in str(err.value)
     with pytest.raises(SpecDecodeError, match="unknown key"):
-        SpecConfig.parse({"method": "suffix", "suffix_decoding_max_depth": 8})
+        parse_spec({"method": "suffix", "suffix_decoding_max_depth": 8})

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode.config import SpecConfig, SpecDecodeError
+from specdecode.config import SpecDecodeError
+from specdecode.drafters.registry import parse_spec
 from specdecode.drafters.base import Draft
 from specdecode.engine.budget import FixedBudget, apply_budgets
 from specdecode.tree import TreeBatch
@@ -46,17 +47,17 @@ def test_fixed_budget_cap_splits_evenly():
 )
 def test_bad_budget_keys(config, match):
     with pytest.raises(SpecDecodeError, match=match):
-        SpecConfig.parse(config)
+        parse_spec(config)
 
 
 def test_auto_gamma_is_the_adaptive_budget_up_to_eight():
-    auto = SpecConfig.parse({"method": "ngram", "num_speculative_tokens": "auto"})
+    auto = parse_spec({"method": "ngram", "num_speculative_tokens": "auto"})
     assert auto.num_speculative_tokens == 8 and auto.budget.verify_budget == "adaptive"
-    assert SpecConfig.parse({"method": "dflash", "num_speculative_tokens": "auto"}).num_speculative_tokens == 16
+    assert parse_spec({"method": "dflash", "num_speculative_tokens": "auto"}).num_speculative_tokens == 16
     with pytest.raises(SpecDecodeError, match='"auto" chooses γ with the adaptive budget; drop verify_budget "fixed"'):
-        SpecConfig.parse({"method": "ngram", "num_speculative_tokens": "auto", "verify_budget": "fixed"})
+        parse_spec({"method": "ngram", "num_speculative_tokens": "auto", "verify_budget": "fixed"})
     with pytest.raises(SpecDecodeError, match='integer in \\[1, 32\\] or "auto", got \'often\''):
-        SpecConfig.parse({"method": "ngram", "num_speculative_tokens": "often"})
+        parse_spec({"method": "ngram", "num_speculative_tokens": "often"})
 
 
 def test_sts_calibrates_overconfident_survival_and_keeps_order():

@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from specdecode.config import SpecConfig
+from specdecode.drafters.registry import parse_spec
 from specdecode.engine.adaptive import AdaptiveBudget
 from specdecode.engine.cost import VerifyCost
 from specdecode.model.masks import attention_queries
@@ -72,7 +72,7 @@ def test_the_engine_prices_attention_with_the_cost_measured_at_load(monkeypatch,
     target = load_model(str(make_tiny_checkpoint(tmp_path, "llama", seed=0)), dtype="float32", device="cpu",
                         progress=False)  # fmt: skip
     monkeypatch.setattr(serving, "measure_attention_cost", lambda engine: 3.5e-7)
-    spec = SpecConfig.parse({"method": "ngram", "num_speculative_tokens": 4, "verify_budget": "adaptive"})
+    spec = parse_spec({"method": "ngram", "num_speculative_tokens": 4, "verify_budget": "adaptive"})
     engine = serving.ServingEngine(target, spec, max_model_len=64)
     assert isinstance(engine.budget, AdaptiveBudget) and engine.budget.attention_cost == 3.5e-7
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from specdecode.config import SamplingParams, SpecConfig
+from specdecode.config import SamplingParams
+from specdecode.drafters.registry import parse_spec
 from specdecode.engine.serving import ServingEngine
 from specdecode.model.cpu_int4 import cpu_lib
 from specdecode.model.loader import load_model
@@ -52,7 +53,7 @@ def test_learned_methods_equal_plain_greedy_on_the_default_model(dtype):
     prompts = [list(p["input_ids"] if isinstance(p, Mapping) else p) for p in prompts]
     plain = greedy(ServingEngine(target, None, max_model_len=512, max_num_seqs=1), prompts)
     for method in LEARNED:
-        engine = ServingEngine(target, SpecConfig.parse({"method": method}), max_model_len=512, max_num_seqs=1,
+        engine = ServingEngine(target, parse_spec({"method": method}), max_model_len=512, max_num_seqs=1,
                                quantization="auto")  # fmt: skip
         assert engine.batch_invariant  # the default where our CPU kernels run
         for i, (got, want) in enumerate(zip(greedy(engine, prompts), plain)):

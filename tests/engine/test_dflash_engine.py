@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from specdecode import LLM, SamplingParams
-from specdecode.config import SpecConfig
+from specdecode.drafters.registry import parse_spec
+
 from specdecode.engine.serving import ServingEngine
 from tests.drafters.test_dflash import make_dflash
 from tests.engine.checks import (
@@ -164,7 +165,7 @@ def test_served_concurrently_equals_alone(ckpts, num_blocks):
     prompts = PROMPTS + [[4, 4, 4, 4], [9, 8, 7, 6, 5, 4, 3]]
     max_tokens = [20, 7, 33, 25, 12, 18]
     alone = [plain.generate([p], greedy(m))[0].token_ids for p, m in zip(prompts, max_tokens)]
-    engine = ServingEngine(plain.target, SpecConfig.parse(dflash(net, 4)), max_model_len=64, max_num_seqs=6,
+    engine = ServingEngine(plain.target, parse_spec(dflash(net, 4)), max_model_len=64, max_num_seqs=6,
                            block_size=4, num_blocks=num_blocks)  # fmt: skip
     assert run_staggered(engine, prompts, [greedy(m) for m in max_tokens]) == alone
     if num_blocks is not None:

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from specdecode import LLM, SamplingParams
-from specdecode.config import SpecConfig
+from specdecode.drafters.registry import parse_spec
+
 from specdecode.drafters.eagle3 import Eagle3Net
 from specdecode.drafters.eagle_net import FeatureNet
 from specdecode.drafters.mtp import MtpNet
@@ -101,7 +102,7 @@ def test_serving_with_preemption_equals_alone(setup, shape):
     lengths = [20, 7, 33, 25, 12, 18]
     greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
     want = [plain.generate([p], g)[0].token_ids for p, g in zip(prompts, greedy)]
-    spec = SpecConfig.parse({"method": "eagle", "model": nets["eagle"], "num_speculative_tokens": 3, **shape})
+    spec = parse_spec({"method": "eagle", "model": nets["eagle"], "num_speculative_tokens": 3, **shape})
     # the smallest pool that holds one sequence: requests take turns, preempted ones recompute
     engine = ServingEngine(plain.target, spec, max_model_len=64, max_num_seqs=6, block_size=4, num_blocks=20)
     assert serve_all(engine, prompts, greedy) == want
@@ -207,7 +208,7 @@ def test_draft_cache_equals_a_fresh_feed_after_rounds(setup, method):
     plus what it still owes gives the logits a fresh feed of its committed tokens gives: the
     entries of rejected drafts were rolled back (a missing rollback passed every other test)."""
     target, nets, _ = setup
-    spec = SpecConfig.parse({"method": method, "model": nets[method], "num_speculative_tokens": 3})
+    spec = parse_spec({"method": method, "model": nets[method], "num_speculative_tokens": 3})
     engine = ServingEngine(load_model(target, dtype=torch.float32, device="cpu"), spec, max_model_len=96)
     params = [SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True),
               SamplingParams(temperature=1.0, max_tokens=60, ignore_eos=True, seed=3),

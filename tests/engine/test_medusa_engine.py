@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from specdecode import LLM, SamplingParams
-from specdecode.config import SpecConfig
+from specdecode.drafters.registry import parse_spec
+
 from specdecode.drafters.learned import save_net
 from specdecode.engine.serving import ServingEngine
 from specdecode.entrypoints.cli import _print_stats
@@ -65,7 +66,7 @@ def test_served_concurrently_equals_alone(ckpts, plain, name):
     lengths = [20, 7, 33, 25]
     alone = [plain.generate([p], greedy(n))[0].token_ids for p, n in zip(PROMPTS, lengths)]
     # max_num_seqs 2: rows join as others finish, so prefill / select_rows interleave with rounds
-    engine = ServingEngine(plain.target, SpecConfig.parse(specs(ckpts)[name]), max_model_len=64, max_num_seqs=2)
+    engine = ServingEngine(plain.target, parse_spec(specs(ckpts)[name]), max_model_len=64, max_num_seqs=2)
     assert serve_all(engine, PROMPTS, [greedy(n) for n in lengths]) == alone
 
 

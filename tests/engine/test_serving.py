@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from specdecode import LLM, SamplingParams
-from specdecode.config import SpecConfig, SpecDecodeError
+from specdecode.drafters.registry import parse_spec
+from specdecode.config import SpecDecodeError
 from specdecode.drafters.draft_cache import DraftKVCache
 from specdecode.engine.serving import ServingEngine
 from specdecode.model.loader import load_model
@@ -61,7 +62,7 @@ def make_engine(plain: LLM, ckpts, name: str, **kw) -> ServingEngine:
     spec = SPECS[name]
     if spec is not None:
         spec = {k: (v.format(**ckpts) if isinstance(v, str) else v) for k, v in spec.items()}
-    return ServingEngine(plain.target, SpecConfig.parse(spec), max_model_len=64, **kw)
+    return ServingEngine(plain.target, parse_spec(spec), max_model_len=64, **kw)
 
 
 def draft_blocks_used(engine: ServingEngine) -> int:
@@ -167,7 +168,7 @@ def test_a_seeded_tree_row_cut_by_its_own_gamma_samples_as_alone(tmp_path):
     [11, 48, 53]); it must draw the same numbers and so sample the same tokens."""
     target = load_model(str(make_tiny_checkpoint(tmp_path / "t", "llama", 2, tie_word_embeddings=False)),
                         dtype="float32", device="cpu")  # fmt: skip
-    spec = SpecConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+    spec = parse_spec({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
                              "prompt_lookup_max": 1, "max_matches": 2, "num_draft_tokens": 9})  # fmt: skip
     sampled = SamplingParams(temperature=1.0, max_tokens=60, seed=504607, ignore_eos=True)
     greedy = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
@@ -200,7 +201,7 @@ def test_a_seeded_row_in_a_grown_tree_samples_as_alone_beside_a_deeper_row(plain
     x = ("x", [40, 41, 42, 43], SamplingParams(temperature=1.5, max_tokens=20, seed=1, ignore_eos=True))
 
     def run(beside: bool) -> list[int]:
-        engine = ServingEngine(plain.target, SpecConfig.parse(spec), max_model_len=64)
+        engine = ServingEngine(plain.target, parse_spec(spec), max_model_len=64)
         engine.add_request(*x, spec_override={"num_speculative_tokens": 2})
         if beside:
             engine.add_request("o", [7, 8, 9], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
@@ -289,7 +290,7 @@ def test_shadow_proposals_teach_the_budget_and_change_no_token(plain, ckpts, ref
     monkeypatch.setattr(probes, "PROBE_EVERY", 10**9)  # no probes: every recorded round is a shadow
 
     spec = dict(SPECS[name], verify_budget="adaptive")
-    engine = ServingEngine(plain.target, SpecConfig.parse(spec), max_model_len=64, max_num_seqs=4, block_size=4)
+    engine = ServingEngine(plain.target, parse_spec(spec), max_model_len=64, max_num_seqs=4, block_size=4)
     assert isinstance(engine.budget, AdaptiveBudget)
     engine.budget.cost = VerifyCost([(1, 1.0), (2, 2.0)])  # a position costs as much as a whole step
     engine.budget._observe_cost = lambda *args: None  # and stays so (no refit from the tiny model's passes)
@@ -307,7 +308,7 @@ def test_shadow_proposals_teach_the_budget_and_change_no_token(plain, ckpts, ref
 def test_the_adaptive_budget_learns_how_much_prefill_a_step_carries(plain):
     """Each step tells the budget how long its prefill chunk took (0 with no prompt in flight):
     the running mean rises while prompts join and decays once they are all in."""
-    spec = SpecConfig.parse(SPECS["ngram_adaptive"])
+    spec = parse_spec(SPECS["ngram_adaptive"])
     engine = ServingEngine(plain.target, spec, max_model_len=64, max_num_seqs=4, block_size=4)
     engine.add_request("r0", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
     engine.step()
@@ -325,7 +326,7 @@ def test_the_adaptive_budget_learns_how_much_prefill_a_step_carries(plain):
 def test_a_reused_request_id_starts_with_nothing_learned(plain):
     """Ids may be reused once a request has ended: an aborted request's counts, state and
     shadow round in the adaptive budget must not plan (or be settled against) a new one."""
-    spec = SpecConfig.parse({**SPECS["ngram_adaptive"], "prompt_lookup_min": 1})
+    spec = parse_spec({**SPECS["ngram_adaptive"], "prompt_lookup_min": 1})
     engine = ServingEngine(plain.target, spec, max_model_len=64, max_num_seqs=4, block_size=4)
     engine.add_request("a", [2, 3] * 5, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     while "a" not in engine.budget.acceptance.per_request:

@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specdecode.config import SamplingParams, SpecConfig
+from specdecode.drafters.registry import parse_spec
 from specdecode.drafters.base import Draft
 from specdecode.engine.cost import VerifyCost
 from specdecode.engine.serving import ServingEngine
@@ -126,7 +127,7 @@ def test_the_adaptive_budget_prices_a_tree_pass_by_its_nodes(setup, method):
     with lookahead's aux branch, the padded layout the pass computes."""
     target, _, params = setup
     options = {"ngram": {"prompt_lookup_min": 1, "prompt_lookup_max": 3, "max_matches": 3}, "lookahead": {}}[method]
-    spec = SpecConfig.parse({"method": method, "num_speculative_tokens": 4, **options, "verify_budget": "adaptive"})
+    spec = parse_spec({"method": method, "num_speculative_tokens": 4, **options, "verify_budget": "adaptive"})
     engine = ServingEngine(target, spec, max_model_len=256)
     engine.budget.cost = VerifyCost([(1, 1.0), (512, 1.0)])  # passes cost alike: draft what may pay (not timing)
     verified, logged = [], []

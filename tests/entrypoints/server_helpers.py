@@ -15,7 +15,7 @@ from typing import Any
 
 import uvicorn
 
-from specdecode.config import SpecConfig
+from specdecode.drafters.registry import parse_spec
 from specdecode.engine.batch import SpecStats
 from specdecode.engine.requests import EngineStats, RequestEvent
 from specdecode.engine.serving import ServingEngine
@@ -141,7 +141,7 @@ SPEC = {"method": "ngram", "num_speculative_tokens": GAMMA, "prompt_lookup_min":
 
 
 def make_engine(target, max_num_seqs: int = 8, delay: float = 0.0) -> SlowEngine:
-    engine = ServingEngine(target, SpecConfig.parse(SPEC), max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs)
+    engine = ServingEngine(target, parse_spec(SPEC), max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs)
     return SlowEngine(engine, delay)
 
 

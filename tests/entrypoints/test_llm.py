@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from specdecode import LLM, SamplingParams, SpecDecodeError
+from specdecode.drafters.registry import parse_spec
 from tests.tiny import make_tiny_checkpoint
 
 
@@ -149,7 +150,7 @@ def test_a_spec_config_built_by_hand_is_checked_as_its_dict_would_be(tmp_path):
 
     with pytest.raises(SpecDecodeError, match=r"num_speculative_tokens must be an integer in \[1, 32\]"):
         LLM(model=str(tmp_path / "missing"), speculative_config=SpecConfig("ngram", 100))
-    assert SpecConfig.parse(SpecConfig("ngram", 4)).options.prompt_lookup_max == 5  # options=None: the defaults
+    assert parse_spec(SpecConfig("ngram", 4)).options.prompt_lookup_max == 5  # options=None: the defaults
 
 
 def test_tree_budget_beyond_context(tmp_path):
