@@ -45,7 +45,7 @@ def test_a_first_token_is_timed_when_the_prefill_made_it():
     import time
     from types import SimpleNamespace
 
-    from specdecode.engine.batch import SpecStats
+    from specdecode.core.batch import SpecStats
     from specdecode.engine.requests import RequestEvent
 
     class Stub:  # one request: its first token, then a slow decode round in the same step

@@ -14,7 +14,7 @@ import torch
 
 if TYPE_CHECKING:
     from specdecode.config import SpecConfig
-    from specdecode.engine.batch import Batch
+    from specdecode.core.batch import Batch
     from specdecode.model.loader import LoadedModel
     from specdecode.tree import TreeBatch
 

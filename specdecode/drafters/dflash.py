@@ -39,7 +39,7 @@ from specdecode.drafters.draft_cache import DraftKVCache
 from specdecode.drafters.draft_vocab import check_confidence_threshold, stop_after_unsure
 from specdecode.drafters.learned import load_net, resolve_weights
 from specdecode.drafters.lookup import LookupKeys, copies_only, look_up, model_rows, nothing_to_draft, splice_chains
-from specdecode.engine.batch import Batch
+from specdecode.core.batch import Batch
 from specdecode.sampling import argmax
 
 

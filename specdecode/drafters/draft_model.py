@@ -37,12 +37,12 @@ from specdecode.drafters.lookup import (
     splice_chains,
     trees_with_lookup,
 )
-from specdecode.engine.batch import Batch, pad_right
+from specdecode.core.batch import Batch, pad_right
 from specdecode.kv_cache import KVCache
 from specdecode.model.loader import keeps_gguf_blocks, load_model
 from specdecode.model.transformer import Transformer
 from specdecode.sampling import argmax, logits_to_probs, sample
-from specdecode.train.distill import DistillNet
+from specdecode.drafters.distill_net import DistillNet
 from specdecode.tree import MAX_TREE_NODES, TreeShape, check_node_budget, parse_token_tree
 
 

@@ -26,7 +26,7 @@ from specdecode.model.transformer import Transformer
 from specdecode.sampling import logits_to_probs, sample
 
 if TYPE_CHECKING:
-    from specdecode.engine.batch import Batch
+    from specdecode.core.batch import Batch
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ from specdecode.drafters.lookup import (
     splice_chains,
     trees_with_lookup,
 )
-from specdecode.engine.batch import Batch, Sequence, pad_right
+from specdecode.core.batch import Batch, Sequence, pad_right
 from specdecode.sampling import argmax
 from specdecode.tree import check_node_budget
 

@@ -46,7 +46,7 @@ import torch
 from specdecode.config import MAX_SPECULATIVE_TOKENS, SpecConfig, SpecDecodeError, is_int
 from specdecode.drafters.base import AuxBranch, Draft, DrafterContext
 from specdecode.drafters.ngram import merge_into_tree
-from specdecode.engine.batch import Batch
+from specdecode.core.batch import Batch
 from specdecode.sampling import argmax
 from specdecode.tree import MAX_TREE_NODES, TreeBatch
 

@@ -36,7 +36,7 @@ from specdecode.config import SpecDecodeError, is_int
 from specdecode.drafters.base import Draft
 from specdecode.drafters.datastore import DEFAULT_MIN_PROB, Datastore, check_datastore_keys, fill_rows, open_datastore
 from specdecode.drafters.ngram import NgramOptions, lookup_rows
-from specdecode.engine.batch import Batch
+from specdecode.core.batch import Batch
 from specdecode.tree import TreeBatch
 
 if TYPE_CHECKING:

@@ -47,7 +47,7 @@ from specdecode.drafters.lookup import (
     splice_chains,
     trees_with_lookup,
 )
-from specdecode.engine.batch import Batch
+from specdecode.core.batch import Batch
 from specdecode.model.transformer import Transformer
 from specdecode.sampling import argmax
 from specdecode.tree import MAX_TREE_NODES, TreeBatch, TreeShape, parse_token_tree

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdecode.engine.batch import Sequence, SpecStats
+from specdecode.core.batch import Sequence, SpecStats
 
 
 @dataclass

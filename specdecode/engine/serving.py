@@ -33,7 +33,7 @@ from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError, is_in
 from specdecode.drafters.base import Draft, Drafter
 from specdecode.engine.acceptance import NOT_SHADOWED
 from specdecode.engine.adaptive import AdaptiveBudget
-from specdecode.engine.batch import Batch, Sequence
+from specdecode.core.batch import Batch, Sequence
 from specdecode.engine.budget import BudgetPolicy, FixedBudget, apply_budgets
 from specdecode.engine.cost import VerifyCost, clock, measure_attention_cost
 from specdecode.engine.requests import EngineStats, Request, RequestEvent

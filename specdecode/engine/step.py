@@ -27,7 +27,7 @@ import torch
 from specdecode.config import SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Draft, Drafter, DrafterContext
 from specdecode.drafters.registry import create_drafter
-from specdecode.engine.batch import Batch, Sequence, SpecStats
+from specdecode.core.batch import Batch, Sequence, SpecStats
 from specdecode.kv_cache import KVCache
 from specdecode.model.cpu_int4 import cpu_lib
 from specdecode.model.loader import LoadedModel

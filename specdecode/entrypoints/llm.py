@@ -17,7 +17,7 @@ import torch
 
 from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError, is_int
 from specdecode.drafters.registry import parse_spec
-from specdecode.engine.batch import SpecStats
+from specdecode.core.batch import SpecStats
 from specdecode.engine.serving import ServingEngine
 
 Prompt = Union[str, list[int]]

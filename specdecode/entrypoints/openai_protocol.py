@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, mo
 from pydantic_core import PydanticCustomError
 
 from specdecode.config import SamplingParams, SpecDecodeError, first_line
-from specdecode.engine.batch import SpecStats
+from specdecode.core.batch import SpecStats
 from specdecode.entrypoints.llm import RequestMetrics
 
 # OpenAI fields we do not implement: a request that sets one gets a 400 rather than silence,

@@ -6,7 +6,7 @@ held-out evaluation at the start, every ``eval_every`` steps and at the end, che
 every ``save_every`` steps and at the end) and resume from them, and writing the drafter
 folder and ``train_log.json``.
 Does not own: the target's outputs each `TrainBatch` is made of (target_outputs.py), the
-nets and their losses (drafters/*, train/distill.py), the folder format
+nets and their losses (drafters/*, drafters/distill_net.py), the folder format
 (drafters/learned.py), reading the corpus (corpus.py).
 
 The batch at step s is a pure function of (seed, s): epoch e = s·B // N draws its own
@@ -45,7 +45,7 @@ from specdecode.drafters.learned import (
 from specdecode.model.transformer import Transformer
 from specdecode.train.config import CHECKPOINT_FILE, TrainConfig
 from specdecode.train.corpus import Windows, find_files, read_corpus
-from specdecode.train.distill import DistillNet
+from specdecode.drafters.distill_net import DistillNet
 from specdecode.train.target_outputs import TargetCache, target_batch
 
 LOG_FILE = "train_log.json"

@@ -10,7 +10,7 @@ from specdecode.config import SamplingParams
 from specdecode.drafters.registry import parse_spec
 from specdecode.drafters.base import DrafterContext
 from specdecode.drafters.registry import create_drafter
-from specdecode.engine.batch import Batch
+from specdecode.core.batch import Batch
 from specdecode.model.loader import load_model
 from specdecode.sampling import logits_to_probs
 from tests.tiny import make_tiny_checkpoint

@@ -9,7 +9,7 @@ import torch
 from specdecode.config import SamplingParams
 from specdecode.drafters.draft_tree import grow_tree
 from specdecode.drafters.draft_vocab import DraftVocabHead
-from specdecode.engine.batch import Batch, Sequence
+from specdecode.core.batch import Batch, Sequence
 from specdecode.model.loader import load_model
 from specdecode.sampling import logits_to_probs
 from tests.tiny import make_tiny_checkpoint

@@ -13,7 +13,7 @@ from specdecode.drafters.registry import parse_spec
 from specdecode.config import SpecDecodeError
 from specdecode.drafters.base import DrafterContext
 from specdecode.drafters.lookahead import LookaheadDrafter, NgramPool, _Row, window_layout
-from specdecode.engine.batch import Batch
+from specdecode.core.batch import Batch
 from specdecode.entrypoints.cli import main
 from tests.tiny import make_tiny_checkpoint
 

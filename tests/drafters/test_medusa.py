@@ -14,7 +14,7 @@ from specdecode.drafters.base import DrafterContext
 from specdecode.drafters.learned import TrainBatch, save_net
 from specdecode.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaNet
 from specdecode.model.transformer import ModelConfig, Transformer
-from specdecode.engine.batch import Batch
+from specdecode.core.batch import Batch
 from specdecode.kv_cache import NoCache
 from specdecode.model.loader import load_model
 from specdecode.verify import greedy_verify, typical_verify

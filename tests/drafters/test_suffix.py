@@ -19,7 +19,7 @@ from specdecode.drafters.suffix_tree import (
     speculate,
     state_match_nodes,
 )
-from specdecode.engine.batch import Batch
+from specdecode.core.batch import Batch
 
 seqs = st.lists(st.integers(0, 4), min_size=1, max_size=30)
 

@@ -16,7 +16,7 @@ from typing import Any
 import uvicorn
 
 from specdecode.drafters.registry import parse_spec
-from specdecode.engine.batch import SpecStats
+from specdecode.core.batch import SpecStats
 from specdecode.engine.requests import EngineStats, RequestEvent
 from specdecode.engine.serving import ServingEngine
 from specdecode.entrypoints.serve import DrainingServer

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdecode.drafters.distill_net import DistillConfig, DistillNet
 from specdecode.model.loader import load_model, to_our_names
-from specdecode.train.distill import DistillConfig, DistillNet
 from tests.tiny import make_tiny_checkpoint
 
 
