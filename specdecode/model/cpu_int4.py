@@ -68,7 +68,7 @@ CPU_ISAS = {
     ),
 }
 INT4_CPU_KERNELS = ("auto", *CPU_ISAS, "stock")
-_HEADERS = ("avx2.h", "block.h", "block_body.h")
+_HEADERS = ("avx2.h", "block.h", "block_body.h", "sum16.h")
 
 
 def _read(name: str) -> str:

@@ -1,5 +1,5 @@
 """batch_invariant=True: a position's logits are bitwise the same alone or inside a
-(γ+1)-token pass or a tree, given row-invariant linears (our int4 CPU kernel)."""
+(γ+1)-token pass or a tree: int4 weights in bf16, and dense weights in fp32."""
 
 from __future__ import annotations
 
@@ -14,11 +14,15 @@ from tests.tiny import make_tiny_checkpoint, root_path, small_tree
 pytestmark = pytest.mark.skipif(cpu_lib() is None, reason="needs our int4 kernel (AVX512-BF16 or AVX2, and a C compiler)")
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3"])
+# bf16 with int4 weights (our int4 kernel); fp32 with dense weights, where torch's GEMM and SDPA
+# would otherwise run (our fp32 GEMM and attention, model/invariant.py); gemma3 has sliding windows
+@pytest.fixture(scope="module", params=[("llama", "int4"), ("gemma3", "int4"), ("llama", None), ("gemma3", None),
+                                        ("qwen3", None)])  # fmt: skip
 def model(request, tmp_path_factory):
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("bi") / "m", request.param, seed=0)
-    m = load_model(str(path), dtype="bfloat16", device="cpu").model
-    return quantize_model_(m, "int4")
+    arch, quant = request.param
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("bi") / "m", arch, seed=0)
+    m = load_model(str(path), dtype="bfloat16" if quant else "float32", device="cpu").model
+    return quantize_model_(m, quant) if quant else m
 
 
 def prefilled(model, prompt: torch.Tensor):

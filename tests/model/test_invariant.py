@@ -1,6 +1,6 @@
 """Our row-invariant attention and dense GEMM (model/invariant.py, kernels/invariant.c): as
-accurate as torch's, and bitwise the same for a query or a row whatever shares its call; the
-torch blocks through them make a chain, a tree and a padded batch equal one-token steps."""
+accurate as torch's, and bitwise the same for a query or a row whatever shares its call, on
+each build this CPU runs. (Whole passes through them: test_batch_invariant.py.)"""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from torch import nn
 
 from specdecode.model import invariant
 from specdecode.model.cpu_int4 import CPU_ISAS, cpu_lib
-from specdecode.model.loader import load_model
-from tests.tiny import make_tiny_checkpoint, root_path, small_tree
+from tests.tiny import small_tree
 
 pytestmark = pytest.mark.skipif(cpu_lib() is None, reason="needs our CPU library (AVX2 or AVX512, and a C compiler)")
 BUILDS = [isa for isa in CPU_ISAS if cpu_lib(isa) is not None]  # AVX512 lanes, AVX2 lanes
@@ -111,40 +110,3 @@ def test_linear_matches_torch_and_a_row_does_not_depend_on_the_batch(build, dtyp
         for M in (1, 2, 3, 5, 7):
             assert torch.equal(invariant.linear(lin, x[:M]), full[:M]), M
         assert torch.equal(invariant.linear(lin, x[7:8]), full[7:8])
-
-
-@pytest.fixture(scope="module", params=["llama", "gemma3", "qwen3"])
-def model(request, tmp_path_factory):
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("inv") / "m", request.param, seed=0)
-    return load_model(str(path), dtype="float32", device="cpu", quantization="none").model
-
-
-def prefilled(model, prompt):
-    cache = model.new_cache(prompt.shape[0], 64)
-    model(prompt, torch.arange(prompt.shape[1]).expand_as(prompt), cache, batch_invariant=True)
-    cache.commit(torch.full((prompt.shape[0],), prompt.shape[1]))
-    return cache
-
-
-@torch.inference_mode()
-def test_fp32_torch_blocks_chain_and_tree_equal_one_token_steps(model):
-    """fp32 with dense weights (torch's GEMM and SDPA otherwise): a chain pass of two rows, and
-    every node of a tree, give the bits of one-token decode steps. gemma3 has sliding windows
-    (6 keys) shorter than the context."""
-    torch.manual_seed(0)
-    toks = torch.randint(3, 90, (2, 20))
-    multi = model(toks[:, 11:], 11 + torch.arange(9).expand(2, 9), prefilled(model, toks[:, :11]), batch_invariant=True)
-    cache = prefilled(model, toks[:, :11])
-    single = []
-    for t in range(11, 20):
-        single.append(model(toks[:, t : t + 1], torch.full((2, 1), t), cache, batch_invariant=True))
-        cache.commit(torch.ones(2, dtype=torch.long))
-    assert torch.equal(multi, torch.cat(single, dim=1))
-    tokens, parents, depth, mask = small_tree()
-    tree = model(tokens, 11 + depth, prefilled(model, toks[:1, :11]), block_mask=mask[None], batch_invariant=True)
-    for node in range(tokens.shape[1]):
-        cache = prefilled(model, toks[:1, :11])
-        for i, n in enumerate(root_path(node, parents)):
-            out = model(tokens[:, n : n + 1], torch.tensor([[11 + i]]), cache, batch_invariant=True)
-            cache.commit(torch.ones(1, dtype=torch.long))
-        assert torch.equal(out[0, 0], tree[0, node]), node

@@ -18,6 +18,9 @@
 #include <string.h>
 
 #include "block.h"
+#if defined(__AVX512F__)
+#include "sum16.h"
+#endif
 
 #if defined(__AVX512F__)
 #define VL 16
@@ -77,22 +80,7 @@ static inline vf vpow2i(vf n) {
 #endif
 
 #if VL == 16
-/* r[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once (a shuffle-add tree); each
-   vector's lanes are added in the same order wherever it sits among the 16. */
-static inline vf vsum_each(const vf* v) {
-  __m512 w[8], x[4];
-  for (int i = 0; i < 8; i++)
-    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; i++)
-    x[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                            _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                            _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
+static inline vf vsum_each(const vf* v) { return sum16x16(v); }
 #else
 /* The same for 8 vectors of 8 lanes: pairs, quads within each 128-bit half, then the halves. */
 static inline vf vsum_each(const vf* v) {
