@@ -81,13 +81,12 @@ class Engine:
         self.target = target
         self.model = target.model
         self.spec = spec
-        param = self.model.embed.weight
+        param = self.model.embed.weight  # the activation dtype (linears may hold quantized weights)
         if batch_invariant is None:
             batch_invariant = param.device.type == "cpu" and param.dtype in (torch.float32, torch.bfloat16)
             batch_invariant = batch_invariant and cpu_lib() is not None
         self.batch_invariant = batch_invariant
         self.max_model_len = max_model_len
-        param = self.model.embed.weight  # the activation dtype (linears may hold quantized weights)
         self.device = param.device
         self.drafter = drafter
         if quantization == "auto":  # the drafters' weights in the format the target's got

@@ -12,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
+from starlette.requests import Request
 
-from specdecode.config import SamplingParams, SpecDecodeError, first_line
+from specdecode.config import SamplingParams, SpecDecodeError, first_line, is_int
 from specdecode.core.batch import SpecStats
 from specdecode.entrypoints.llm import RequestMetrics
 
@@ -252,3 +254,37 @@ def usage(stats: SpecStats, num_prompt_tokens: int, num_output_tokens: int) -> d
         "accepted_per_position": m.accepted_per_position,
         "lossy": stats.lossy,  # typical acceptance: the output need not follow the model's distribution
     }
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one request may ask for, so that none can stall the others (checked before any
+    tokenizing). ``max_prompt_chars`` None: 32 characters a token of the context, above any
+    tokenizer's; ``max_tokens_limit`` None: the context."""
+
+    max_body_bytes: int = 8 << 20
+    max_prompt_chars: int | None = None
+    max_stop: int = 4  # OpenAI's
+    max_stop_chars: int = 1000
+    max_messages: int = 1000
+    max_tokens_limit: int | None = None
+
+    def __post_init__(self) -> None:
+        for name, value in dataclasses.asdict(self).items():
+            if value is not None and (not is_int(value) or value < 1):
+                raise SpecDecodeError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, or a 413 as soon as it is known to pass ``limit`` bytes (its
+    Content-Length, else what has arrived), without reading the rest."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body is {int(declared)} bytes; the limit is {limit}", code="request_too_large")
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body is over the limit of {limit} bytes", code="request_too_large")
+        parts.append(chunk)
+    return b"".join(parts)

@@ -3,7 +3,7 @@
 Owns: the routes (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics),
 bearer auth on /v1/*, text (detokenization, stop strings, chat template), SSE streaming,
 and cancelling a request whose client went away.
-Does not own: the wire format's validation (openai_protocol.py), the engine thread
+Does not own: the wire format's validation and request limits (openai_protocol.py), the engine thread
 (engine_thread.py), loading and running the server with its shutdown on signals (serve.py),
 scheduling and decoding (engine/), metric definitions (metrics.py).
 """
@@ -18,7 +18,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -27,49 +26,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from specdecode.config import SamplingParams, SpecDecodeError, is_int
+from specdecode.config import SamplingParams, SpecDecodeError
 from specdecode.entrypoints.engine_thread import ADMITTED, EngineThread, ShuttingDown
 from specdecode.entrypoints.openai_protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, bad_request, from_spec_error, parse_body, usage,
-    validation_error,
+    APIError, ChatCompletionRequest, CompletionRequest, ServerLimits, bad_request, from_spec_error, parse_body,
+    read_body, usage, validation_error,
 )  # fmt: skip
 from specdecode.metrics import CONTENT_TYPE, ServerMetrics
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    """What one request may ask for, so that none can stall the others (checked before any
-    tokenizing). ``max_prompt_chars`` None: 32 characters a token of the context, above any
-    tokenizer's; ``max_tokens_limit`` None: the context."""
-
-    max_body_bytes: int = 8 << 20
-    max_prompt_chars: int | None = None
-    max_stop: int = 4  # OpenAI's
-    max_stop_chars: int = 1000
-    max_messages: int = 1000
-    max_tokens_limit: int | None = None
-
-    def __post_init__(self) -> None:
-        for name, value in dataclasses.asdict(self).items():
-            if value is not None and (not is_int(value) or value < 1):
-                raise SpecDecodeError(f"{name} must be an integer >= 1, got {value!r}")
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request's body, or a 413 as soon as it is known to pass ``limit`` bytes (its
-    Content-Length, else what has arrived), without reading the rest."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body is {int(declared)} bytes; the limit is {limit}", code="request_too_large")
-    parts, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body is over the limit of {limit} bytes", code="request_too_large")
-        parts.append(chunk)
-    return b"".join(parts)
 
 
 class _Output:
