@@ -31,12 +31,18 @@ def first_line(e: BaseException) -> str:
     return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (vLLM's _SAMPLING_EPS)
 
 
 def is_int(x: object) -> bool:
     """An int that is not a bool (True is an int in Python, and never means a count)."""
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _token_key(k: object) -> object:
+    """A logit_bias key: an int, or a string of digits (JSON keys are strings)."""
+    return int(k) if isinstance(k, str) and k.isdigit() and len(k) < 20 else k
 
 
 def is_real(x: object) -> bool:
@@ -58,6 +64,19 @@ class SamplingParams:
     vLLM): dividing logits by it would overflow to inf and give NaN probabilities. ``top_k <= 0``
     and ``top_p == 1`` disable those filters. ``seed`` drives a per-request ``torch.Generator``;
     ``None`` draws one at random. ``stop`` strings end generation and are not included in the text.
+
+    The rest as in vLLM (names, ranges and order of application; logits_process.py):
+    ``presence_penalty`` / ``frequency_penalty`` in [-2, 2] subtract per output token (once, or
+    per occurrence); ``repetition_penalty`` > 0 divides a positive logit (multiplies a negative
+    one) of every token in the prompt or output; ``logit_bias`` {token id: [-100, 100]} adds;
+    ``min_p`` in [0, 1] drops tokens below min_p times the likeliest one's probability;
+    ``min_tokens`` holds EOS and ``stop_token_ids`` back until that many tokens are out;
+    ``stop_token_ids`` end generation like EOS; ``bad_words`` are never completed;
+    ``allowed_token_ids`` are the only tokens that may be sampled. ``n`` independent samples of
+    the prompt (sample i > 0 seeded from ``seed`` and i). ``logprobs`` k >= 0 returns each
+    output token's log-probability and the k likeliest alternatives (``logprobs_mode``:
+    "raw_logprobs", the model's own distribution, as vLLM's default; "processed_logprobs",
+    after penalties, bias, masks, temperature and filters).
     """
 
     temperature: float = 1.0
@@ -67,6 +86,18 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # a dict {token id: bias} is accepted and stored sorted
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[str, ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+    logprobs: int | None = None
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
         # None is vLLM's default value
@@ -92,10 +123,78 @@ class SamplingParams:
             raise SpecDecodeError(f"seed must be a 64-bit integer (in [-2**63, 2**63)), got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
             raise SpecDecodeError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        self._check_processing()
+
+    def _check_processing(self) -> None:
+        if not is_int(self.n) or self.n < 1:
+            raise SpecDecodeError(f"n must be an integer >= 1, got {self.n!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_real(v) or not -2.0 <= v <= 2.0:
+                raise SpecDecodeError(f"{name} must be a number in [-2, 2], got {v!r}")
+        rp = self.repetition_penalty
+        if not is_real(rp) or not 0 < rp < math.inf:
+            raise SpecDecodeError(f"repetition_penalty must be a finite number > 0, got {rp!r}")
+        if not is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise SpecDecodeError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        bias = self.logit_bias
+        if bias is None:
+            bias = ()
+        if isinstance(bias, Mapping):
+            # JSON object keys are strings ("50256": 5, as OpenAI's clients send them)
+            bias = tuple((_token_key(k), v) for k, v in bias.items())
+        if not isinstance(bias, (list, tuple)) or not all(isinstance(e, (list, tuple)) and len(e) == 2 for e in bias):
+            raise SpecDecodeError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+        for t, v in bias:
+            if not is_int(t) or t < 0:
+                raise SpecDecodeError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
+            if not is_real(v) or not -100.0 <= v <= 100.0:
+                raise SpecDecodeError(f"logit_bias values must be numbers in [-100, 100], got {v!r} for token {t}")
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(v)) for t, v in bias)))
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise SpecDecodeError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise SpecDecodeError(f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            ids = getattr(self, name)
+            if ids is None and name == "allowed_token_ids":
+                continue
+            ids = () if ids is None else ids
+            if not isinstance(ids, (list, tuple)) or not all(is_int(t) and t >= 0 for t in ids):
+                raise SpecDecodeError(f"{name} must be a list of token ids (integers >= 0), got {getattr(self, name)!r}")
+            if name == "allowed_token_ids" and not ids:
+                raise SpecDecodeError("allowed_token_ids must not be empty (null allows every token)")
+            object.__setattr__(self, name, tuple(ids))
+        words = () if self.bad_words is None else (self.bad_words,) if isinstance(self.bad_words, str) else self.bad_words
+        if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
+            raise SpecDecodeError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
+        object.__setattr__(self, "bad_words", tuple(words))
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
+            raise SpecDecodeError(f"logprobs must be an integer >= 0 (the alternatives to return) or null, got {self.logprobs!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise SpecDecodeError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether p depends on more than temperature / top-k / top-p (logits_process.py)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens or self.bad_words
+                    or self.allowed_token_ids is not None)  # fmt: skip
+
+    def sample_seed(self, i: int) -> int | None:
+        """Sample i's seed among ``n``: the request's own for the first, a distinct 64-bit mix of
+        it and i for the rest (a request with n = 1 and that seed gives sample 0)."""
+        if self.seed is None or i == 0:
+            return self.seed
+        x = (self.seed + i * 0x9E3779B97F4A7C15) % 2**64  # splitmix64's finaliser: neighbours land far apart
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2**64
+        x ^= x >> 31
+        return x - 2**64 if x >= 2**63 else x
 
     def visible_text(self, text: str, finished: bool = True) -> str:
         """What of a request's decoded ``text`` may be shown: up to its first stop string (not

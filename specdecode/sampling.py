@@ -1,6 +1,6 @@
 """Logits -> probabilities, and seeded sampling from them.
 
-Owns: the one place temperature / top-k / top-p are applied (`logits_to_probs`), used
+Owns: the one place temperature / min-p / top-k / top-p are applied (`logits_to_probs`), used
 for the target's p and every drafter's q alike, so both see the same transforms; the
 per-row seeded sampler (`sample`); building the batched sampling tensors from
 `SamplingParams` (`sampling_tensors`); per-request generators (`make_generator`).
@@ -14,6 +14,7 @@ with it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -36,14 +37,18 @@ def argmax(x: Tensor) -> Tensor:
     return (x.float() if x.dtype == torch.bfloat16 and x.device.type == "cpu" else x).max(dim=-1).indices
 
 
-def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+def logits_to_probs(
+    logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor | None = None
+) -> Tensor:
     """Turn logits into the distribution tokens are sampled from, per row.
 
     logits [B, T, V] (any float dtype); temperature [B] float, 0 = greedy; top_k [B] int64,
-    <= 0 (or >= V) = off; top_p [B] float in (0, 1], 1 = off. Returns float32 [B, T, V].
+    <= 0 (or >= V) = off; top_p [B] float in (0, 1], 1 = off; min_p [B] float in [0, 1],
+    0 = off (None: off for all). Returns float32 [B, T, V].
 
-    Order as in vLLM / HF: divide by temperature, keep the top-k logits (ties with the k-th
-    value are kept, as both do), then keep the smallest set of tokens whose mass is
+    Order as in vLLM: divide by temperature, drop tokens whose probability is below min_p
+    times the likeliest's, keep the top-k logits (ties with the k-th
+    value are kept, as vLLM and HF do), then keep the smallest set of tokens whose mass is
     >= top_p (the top token always survives), then softmax over what is left. A greedy row
     is one-hot at ``argmax(logits)`` (the first index on ties, as ``torch.argmax``) and
     ignores the filters. Cost: no sort when no sampled row filters, one ``topk`` when rows
@@ -66,6 +71,10 @@ def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: T
 
     temp = torch.where(greedy, torch.ones_like(temperature), temperature).float()  # [B], greedy rows: 1
     scaled = logits / temp[:, None, None]  # [B, T, V]
+    if min_p is not None and bool(((min_p > 0) & ~greedy).any()):
+        probs = torch.softmax(scaled, dim=-1)  # [B, T, V]
+        floor = min_p.float()[:, None, None] * probs.amax(dim=-1, keepdim=True)  # [B, T, 1]
+        scaled = scaled.masked_fill(probs < floor, float("-inf"))
     if any_p:
         scaled = _top_k_top_p(scaled, use_k, top_k, use_p, top_p)
     elif max_k > 0:
@@ -145,12 +154,38 @@ def fill_per_row(
     return out
 
 
-def sampling_tensors(params: Sequence[SamplingParams], device: torch.device | str) -> tuple[Tensor, Tensor, Tensor]:
-    """Batch the per-request settings: temperature [B] float32, top_k [B] int64, top_p [B] float32."""
+def sampling_tensors(
+    params: Sequence[SamplingParams], device: torch.device | str
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Batch the per-request settings: temperature [B] float32, top_k [B] int64, top_p [B]
+    float32, min_p [B] float32 (the arguments of `logits_to_probs` after the logits)."""
     temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
     top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-    return temperature, top_k, top_p
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+    return temperature, top_k, top_p, min_p
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """An output token's log-probability under the target (per its ``logprobs_mode``), and the
+    ``top`` k likeliest tokens' (token id, logprob), likeliest first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logprobs: Tensor, tokens: Sequence[int], k: int) -> list[Logprob]:
+    """logprobs [n, V] (log-probabilities, -inf allowed), the token chosen at each of the n
+    positions, and how many alternatives to list -> one `Logprob` per position."""
+    chosen = logprobs.gather(1, torch.tensor(list(tokens), device=logprobs.device)[:, None])[:, 0].tolist()
+    if k > 0:
+        top = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
+        alts = [tuple(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+    else:
+        alts = [()] * len(chosen)
+    return [Logprob(t, lp, a) for t, lp, a in zip(tokens, chosen, alts)]
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:

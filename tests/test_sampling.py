@@ -154,7 +154,7 @@ def test_matches_reference(seed, V, scale, temperature, top_k, top_p):
             x = reference_probs(row, temperature, top_k, 1.0)
             cumulative = np.cumsum(np.sort(x)[::-1])
             assume(np.abs(cumulative - top_p).min() > 1e-4)
-    temperature_t, top_k_t, top_p_t = settings_for(1, temperature, top_k, top_p)
+    temperature_t, top_k_t, top_p_t, _ = settings_for(1, temperature, top_k, top_p)
     probs = logits_to_probs(logits, temperature_t, top_k_t, top_p_t)
     for t in range(2):
         expected = reference_probs(logits[0, t].double().numpy(), temperature, top_k, top_p)
@@ -248,8 +248,9 @@ def test_sample_needs_one_generator_per_row():
 
 
 def test_sampling_tensors_and_generators():
-    params = [SamplingParams(temperature=0.0, top_k=5), SamplingParams(temperature=0.7, top_p=0.9)]
-    temperature, top_k, top_p = sampling_tensors(params, "cpu")
+    params = [SamplingParams(temperature=0.0, top_k=5), SamplingParams(temperature=0.7, top_p=0.9, min_p=0.1)]
+    temperature, top_k, top_p, min_p = sampling_tensors(params, "cpu")
+    assert min_p.tolist() == pytest.approx([0.0, 0.1])
     assert temperature.dtype == torch.float32 and top_k.dtype == torch.int64 and top_p.dtype == torch.float32
     assert temperature.tolist() == pytest.approx([0.0, 0.7])
     assert top_k.tolist() == [5, 0]

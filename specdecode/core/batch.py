@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.config import SamplingParams
-from specdecode.sampling import make_generator, sampling_tensors
+from specdecode.sampling import Logprob, make_generator, sampling_tensors
 
 
 @dataclass
@@ -58,6 +58,12 @@ class Sequence:
     generator: torch.Generator
     stats: SpecStats = field(default_factory=SpecStats)
     finish_reason: str | None = None
+    bad_words_ids: list[list[int]] = field(default_factory=list)  # params.bad_words tokenized
+    logprobs: list[Logprob] = field(default_factory=list)  # one per output token, where params.logprobs asks
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt]
 
     @property
     def output_ids(self) -> list[int]:
@@ -81,7 +87,7 @@ class Batch:
 
     def _refresh(self) -> None:
         params = [s.params for s in self.seqs]
-        self.temperature, self.top_k, self.top_p = sampling_tensors(params, self.device)  # [B] each
+        self.temperature, self.top_k, self.top_p, self.min_p = sampling_tensors(params, self.device)  # [B] each
         self.all_greedy = all(p.greedy for p in params)
         self.generators = [s.generator for s in self.seqs]
         # set by the engine before each proposal: row b verifies at most draft_limits[b] draft tokens

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.core.batch import Sequence, SpecStats
+from specdecode.sampling import Logprob
 
 
 @dataclass
@@ -27,6 +28,7 @@ class RequestEvent:
     # when the step made it (time.perf_counter): a request's first token comes out of the prefill,
     # before the same step's decode round, whose tokens come out with it
     at: float = field(default_factory=time.perf_counter)
+    logprobs: list[Logprob] | None = None  # one per new token, where the request asks for logprobs
 
 
 @dataclass

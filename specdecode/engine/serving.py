@@ -41,6 +41,7 @@ from specdecode.engine.step import Engine
 from specdecode.model.cpu_block import MAX_POSITIONS
 from specdecode.model.loader import LoadedModel
 from specdecode.paged_cache import PagedKVCache, new_paged_cache
+from specdecode.logits_process import bad_words_ids, process_logits
 from specdecode.sampling import argmax, logits_to_probs, sample, sampling_tensors
 
 DEFAULT_KV_BYTES = 256 << 20  # KV pool size when num_blocks is not given (at least one full sequence)
@@ -134,10 +135,25 @@ class ServingEngine(Engine):
                 f"max_tokens={params.max_tokens} is beyond the context: the prompt has {len(prompt_ids)} of "
                 f"{self.max_model_len} tokens, so at most {room} can be generated"
             )
+        self._check_token_ids(params, vocab)
         gamma = self._parse_override(spec_override)
         seq = Batch.new_sequence(request_id, prompt_ids, params, self.device)
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise SpecDecodeError("bad_words needs a tokenizer; this model folder has none")
+            seq.bad_words_ids = bad_words_ids(params, self.tokenizer)
         self.budget.forget(request_id)  # an id an ended request had: nothing of it carries over
         self.waiting.append(Request(request_id, seq, gamma, next(self._arrivals)))
+
+    @staticmethod
+    def _check_token_ids(params: SamplingParams, vocab: int) -> None:
+        if params.n != 1:
+            raise SpecDecodeError(f"the engine takes one sample per request, got n={params.n}: add one request per sample")
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):  # fmt: skip
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise SpecDecodeError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
 
     def _parse_override(self, override: dict | None) -> int:
         if override is None:
@@ -270,10 +286,13 @@ class ServingEngine(Engine):
         fresh = [i for i, r in enumerate(reqs) if not r.resumed]
         events = []
         if fresh:
-            first = self._sample_first([reqs[i].seq for i in fresh], logits[fresh])
-            for i, token in zip(fresh, first):
+            seqs = [reqs[i].seq for i in fresh]
+            first, logprobs = self._sample_first(seqs, logits[fresh])
+            for i, token, lp in zip(fresh, first, logprobs):
                 seq = reqs[i].seq
                 new = self._append_until_stop(seq, [token])
+                if lp is not None:
+                    seq.logprobs += lp[: len(new)]
                 events.append(self._event(reqs[i], new))
         for req in reqs:
             self.prefilling.remove(req)
@@ -294,12 +313,21 @@ class ServingEngine(Engine):
         req.features = []
         return features[: len(req.seq.token_ids) - 1]
 
-    def _sample_first(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+    def _sample_first(self, seqs: list[Sequence], raw: torch.Tensor) -> tuple[list[int], list]:
+        """The first output token after each prompt (raw logits [B, V]), as a round of no drafts
+        would sample it, and its `Logprob` where asked (else None)."""
         params = [s.params for s in seqs]
+        states = self._row_states(seqs)
+        logits = raw if states is None else process_logits(raw, range(len(seqs)), [[]] * len(seqs), states)
         if all(p.greedy for p in params):
-            return argmax(logits).tolist()
-        p = logits_to_probs(logits[:, None], *sampling_tensors(params, self.device))[:, 0]  # [B, V]
-        return sample(p, [s.generator for s in seqs]).tolist()
+            first = argmax(logits).tolist()
+        else:
+            p = logits_to_probs(logits[:, None], *sampling_tensors(params, self.device))[:, 0]  # [B, V]
+            first = sample(p, [s.generator for s in seqs]).tolist()
+        valid = torch.ones(len(seqs), 1, dtype=torch.bool, device=self.device)
+        out = torch.tensor(first, device=self.device)[:, None]
+        logprobs = self._logprobs(seqs, raw, logits, valid, out, torch.zeros_like(out[:, 0]))
+        return first, logprobs or [None] * len(seqs)
 
     def _decode_round(self) -> list[RequestEvent]:
         ids = list(self.running)
@@ -347,7 +375,7 @@ class ServingEngine(Engine):
         start = clock(self.device, wait)
         v = self._verify_round(self.batch, self.cache, draft)
         seconds = clock(self.device, wait) - start
-        step_events = self._append_tokens(self.batch, v.out, v.num_accepted, v.num_draft)
+        step_events = self._append_tokens(self.batch, v.out, v.num_accepted, v.num_draft, v.logprobs)
         if self.drafter is not None:
             self.drafter.on_verified(self.batch, v.num_accepted, v.aux_logits, v.hidden)
         self.budget.observe(reqs, v.num_accepted, v.num_draft, seconds, draft_seconds, depth, shadow, v.num_positions)
@@ -401,6 +429,8 @@ class ServingEngine(Engine):
 
     def _event(self, req: Request, new: list[int]) -> RequestEvent:
         seq = req.seq
+        logprobs = seq.logprobs[len(seq.logprobs) - len(new) :] if seq.params.logprobs is not None else None
         return RequestEvent(  # the stats as of this event: a prefill's event comes before its step's decode round
-            req.request_id, new, seq.finish_reason, seq.stats.snapshot(), seq.num_prompt, len(seq.token_ids) - seq.num_prompt
-        )
+            req.request_id, new, seq.finish_reason, seq.stats.snapshot(), seq.num_prompt,
+            len(seq.token_ids) - seq.num_prompt, logprobs=logprobs,
+        )  # fmt: skip

@@ -24,15 +24,16 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.config import SpecConfig, SpecDecodeError
+from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Draft, Drafter, DrafterContext
 from specdecode.drafters.registry import create_drafter
 from specdecode.core.batch import Batch, Sequence, SpecStats
 from specdecode.kv_cache import KVCache
+from specdecode.logits_process import RowState, process_logits
 from specdecode.model.cpu_int4 import cpu_lib
 from specdecode.model.loader import LoadedModel
-from specdecode.sampling import argmax, logits_to_probs
-from specdecode.tree import commit_paths
+from specdecode.sampling import Logprob, argmax, logits_to_probs, sampling_tensors, token_logprobs
+from specdecode.tree import TreeBatch, commit_paths
 from specdecode.verify import greedy_verify, rejection_sample, tree_greedy_verify, tree_rejection_sample, typical_verify
 
 
@@ -46,6 +47,7 @@ class Verified:
     aux_logits: torch.Tensor | None = None  # [B, A, V] at the proposal's aux branch
     hidden: torch.Tensor | None = None  # [B, w+1, F] target features at the committed tokens (root first)
     num_positions: int | None = None  # positions the pass verified, where not rows + drafts (trees, aux branches)
+    logprobs: list[list[Logprob] | None] | None = None  # per row asking: one per emitted token
 
 
 @dataclass
@@ -143,7 +145,9 @@ class Engine:
         valid = torch.arange(1 + width, device=self.device)[None, :] <= num_draft[:, None]  # a row pays for its own drafts
         greedy = batch.all_greedy  # only the argmax is read: the logits stay in the head's dtype
         # logits [N, V] at the real positions; hidden [B, 1 + w, F]
-        logits, hidden = self._target(tokens, positions, cache, valid=valid, packed=True, fp32_logits=not greedy)
+        raw, hidden = self._target(tokens, positions, cache, valid=valid, packed=True,
+                                   fp32_logits=not greedy or self._wants_logprobs(batch.seqs))  # fmt: skip
+        logits = self._process(batch, raw, _chain_contexts, draft_tokens, num_draft)
         if draft.typical is not None:  # LOSSY opt-in (Medusa's typical acceptance): flag the requests it bent
             # a greedy row's p is one-hot, where typical acceptance is greedy verification (exact), and
             # a row without drafts samples from p alone
@@ -157,7 +161,8 @@ class Engine:
         else:
             out, num_accepted = rejection_sample(_probs_at(logits, valid, batch), q, draft_tokens, batch.generators)
         cache.commit(num_accepted + 1)
-        return Verified(out, num_accepted, num_draft, None, hidden)
+        logprobs = self._logprobs(batch.seqs, raw, logits, valid, out, num_accepted)
+        return Verified(out, num_accepted, num_draft, None, hidden, logprobs=logprobs)
 
     def _verify_tree(self, batch: Batch, cache: KVCache, draft: Draft) -> Verified:
         """One target pass over every row's tree (and aux branch); the accepted path's K/V are
@@ -175,13 +180,13 @@ class Engine:
         num_positions = tokens.numel() if aux is not None else int(valid.sum())
         aux_logits = None
         if aux is not None:  # the aux branch's logits are read whole: the padded layout
-            logits, hidden = self._target(tokens, positions, cache, block_mask=mask, valid=valid)
-            logits, aux_logits = logits[:, : tree.num_nodes], logits[:, tree.num_nodes :]  # [B, N, V], [B, A, V]
-            logits, valid = logits.flatten(0, 1)[tree.valid.reshape(-1)], tree.valid  # as packed: [N, V]
+            raw, hidden = self._target(tokens, positions, cache, block_mask=mask, valid=valid)
+            raw, aux_logits = raw[:, : tree.num_nodes], raw[:, tree.num_nodes :]  # [B, N, V], [B, A, V]
+            raw, valid = raw.flatten(0, 1)[tree.valid.reshape(-1)], tree.valid  # as packed: [N, V]
         else:
-            logits, hidden = self._target(
-                tokens, positions, cache, block_mask=mask, valid=valid, packed=True, fp32_logits=not batch.all_greedy
-            )  # [N, V]
+            raw, hidden = self._target(tokens, positions, cache, block_mask=mask, valid=valid, packed=True,
+                                       fp32_logits=not batch.all_greedy or self._wants_logprobs(batch.seqs))  # fmt: skip
+        logits = self._process(batch, raw, _tree_contexts, tree)  # [N, V]
         if batch.all_greedy:
             out, num_accepted, nodes = tree_greedy_verify(_argmax_at(logits, valid), tree)  # [B, N] -> paths
         else:
@@ -189,15 +194,58 @@ class Engine:
         commit_paths(cache, nodes, num_accepted)
         if hidden is not None:  # the accepted path's features, root first
             hidden = hidden.gather(1, nodes.clamp(min=0)[:, :, None].expand(-1, -1, hidden.shape[-1]))
-        return Verified(out, num_accepted, draft.num_tokens, aux_logits, hidden, num_positions)
+        logprobs = self._logprobs(batch.seqs, raw, logits, valid, out, num_accepted, nodes)
+        return Verified(out, num_accepted, draft.num_tokens, aux_logits, hidden, num_positions, logprobs)
+
+    # ---- what plain decoding does to p: token masks, bias, penalties; logprobs -----------
+
+    def _row_states(self, seqs: list[Sequence]) -> list[RowState | None] | None:
+        """Each row's processing state (None where its settings process nothing); None for all."""
+        if not any(s.params.processes_logits for s in seqs):
+            return None
+        return [RowState(s.prompt_ids, s.output_ids, s.params, self.eos_ids, s.bad_words_ids)
+                if s.params.processes_logits else None for s in seqs]  # fmt: skip
+
+    def _process(self, batch: Batch, raw: torch.Tensor, contexts, *args) -> torch.Tensor:
+        """The packed logits [N, V] processed, each position with its own context: the row's
+        output and the draft tokens on its path (``contexts(*args)`` lists them in packed order)."""
+        states = self._row_states(batch.seqs)
+        return raw if states is None else process_logits(raw, *contexts(*args), states)
+
+    @staticmethod
+    def _wants_logprobs(seqs: list[Sequence]) -> bool:
+        return any(s.params.logprobs is not None for s in seqs)
+
+    def _logprobs(self, seqs: list[Sequence], raw: torch.Tensor, processed: torch.Tensor, valid: torch.Tensor,
+                  out: torch.Tensor, num_accepted: torch.Tensor, nodes: torch.Tensor | None = None,
+                  ) -> list[list[Logprob] | None] | None:  # fmt: skip
+        """Per row asking, a `Logprob` for each emitted token, from the verify pass's logits at
+        the position that emitted it (chains: position j; trees: the path's node j)."""
+        if not self._wants_logprobs(seqs):
+            return None
+        index = (valid.reshape(-1).long().cumsum(0) - 1).view(valid.shape)  # [B, T] packed index of each position
+        result: list[list[Logprob] | None] = [None] * len(seqs)
+        for b, seq in enumerate(seqs):
+            sp = seq.params
+            if sp.logprobs is None:
+                continue
+            n = int(num_accepted[b]) + 1
+            at = index[b, :n] if nodes is None else index[b, nodes[b, :n]]
+            result[b] = token_logprobs(_logprob_table(sp, raw[at], processed[at]), out[b, :n].tolist(), sp.logprobs)
+        return result
 
     def _append_tokens(
-        self, batch: Batch, out: torch.Tensor, num_accepted: torch.Tensor, num_draft: torch.Tensor
-    ) -> list[StepEvent]:
+        self, batch: Batch, out: torch.Tensor, num_accepted: torch.Tensor, num_draft: torch.Tensor,
+        logprobs: list[list[Logprob] | None] | None = None,
+    ) -> list[StepEvent]:  # fmt: skip
         """Append each row's emitted tokens, stopping at EOS, stop strings or its length limit."""
         events = []
-        for seq, row, n_acc, n_draft in zip(batch.seqs, out.tolist(), num_accepted.tolist(), num_draft.tolist()):
+        for b, (seq, row, n_acc, n_draft) in enumerate(
+            zip(batch.seqs, out.tolist(), num_accepted.tolist(), num_draft.tolist())
+        ):
             new = self._append_until_stop(seq, row[: n_acc + 1])
+            if logprobs is not None and logprobs[b] is not None:
+                seq.logprobs += logprobs[b][: len(new)]
             if len(new) <= n_acc:  # cut by EOS, a stop string or max_tokens among the accepted drafts: the
                 # round counts the drafts it emitted, all accepted (max_tokens 4 at γ 8 said τ 9; now 4)
                 n_draft = n_acc = len(new)
@@ -211,7 +259,7 @@ class Engine:
         for t in tokens:
             seq.token_ids.append(t)
             added.append(t)
-            if t in self.eos_ids and not seq.params.ignore_eos:
+            if (t in self.eos_ids and not seq.params.ignore_eos) or t in seq.params.stop_token_ids:
                 seq.finish_reason = "stop"
             elif len(seq.token_ids) >= limit:
                 seq.finish_reason = "length"
@@ -250,6 +298,43 @@ def _argmax_at(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return out.view(valid.shape)
 
 
+def _chain_contexts(drafts: torch.Tensor, num_draft: torch.Tensor) -> tuple[list[int], list[list[int]]]:
+    """The row and draft prefix of each real position of a chain pass, in packed order:
+    position j of row b follows d_1..d_j."""
+    rows, prefixes = [], []
+    for b, (row, n) in enumerate(zip(drafts.tolist(), num_draft.tolist())):
+        rows += [b] * (n + 1)
+        prefixes += [row[:j] for j in range(n + 1)]
+    return rows, prefixes
+
+
+def _tree_contexts(tree: TreeBatch) -> tuple[list[int], list[list[int]]]:
+    """The row and path of each real node of a tree pass, in packed order: node n follows
+    the tokens of its ancestors below the root, then its own."""
+    rows, prefixes = [], []
+    for b, (tokens, parents, valid) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist(), tree.valid.tolist())):
+        path: dict[int, list[int]] = {0: []}
+        for n in range(len(tokens)):
+            if not valid[n]:
+                continue
+            if n > 0:
+                path[n] = path[parents[n]] + [tokens[n]]
+            rows.append(b)
+            prefixes.append(path[n])
+    return rows, prefixes
+
+
+def _logprob_table(sp: SamplingParams, raw: torch.Tensor, processed: torch.Tensor) -> torch.Tensor:
+    """[n, V] the log-probabilities a request's ``logprobs_mode`` reports: the model's own
+    (raw), or those of the distribution its tokens are drawn from (processed; at temperature
+    0 the processed logits' softmax, as the one-hot would say nothing)."""
+    if sp.logprobs_mode == "raw_logprobs":
+        return torch.log_softmax(raw.float(), dim=-1)
+    if sp.greedy:
+        return torch.log_softmax(processed.float(), dim=-1)
+    return logits_to_probs(processed[None], *sampling_tensors([sp], processed.device))[0].log()
+
+
 def _probs_at(logits: torch.Tensor, valid: torch.Tensor, batch: Batch, zero_padding: bool = False) -> torch.Tensor:
     """[B, T, V] p at each real position of a pass, from its packed logits [N, V], each under its
     row's sampling settings. Padding is left unwritten unless ``zero_padding``: the chain and tree
@@ -257,7 +342,9 @@ def _probs_at(logits: torch.Tensor, valid: torch.Tensor, batch: Batch, zero_padd
     and zeroing it cost ~10 ms at 32 rows x 9 positions on the default model."""
     real = valid.reshape(-1)
     rows = real.nonzero()[:, 0] // valid.shape[1]  # [N] the row of each real position
-    p_real = logits_to_probs(logits[:, None], batch.temperature[rows], batch.top_k[rows], batch.top_p[rows])[:, 0]
+    p_real = logits_to_probs(
+        logits[:, None], batch.temperature[rows], batch.top_k[rows], batch.top_p[rows], batch.min_p[rows]
+    )[:, 0]
     p = (p_real.new_zeros if zero_padding else p_real.new_empty)(valid.numel(), p_real.shape[-1])
     p[real] = p_real
     return p.view(*valid.shape, -1)

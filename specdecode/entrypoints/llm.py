@@ -10,7 +10,7 @@ import dataclasses
 import numbers
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence, Union
 
 import torch
@@ -19,6 +19,7 @@ from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError, is_in
 from specdecode.drafters.registry import parse_spec
 from specdecode.core.batch import SpecStats
 from specdecode.engine.serving import ServingEngine
+from specdecode.sampling import Logprob
 
 Prompt = Union[str, list[int]]
 
@@ -79,22 +80,40 @@ class RequestMetrics(SpecStats):
 
 @dataclass
 class StreamEvent:
-    """New tokens for prompt ``index`` (``finish_reason`` set on its last event)."""
+    """New tokens for prompt ``index``'s sample ``sample`` (``finish_reason`` set on its last event)."""
 
     index: int
     new_token_ids: list[int]
     finish_reason: str | None
     time_s: float  # since the start of the call
     stats: SpecStats
+    sample: int = 0  # which of the prompt's n samples
+    logprobs: list[Logprob] | None = None  # one per new token, where SamplingParams.logprobs asks
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a prompt (vLLM's name): ``index`` among its n."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    metrics: RequestMetrics
+    logprobs: list[Logprob] | None = None
 
 
 @dataclass
 class RequestOutput:
+    """A prompt's output: its first sample's fields, and every sample in ``outputs`` (n of them)."""
+
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
     finish_reason: str
     metrics: RequestMetrics
+    logprobs: list[Logprob] | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
 
 
 class LLM:
@@ -192,25 +211,35 @@ class LLM:
         is called as round after round commits new tokens to request ``i`` (streaming).
         """
         token_lists, params = self._prepare(prompts, sampling_params)
-        outputs: list[list[int]] = [[] for _ in token_lists]
-        finish: list[str | None] = [None] * len(token_lists)
-        done_at = [0.0] * len(token_lists)
-        first_at = [0.0] * len(token_lists)
-        stats: list[Any] = [SpecStats() for _ in token_lists]
+        keys = [(i, k) for i, sp in enumerate(params) for k in range(sp.n)]
+        outputs: dict[tuple[int, int], list[int]] = {key: [] for key in keys}
+        logprobs: dict[tuple[int, int], list[Logprob]] = {key: [] for key in keys}
+        finish: dict[tuple[int, int], str] = {}
+        done_at, first_at = dict.fromkeys(keys, 0.0), dict.fromkeys(keys, 0.0)
+        stats: dict[tuple[int, int], Any] = {key: SpecStats() for key in keys}
         for e in self._stream(token_lists, params, speculative):
-            if not outputs[e.index]:
-                first_at[e.index] = e.time_s
-            outputs[e.index] += e.new_token_ids
-            stats[e.index] = e.stats
-            if on_tokens is not None and e.new_token_ids:
+            key = (e.index, e.sample)
+            if not outputs[key]:
+                first_at[key] = e.time_s
+            outputs[key] += e.new_token_ids
+            logprobs[key] += e.logprobs or []
+            stats[key] = e.stats
+            if on_tokens is not None and e.new_token_ids and e.sample == 0:
                 on_tokens(e.index, e.new_token_ids)
             if e.finish_reason:
-                finish[e.index] = e.finish_reason
-                done_at[e.index] = e.time_s
-        return [
-            self._output(token_lists[i], outputs[i], finish[i] or "length", params[i], stats[i], done_at[i], first_at[i])
-            for i in range(len(token_lists))
-        ]
+                finish[key] = e.finish_reason
+                done_at[key] = e.time_s
+        results = []
+        for i, sp in enumerate(params):
+            samples = [
+                self._output(k, outputs[i, k], finish.get((i, k), "length"), sp, stats[i, k], done_at[i, k],
+                             first_at[i, k], logprobs[i, k] if sp.logprobs is not None else None)
+                for k in range(sp.n)
+            ]  # fmt: skip
+            first = samples[0]
+            results.append(RequestOutput(token_lists[i], first.token_ids, first.text, first.finish_reason,
+                                         first.metrics, first.logprobs, samples))  # fmt: skip
+        return results
 
     def stream(
         self,
@@ -231,16 +260,20 @@ class LLM:
                 "another generate/stream call on this LLM is still open: finish that stream or close() it first"
             )
         engine = self.engine if speculative else self._plain
-        ids = [f"llm-{id(self)}-{time.perf_counter_ns()}-{i}" for i in range(len(token_lists))]
-        index = {rid: i for i, rid in enumerate(ids)}
+        call = f"llm-{id(self)}-{time.perf_counter_ns()}"
+        # n samples of a prompt are n requests, sample k seeded by SamplingParams.sample_seed(k)
+        index = {f"{call}-{i}-{k}": (i, k) for i, sp in enumerate(params) for k in range(sp.n)}
+        ids = list(index)
         start = time.perf_counter()
         self._open_call = True
         try:
-            for rid, tokens, sp in zip(ids, token_lists, params):
-                engine.add_request(rid, tokens, sp)
+            for rid, (i, k) in index.items():
+                sp = params[i]
+                engine.add_request(rid, token_lists[i], dataclasses.replace(sp, n=1, seed=sp.sample_seed(k)))
             while engine.has_unfinished():
                 for e in engine.step():
-                    yield StreamEvent(index[e.request_id], e.new_token_ids, e.finish_reason, e.at - start, e.stats)
+                    i, k = index[e.request_id]
+                    yield StreamEvent(i, e.new_token_ids, e.finish_reason, e.at - start, e.stats, k, e.logprobs)
         except GeneratorExit:  # the consumer stopped early: its requests are aborted below
             raise
         except BaseException:  # a failed or interrupted (Ctrl-C) step may have left a row half removed,
@@ -326,10 +359,10 @@ class LLM:
             )
         return ids
 
-    def _output(self, prompt, out, finish, params, stats, wall, first) -> RequestOutput:
+    def _output(self, index, out, finish, params, stats, wall, first, logprobs) -> CompletionOutput:
         text = params.visible_text(self.decode(out))
         metrics = RequestMetrics(**dataclasses.asdict(stats), num_generated_tokens=len(out), wall_time_s=wall, first_token_time_s=first)
-        return RequestOutput(prompt, out, text, finish, metrics)
+        return CompletionOutput(index, out, text, finish, metrics, logprobs)
 
 
 def _as_ids(prompt: Any) -> Any:

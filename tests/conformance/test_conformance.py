@@ -6,12 +6,17 @@ a tree where it drafts trees, gets these checks by being registered (tiny fp32 m
   output equals plain greedy alone, and no KV block is left held;
 - a seeded sampled request gives the same tokens alone and beside other requests;
 - the sampled joint distribution of the first tokens is the target's (exact enumeration);
+- with every sampling feature (penalties, logit_bias, min_p, min_tokens, stop_token_ids,
+  allowed_token_ids, logprobs), alone and combined: greedy output and logprobs equal plain
+  decoding's, and the sampled joint distribution is the processed target's;
 - an unknown key in its configuration is one line naming the key.
 
 A method's own test file covers only what is special about it.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -21,7 +26,15 @@ from specdecode.config import SpecDecodeError
 from specdecode.drafters.registry import method_names
 from specdecode.engine.serving import ServingEngine
 from tests.conformance.builders import BUILDERS, method_specs
-from tests.engine.checks import assert_greedy_matches_plain, assert_samples_follow_target, greedy, sampling_target
+from tests.engine.checks import (
+    assert_greedy_matches_plain,
+    assert_samples_follow_target,
+    exact_joint,
+    greedy,
+    joint_chisquare,
+    sampling_target,
+)
+from tests.engine.checks import SAMPLING_PROMPT, SAMPLING_VOCAB
 from tests.tiny import make_tiny_checkpoint
 
 PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4, 4, 6], [11], [2, 3, 2, 3, 2, 3, 2, 3, 2]]
@@ -153,3 +166,63 @@ def test_sampled_joint_distribution_is_the_targets(sampling, method, variant):
     path, spec = sampling(method, variant)
     llm = LLM(model=path, speculative_config=spec, dtype="float32", device="cpu")
     assert_samples_follow_target(llm, 3, 0.9, 0, samples=2000)
+
+
+# each alone, then all at once; the tiny target's vocabulary is 128 (EOS 2)
+FEATURES = {
+    "penalties": dict(repetition_penalty=1.4, presence_penalty=0.6, frequency_penalty=0.5),
+    "logit_bias": dict(logit_bias={3: 4.0, 82: -100.0, 29: 1.5}),
+    "min_p": dict(min_p=0.2),
+    "min_tokens": dict(min_tokens=20, stop_token_ids=[13, 22], ignore_eos=False),
+    "allowed_token_ids": dict(allowed_token_ids=list(range(0, 128, 3))),
+    "logprobs": dict(logprobs=3),
+    "processed_logprobs": dict(logprobs=2, logprobs_mode="processed_logprobs", repetition_penalty=1.2),
+}
+FEATURES["combined"] = {k: v for f in FEATURES.values() for k, v in f.items()} | {"stop_token_ids": [13]}
+
+
+@pytest.mark.parametrize("method,variant", cases())
+def test_sampling_features_greedy_equal_plain(target, specs, method, variant):
+    _, path, plain = target
+    llm = LLM(model=path, speculative_config=specs(method, variant), dtype="float32", device="cpu")
+    accepted = 0
+    for name, feature in FEATURES.items():
+        params = SamplingParams(**{"temperature": 0.0, "max_tokens": 24, "ignore_eos": True, **feature})
+        want = plain.generate(PROMPTS, params)
+        got = llm.generate(PROMPTS, params) + [llm.generate([p], params)[0] for p in PROMPTS]
+        for w, g in zip(want + want, got):
+            assert g.token_ids == w.token_ids, (name, method, variant)
+            if params.logprobs is not None:
+                assert [x.token_id for x in g.logprobs] == g.token_ids
+                for a, b in zip(g.logprobs, w.logprobs):
+                    assert abs(a.logprob - b.logprob) <= 1e-5, (name, method, variant)
+                    assert [t for t, _ in a.top] == [t for t, _ in b.top] and len(a.top) == params.logprobs
+        accepted += sum(o.metrics.num_accepted_tokens for o in got)
+        if name == "min_tokens":
+            assert all(len(o.token_ids) >= 20 for o in want)  # held back, then free to stop
+    assert accepted > 0
+
+
+SAMPLED_FEATURES = dict(repetition_penalty=1.5, presence_penalty=0.7, frequency_penalty=0.4,
+                        logit_bias={2: 1.0, 4: -0.5}, min_p=0.1)  # fmt: skip
+
+
+@pytest.mark.parametrize("method,variant", cases())
+def test_sampled_features_follow_the_processed_target(sampling, method, variant):
+    """Penalties, bias and min_p move p at every draft position by the draft tokens before it;
+    the joint distribution of 3 tokens must still be plain decoding's, and the test must be
+    able to tell it from the target's without the processing."""
+    path, spec = sampling(method, variant)
+    llm = LLM(model=path, speculative_config=spec, dtype="float32", device="cpu")
+    base = SamplingParams(temperature=0.9, max_tokens=3, ignore_eos=True, **SAMPLED_FEATURES)
+    want = exact_joint(llm, SAMPLING_PROMPT, 3, 0, 0, params=base)
+    params = [dataclasses.replace(base, seed=s) for s in range(2000)]
+    outs = llm.generate([SAMPLING_PROMPT] * len(params), params)
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+    test = joint_chisquare([o.token_ids for o in outs], want, SAMPLING_VOCAB, 3)
+    assert test.pvalue > 1e-3
+    # power: penalties that miss the tokens before a position (as drafts left out of them would), or
+    # no processing at all, would be told apart at this size
+    for wrong in (exact_joint(llm, SAMPLING_PROMPT, 3, 0, 0, params=base, see_output=False),
+                  exact_joint(llm, SAMPLING_PROMPT, 3, 0.9, 0)):  # fmt: skip
+        assert test.pvalue_if(wrong) < 1e-3

@@ -13,14 +13,19 @@ import torch
 from scipy.stats import chisquare
 
 from specdecode import LLM, SamplingParams
-from specdecode.sampling import logits_to_probs
+from specdecode.logits_process import RowState, process_logits
+from specdecode.sampling import logits_to_probs, sampling_tensors
 from tests.tiny import make_tiny_checkpoint
 
 
 def exact_joint(
-    llm: LLM, prompt: list[int], n: int, temperature: float, top_k: int, top_p: float = 1.0
-) -> dict[tuple, float]:
-    """The target's probability of every n-token continuation of ``prompt`` (tiny vocab)."""
+    llm: LLM, prompt: list[int], n: int, temperature: float, top_k: int, top_p: float = 1.0,
+    params: SamplingParams | None = None, see_output: bool = True,
+) -> dict[tuple, float]:  # fmt: skip
+    """The target's probability of every n-token continuation of ``prompt`` (tiny vocab), as
+    plain decoding would sample it; with ``params``, under all of its settings (penalties,
+    bias, masks, min_p: logits_process.py) in place of the three given. ``see_output`` False
+    is a wrong rule for power checks: penalties that never see the tokens generated so far."""
     model = llm.target.model
     V = llm.target.config.vocab_size
     probs: dict[tuple, float] = {(): 1.0}
@@ -31,7 +36,13 @@ def exact_joint(
         positions = torch.arange(tokens.shape[1]).expand_as(tokens)
         logits = model(tokens, positions, cache)[:, -1:]
         B = len(prefixes)
-        p = logits_to_probs(logits, torch.full((B,), temperature), torch.full((B,), top_k), torch.full((B,), top_p))
+        if params is None:
+            p = logits_to_probs(logits, torch.full((B,), temperature), torch.full((B,), top_k), torch.full((B,), top_p))
+        else:
+            state = RowState(prompt, [], params, llm.target.config.eos_token_ids)
+            seen = prefixes if see_output else [()] * B
+            logits = process_logits(logits[:, 0], range(B), seen, [state] * B)[:, None]
+            p = logits_to_probs(logits, *sampling_tensors([params] * B, "cpu"))
         p = p[:, 0]
         probs = {pre + (t,): probs[pre] * float(p[i, t]) for i, pre in enumerate(prefixes) for t in range(V)}
     return probs
