@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 
 from specdecode.config import SamplingParams, SpecDecodeError
 from specdecode.drafters.registry import parse_spec
+from specdecode.entrypoints.sampling_flags import add_sampling_flags, logprobs_json, sampling_params
 
 EXIT_BAD_INPUT = 2
 
@@ -32,14 +33,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("prompt", help="the prompt text")
     g.add_argument("--model", default=None, help="HF folder, .gguf file or alias (default: SmolLM2-135M-Instruct)")
     g.add_argument("--speculative-config", default=None, help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
-    g.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens; 0 (or -1, as vLLM) = off")
-    g.add_argument("--top-p", type=float, default=1.0,
-                   help="keep the smallest set of tokens with this much mass; 1 = off")
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
+    add_sampling_flags(g)
     g.add_argument("--dtype", default="auto", help="auto (bfloat16), float32, bfloat16, float16 (quantized weights, "
                    "e.g. the default GGUF blocks, still multiply in bfloat16; --quantization none for float32 math)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda")
@@ -209,18 +203,6 @@ def _print_roofline(r: dict[str, Any]) -> None:
           f"compute {r['compute_ms']:.2f} ms -> verification {verdict}")
 
 
-def _params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-        stop=tuple(args.stop),
-        ignore_eos=args.ignore_eos,
-    )
-
-
 class _TextStreamer:
     """Prints text as rounds commit tokens: decoding the whole output keeps multi-byte characters
     whole, and what may still become part of a stop string waits (`SamplingParams.visible_text`)."""
@@ -240,7 +222,7 @@ class _TextStreamer:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    params = _params(args)
+    params = sampling_params(args)
     spec = parse_spec(args.speculative_config)  # bad JSON fails before the model loads
     if args.threads is not None:
         if args.threads < 1:
@@ -265,6 +247,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "text": out.text,
         "token_ids": out.token_ids,
         "finish_reason": out.finish_reason,
+        "logprobs": logprobs_json(out.logprobs, llm.decode),
         "speculative_config": spec.to_dict() if spec else None,
         "kernels": llm.kernels,
         "batch_invariant": llm.engine.batch_invariant,
@@ -279,6 +262,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         # after the first token (prefill aside): what speculation changes
         result["decode_speedup"] = out.metrics.decode_tokens_per_s / max(base.metrics.decode_tokens_per_s, 1e-9)
         result["identical"] = base.token_ids == out.token_ids if params.greedy else None
+    if params.n > 1:  # the first sample streamed; the others after it, and all of them in the JSON
+        result["samples"] = [{"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                              "logprobs": logprobs_json(c.logprobs, llm.decode)} for c in out.outputs]  # fmt: skip
+        if not args.json:
+            for c in out.outputs[1:]:
+                print(f"\n--- sample {c.index}\n{c.text}")
     if args.json:
         print(json.dumps(result))
     else:

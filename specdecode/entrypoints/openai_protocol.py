@@ -23,17 +23,17 @@ from specdecode.config import SamplingParams, SpecDecodeError, first_line, is_in
 from specdecode.core.batch import SpecStats
 from specdecode.entrypoints.llm import RequestMetrics
 
-# OpenAI fields we do not implement: a request that sets one gets a 400 rather than silence,
-# except at the values that ask for nothing (their defaults, which some clients always send).
-# Those are compared with their types, so that completions' ``logprobs: 0`` (the chosen tokens'
-# logprobs) is not taken for chat's ``logprobs: false``.
+# OpenAI and vLLM fields we do not implement: a request that sets one gets a 400 rather than
+# silence, except at the values that ask for nothing (their defaults, which some clients always send).
 UNSUPPORTED: dict[str, tuple] = {
-    "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "suffix": ("",), "logit_bias": ({},),
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "tools": ([],), "functions": ([],),
-    "repetition_penalty": (1, 1.0), "response_format": ({"type": "text"},), "stop_token_ids": ([],),
-    "min_tokens": (0,), "min_p": (0, 0.0), "tool_choice": ("none",), "guided_json": (),
+    "suffix": ("",), "tools": ([],), "functions": ([],), "response_format": ({"type": "text"},),
+    "tool_choice": ("none",), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "structured_outputs": (), "prompt_logprobs": (),
 }  # fmt: skip
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "n")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "n", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "min_tokens", "stop_token_ids",
+                   "bad_words", "allowed_token_ids", "logprobs", "top_logprobs", "logprobs_mode")  # fmt: skip
+MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default max_logprobs and OpenAI's top_logprobs
 
 
 class APIError(Exception):
@@ -87,19 +87,34 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
     speculative_config: dict[str, Any] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extensions from here
+    min_p: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    logprobs_mode: str | None = None
 
     def check_supported(self) -> None:
         for name, no_ops in UNSUPPORTED.items():
             value = (self.model_extra or {}).get(name)
             if value is not None and not any(type(value) is type(v) and value == v for v in no_ops):
                 raise bad_request(f"{name} is not supported by this server", name)
-        if self.n not in (None, 1):
-            raise bad_request(f"only n = 1 is supported, got {self.n}", "n")
-        if self.best_of not in (None, 1):
-            raise bad_request(f"only best_of = 1 is supported, got {self.best_of}", "best_of")
+        if self.best_of not in (None, 1, self.n):
+            raise bad_request(f"best_of must equal n (no sample is ranked or dropped), got {self.best_of}", "best_of")
+
+    def num_logprobs(self) -> int | None:
+        """The alternatives to return per token; None: no logprobs."""
+        return None
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        optional = {name: getattr(self, name) for name in (
+            "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "min_tokens",
+            "stop_token_ids", "bad_words", "allowed_token_ids", "logprobs_mode", "n") if getattr(self, name) is not None}  # fmt: skip
         try:
             return SamplingParams(
                 temperature=1.0 if self.temperature is None else self.temperature,  # OpenAI's default
@@ -109,6 +124,8 @@ class _Request(BaseModel):
                 seed=self.seed,
                 stop=stop,
                 ignore_eos=bool(self.ignore_eos),
+                logprobs=self.num_logprobs(),
+                **optional,
             )
         except SpecDecodeError as e:
             raise self.as_sent(from_spec_error(e)) from None
@@ -124,14 +141,23 @@ class _Request(BaseModel):
 
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None  # the alternatives per token (0: the chosen token's only)
+    echo: bool | None = None
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self, most: int) -> list[str | list[int]]:
+        """The prompts: a list of strings or of token-id lists is a batch (one choice each, n each)."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise bad_request(f"one prompt per request, got {len(p)}", "prompt")
-            p = p[0]
-        return p
+        batch = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        if len(batch) > most:
+            raise bad_request(f"prompt: at most {most} prompts per request, got {len(batch)}", "prompt")
+        return batch
+
+    def num_logprobs(self) -> int | None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
+        if self.echo and self.logprobs is not None:
+            raise bad_request("echo with logprobs would need the prompt's logprobs, which are not supported", "echo")
+        return self.logprobs
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -181,6 +207,16 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def num_logprobs(self) -> int | None:
+        k = self.top_logprobs
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {k}", "top_logprobs")
+        if k and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        return (k or 0) if self.logprobs else None
 
     def as_sent(self, e: APIError) -> APIError:
         if e.param == "max_tokens" and self.max_completion_tokens is not None and e.message.startswith("max_tokens"):
@@ -268,6 +304,8 @@ class ServerLimits:
     max_stop_chars: int = 1000
     max_messages: int = 1000
     max_tokens_limit: int | None = None
+    max_n: int = 16  # samples per prompt
+    max_prompts: int = 64  # prompts in one /v1/completions request
 
     def __post_init__(self) -> None:
         for name, value in dataclasses.asdict(self).items():

@@ -26,64 +26,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from specdecode.config import SamplingParams, SpecDecodeError
+from specdecode.config import SpecDecodeError
+from specdecode.entrypoints.choices import Choice, request_usage
 from specdecode.entrypoints.engine_thread import ADMITTED, EngineThread, ShuttingDown
 from specdecode.entrypoints.openai_protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, ServerLimits, bad_request, from_spec_error, parse_body,
-    read_body, usage, validation_error,
+    read_body, validation_error,
 )  # fmt: skip
 from specdecode.metrics import CONTENT_TYPE, ServerMetrics
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
-
-
-class _Output:
-    """One request's events as text: stop strings cut, partial characters and stop prefixes held back."""
-
-    def __init__(
-        self, app: _Server, request_id: str, events: asyncio.Queue, params: SamplingParams, arrival: float
-    ) -> None:
-        self.app, self.request_id, self.events, self.params, self.arrival = app, request_id, events, params, arrival
-        self.ids: list[int] = []
-        self.shown = 0  # characters of the text already returned
-        self.finish: str | None = None
-        self.last: Any = None  # the latest RequestEvent
-        self.first_token_at: float | None = None
-
-    async def next_delta(self) -> str:
-        """Wait for the next event; return the text it makes safe to show."""
-        item = await self.events.get()
-        if isinstance(item, Exception):  # the engine failed; it has already dropped the request
-            self.finish = "error"
-            self.app.metrics.observe_finished("error", time.monotonic() - self.arrival)
-            raise item
-        now = time.monotonic()
-        self.last = item
-        if item.new_token_ids and self.first_token_at is None:
-            self.first_token_at = now
-            self.app.metrics.ttft.observe(now - self.arrival)
-        self.ids += item.new_token_ids
-        if item.finish_reason is not None:
-            self.finish = item.finish_reason
-            self.app.metrics.observe_finished(item.finish_reason, now - self.arrival, item.stats.lossy)
-        return self._delta()
-
-    def _delta(self) -> str:
-        text = self.params.visible_text(self.app.decode(self.ids), finished=self.finish is not None)
-        delta = text[self.shown :]
-        self.shown = max(self.shown, len(text))
-        return delta
-
-    def usage(self) -> dict[str, Any]:
-        e = self.last
-        return usage(e.stats, e.num_prompt_tokens, e.num_output_tokens)
-
-    def cancel(self) -> None:
-        """The client is gone: abort in the engine (frees its blocks)."""
-        if self.finish is None:
-            self.finish = "abort"
-            self.app.engine_thread.abort(self.request_id)
-            self.app.metrics.observe_finished("abort", time.monotonic() - self.arrival)
 
 
 class _Server:
@@ -144,63 +96,90 @@ class _Server:
             raise APIError(400, f"model {name!r} is not served here; available: {self.model_name}",
                            param="model", code="model_not_found")  # fmt: skip
 
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+
     # -- generation ------------------------------------------------------------------------
 
-    async def generate(self, request: Request, req: Any, prompt_ids: list[int], chat: bool) -> Response:
+    async def generate(self, request: Request, req: Any, prompts: list[list[int]], chat: bool,
+                       echo: Sequence[str] = ()) -> Response:  # fmt: skip
+        """n choices per prompt (choice i * n + k is prompt i's sample k), each its own engine request."""
         arrival = time.monotonic()
-        room = max(1, self.max_model_len - len(prompt_ids))  # an unset max_tokens never overruns the context
+        room = max(1, self.max_model_len - max(len(p) for p in prompts))  # an unset max_tokens never overruns the context
         default_max = room if chat else min(COMPLETION_MAX_TOKENS, room)
         default_max = min(default_max, self.limits.max_tokens_limit or default_max)
         params = req.sampling_params(default_max)
+        if params.n > self.limits.max_n:
+            raise bad_request(f"n must be at most {self.limits.max_n}, got {params.n}", "n")
         if self.engine_thread.draining:
             raise APIError(503, "the server is shutting down", "service_unavailable")
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        events = self.engine_thread.submit(request_id, prompt_ids, params, req.speculative_config)
-        admitted = await events.get()
-        if admitted is not ADMITTED:
-            raise req.as_sent(_engine_error(admitted))
-        self.metrics.observe_admitted(len(prompt_ids))
-        out = _Output(self, request_id, events, params, arrival)
+        choices: list[Choice] = []
+        try:
+            for i, ids in enumerate(prompts):
+                for k in range(params.n):
+                    rid = request_id if len(prompts) * params.n == 1 else f"{request_id}-{i}-{k}"
+                    sp = dataclasses.replace(params, n=1, seed=params.sample_seed(k))
+                    events = self.engine_thread.submit(rid, ids, sp, req.speculative_config)
+                    admitted = await events.get()
+                    if admitted is not ADMITTED:
+                        raise req.as_sent(_engine_error(admitted))
+                    self.metrics.observe_admitted(len(ids))
+                    choices.append(Choice(self, rid, events, sp, arrival, len(choices), echo[i] if echo else ""))
+        except BaseException:
+            for c in choices:  # nothing of a refused request keeps running
+                c.cancel()
+            raise
+        lengths = [len(p) for p in prompts]
         if req.stream:
-            return _EventStream(self._sse(out, req, chat), on_close=out.cancel)
-        return await self._complete(request, out, chat)
+            return _EventStream(self._sse(request_id, choices, req, chat, lengths), on_close=lambda: _cancel(choices))
+        return await self._complete(request, request_id, choices, chat, lengths)
 
-    async def _complete(self, request: Request, out: _Output, chat: bool) -> Response:
-        async def collect() -> str:
+    async def _complete(self, request: Request, request_id: str, choices: list[Choice], chat: bool,
+                        lengths: list[int]) -> Response:  # fmt: skip
+        async def collect(c: Choice) -> str:
             parts = []
-            while out.finish is None:
-                parts.append(await out.next_delta())
+            while c.finish is None:
+                parts.append(await c.next_delta())
             return "".join(parts)
 
-        work, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(_disconnected(request))
+        work = asyncio.ensure_future(asyncio.gather(*(collect(c) for c in choices)))
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
             if not work.done():
                 work.cancel()
-                out.cancel()
+                _cancel(choices)
         if not work.done() or work.cancelled():
             return Response(status_code=499)  # nobody is listening
         try:
-            text = work.result()
+            texts = work.result()
         except Exception as e:
+            _cancel(choices)
             raise _engine_error(e) from None
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": out.finish}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        body = self._envelope(out.request_id, "chat.completion" if chat else "text_completion")
-        return JSONResponse({**body, "choices": [choice], "usage": out.usage()})
+        out = []
+        for c, text in zip(choices, texts):
+            choice: dict[str, Any] = {"index": c.index, "logprobs": c.logprobs_json(c.logprobs, chat, self.token_text),
+                                      "finish_reason": c.finish}  # fmt: skip
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = c.echo + text
+            out.append(choice)
+        body = self._envelope(request_id, "chat.completion" if chat else "text_completion")
+        return JSONResponse({**body, "choices": out, "usage": request_usage(choices, lengths)})
 
-    async def _sse(self, out: _Output, req: Any, chat: bool) -> AsyncIterator[str]:
-        base = self._envelope(out.request_id, "chat.completion.chunk" if chat else "text_completion")
+    async def _sse(self, request_id: str, choices: list[Choice], req: Any, chat: bool,
+                   lengths: list[int]) -> AsyncIterator[str]:  # fmt: skip
+        base = self._envelope(request_id, "chat.completion.chunk" if chat else "text_completion")
         if req.include_usage:
             base["usage"] = None  # OpenAI: null on every chunk but the last
 
-        def chunk(text: str | None, finish: str | None = None, role: bool = False, lossy: bool = False) -> str:
-            choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+        def chunk(c: Choice, text: str | None, finish: str | None = None, role: bool = False, lossy: bool = False,
+                  logprobs: Any = None) -> str:  # fmt: skip
+            choice: dict[str, Any] = {"index": c.index, "logprobs": logprobs, "finish_reason": finish}
             if chat:
                 choice["delta"] = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
             else:
@@ -208,27 +187,44 @@ class _Server:
             return _sse_line({**base, "choices": [choice], **({"lossy": True} if lossy else {})})
 
         try:
-            if chat:
-                yield chunk(None, role=True)
-            while out.finish is None:
-                try:
-                    delta = await out.next_delta()
-                except Exception as e:
-                    yield _sse_line(_engine_error(e).body())
-                    break
-                if delta:
-                    yield chunk(delta)
-            if out.finish not in (None, "error"):
-                # lossy (typical acceptance) said where every client sees it, not only in usage
-                yield chunk(None, out.finish, lossy=out.last.stats.lossy)
-                if req.include_usage:
-                    yield _sse_line({**base, "choices": [], "usage": out.usage()})
+            for c in choices:
+                if chat:
+                    yield chunk(c, None, role=True)
+                elif c.echo:
+                    yield chunk(c, c.echo)
+            waiting = {asyncio.ensure_future(c.next_delta()): c for c in choices}
+            failed = False
+            while waiting and not failed:
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    c = waiting.pop(task)
+                    try:
+                        delta = task.result()
+                    except Exception as e:
+                        yield _sse_line(_engine_error(e).body())
+                        failed = True
+                        break
+                    if delta or c.new_logprobs:
+                        yield chunk(c, delta, logprobs=c.logprobs_json(c.new_logprobs, chat, self.token_text))
+                    if c.finish is None:
+                        waiting[asyncio.ensure_future(c.next_delta())] = c
+                    else:  # lossy (typical acceptance) said where every client sees it, not only in usage
+                        yield chunk(c, None, c.finish, lossy=c.last.stats.lossy)
+            for task in waiting:
+                task.cancel()
+            if not failed and req.include_usage:
+                yield _sse_line({**base, "choices": [], "usage": request_usage(choices, lengths)})
             yield "data: [DONE]\n\n"
         finally:  # when the client disconnects mid-stream (see _EventStream)
-            out.cancel()
+            _cancel(choices)
 
     def _envelope(self, request_id: str, obj: str) -> dict[str, Any]:
         return {"id": request_id, "object": obj, "created": int(time.time()), "model": self.model_name}
+
+
+def _cancel(choices: Sequence[Choice]) -> None:
+    for c in choices:
+        c.cancel()
 
 
 class _EventStream(StreamingResponse):
@@ -343,10 +339,11 @@ def create_app(
     async def completions(request: Request) -> Response:
         req = parse_body(await read_body(request, server.limits.max_body_bytes), CompletionRequest)
         server.check_model(req.model)
-        prompt = req.single_prompt()
-        server.check_limits(req, [prompt] if isinstance(prompt, str) else [])
-        ids = await asyncio.to_thread(server.tokenize, prompt)  # off the event loop: /health stays live
-        return await server.generate(request, req, ids, chat=False)
+        prompts = req.prompts(server.limits.max_prompts)
+        server.check_limits(req, [p for p in prompts if isinstance(p, str)])
+        ids = [await asyncio.to_thread(server.tokenize, p) for p in prompts]  # off the event loop: /health stays live
+        echo = [p if isinstance(p, str) else server.decode(p) for p in prompts] if req.echo else ()
+        return await server.generate(request, req, ids, chat=False, echo=echo)
 
     @v1.post("/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
@@ -355,7 +352,7 @@ def create_app(
         messages = req.plain_messages()
         server.check_limits(req, [m["content"] for m in messages])
         ids = await asyncio.to_thread(server.encode_chat, messages)  # the template and tokenizer, off the loop
-        return await server.generate(request, req, ids, chat=True)
+        return await server.generate(request, req, [ids], chat=True)
 
     app.include_router(v1)
     app.openapi = lambda: _openapi_with_bodies(app)

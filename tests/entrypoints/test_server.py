@@ -167,19 +167,30 @@ BAD = [
     ("speculative override > γ", {"speculative_config": {"num_speculative_tokens": 99}}, "speculative_config"),
     ("speculative override unknown key", {"speculative_config": {"method": "ngram", "gamma": 2}}, "speculative_config"),
     ("speculative override not an object", {"speculative_config": 3}, "speculative_config"),
-    ("n > 1", {"n": 2}, "n"),
+    ("n above the limit", {"n": 17}, "n"),
     ("n = 0", {"n": 0}, "n"),
     ("best_of = 0", {"best_of": 0}, "best_of"),
     ("seed beyond 64 bits", {"seed": 2**64}, "seed"),
-    ("unsupported logprobs", {"logprobs": 2}, "logprobs"),
-    ("unsupported stop_token_ids", {"stop_token_ids": [3]}, "stop_token_ids"),
+    ("logprobs above 20", {"logprobs": 21}, "logprobs"),
+    ("echo with logprobs", {"echo": True, "logprobs": 1}, "echo"),
+    ("stop_token_ids outside the vocabulary", {"stop_token_ids": [100000]}, "stop_token_ids"),
+    ("logit_bias id outside the vocabulary", {"logit_bias": {"100000": 1}}, "logit_bias"),
+    ("logit_bias key not an id", {"logit_bias": {"x": 1}}, "logit_bias"),
+    ("logit_bias above 100", {"logit_bias": {"5": 150}}, "logit_bias"),
+    ("presence_penalty above 2", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("frequency_penalty below -2", {"frequency_penalty": -3}, "frequency_penalty"),
+    ("repetition_penalty 0", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("min_p above 1", {"min_p": 1.5}, "min_p"),
+    ("min_tokens above max_tokens", {"min_tokens": 9}, "min_tokens"),
+    ("allowed_token_ids empty", {"allowed_token_ids": []}, "allowed_token_ids"),
+    ("unsupported response_format", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("too many prompts", {"prompt": ["a"] * 65}, "prompt"),
     ("stop not strings", {"stop": [1]}, "stop"),
     ("missing prompt", {"prompt": None}, "prompt"),
     ("nested too deeply", b'{"prompt": ' + b"[" * 3000 + b"]" * 3000 + b"}", None),  # was a 500 (RecursionError)
     ("lone surrogate", b'{"prompt": "hi\\ud800", "max_tokens": 2}', None),  # was a 500 from the tokenizer
     ("max_tokens true", {"max_tokens": True}, "max_tokens"),  # was taken for 1
     ("ignore_eos not a boolean", {"ignore_eos": "yes"}, "ignore_eos"),  # was taken for true
-    ("logprobs 0", {"logprobs": 0}, "logprobs"),  # asks for the chosen tokens' logprobs: was silently ignored
     ("an integer of 5000 digits", b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", None),  # was a 500
 ]
 

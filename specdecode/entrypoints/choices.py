@@ -1,0 +1,122 @@
+"""One OpenAI choice as it is generated: its events as text deltas and logprobs, in the wire
+format of both endpoints, and the usage of a request's choices together.
+
+Owns: turning a request's `RequestEvent`s into safe-to-show text (stop strings cut, partial
+characters and stop-string prefixes held back), its logprobs objects (chat's ``content``
+list, completions' ``tokens`` / ``token_logprobs`` / ``top_logprobs``), the usage summed
+over a request's n x prompts choices, and cancelling a choice whose client went away.
+Does not own: the routes and the request's flow (server.py), validation (openai_protocol.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import time
+from typing import Any, Callable, Sequence
+
+from specdecode.config import SamplingParams
+from specdecode.core.batch import SpecStats
+from specdecode.entrypoints.openai_protocol import usage
+from specdecode.sampling import Logprob
+
+LOGPROB_FLOOR = -9999.0  # what a -inf logprob is sent as (JSON has no infinity), as vLLM does
+
+
+class Choice:
+    """One sample of one prompt: ``index`` is its place among the request's choices."""
+
+    def __init__(self, app: Any, request_id: str, events: asyncio.Queue, params: SamplingParams, arrival: float,
+                 index: int = 0, echo: str = "") -> None:  # fmt: skip
+        self.app, self.request_id, self.events, self.params, self.arrival = app, request_id, events, params, arrival
+        self.index, self.echo = index, echo
+        self.ids: list[int] = []
+        self.logprobs: list[Logprob] = []
+        self.new_logprobs: list[Logprob] = []  # those of the latest event
+        self.shown = 0  # characters of the text already returned
+        self.offset = len(echo)  # completions' text_offset of the next token whose logprobs are sent
+        self.finish: str | None = None
+        self.last: Any = None  # the latest RequestEvent
+        self.first_token_at: float | None = None
+
+    async def next_delta(self) -> str:
+        """Wait for the next event; return the text it makes safe to show."""
+        item = await self.events.get()
+        if isinstance(item, Exception):  # the engine failed; it has already dropped the request
+            self.finish = "error"
+            self.app.metrics.observe_finished("error", time.monotonic() - self.arrival)
+            raise item
+        now = time.monotonic()
+        self.last = item
+        if item.new_token_ids and self.first_token_at is None:
+            self.first_token_at = now
+            self.app.metrics.ttft.observe(now - self.arrival)
+        self.ids += item.new_token_ids
+        self.new_logprobs = list(item.logprobs or [])
+        self.logprobs += self.new_logprobs
+        if item.finish_reason is not None:
+            self.finish = item.finish_reason
+            self.app.metrics.observe_finished(item.finish_reason, now - self.arrival, item.stats.lossy)
+        return self._delta()
+
+    def _delta(self) -> str:
+        text = self.params.visible_text(self.app.decode(self.ids), finished=self.finish is not None)
+        delta = text[self.shown :]
+        self.shown = max(self.shown, len(text))
+        return delta
+
+    def cancel(self) -> None:
+        """The client is gone: abort in the engine (frees its blocks)."""
+        if self.finish is None:
+            self.finish = "abort"
+            self.app.engine_thread.abort(self.request_id)
+            self.app.metrics.observe_finished("abort", time.monotonic() - self.arrival)
+
+    def logprobs_json(self, logprobs: Sequence[Logprob], chat: bool, token_text: Callable[[int], str]) -> Any:
+        """These logprobs as the endpoint sends them; None where the request asked for none.
+        Called in order over a choice's tokens (once, or once per streamed chunk)."""
+        if self.params.logprobs is None:
+            return None
+        if chat:
+            def entry(t: int, lp: float) -> dict[str, Any]:
+                text = token_text(t)
+                return {"token": text, "logprob": _finite(lp), "bytes": list(text.encode("utf-8"))}
+
+            content = [entry(x.token_id, x.logprob) | {"top_logprobs": [entry(t, lp) for t, lp in x.top]}
+                       for x in logprobs]  # fmt: skip
+            return {"content": content, "refusal": None}
+        tokens = [token_text(x.token_id) for x in logprobs]
+        offsets = []
+        for t in tokens:  # each call continues where the last one's tokens ended (streamed chunks)
+            offsets.append(self.offset)
+            self.offset += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [_finite(x.logprob) for x in logprobs],
+            "top_logprobs": [{token_text(t): _finite(lp) for t, lp in x.top} for x in logprobs],
+            "text_offset": offsets,
+        }
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else LOGPROB_FLOOR
+
+
+def request_usage(choices: Sequence[Choice], prompt_tokens: Sequence[int]) -> dict[str, Any]:
+    """Usage over every choice: each prompt counted once (OpenAI's n), the completions and the
+    speculation counters summed."""
+    total = SpecStats()
+    for c in choices:
+        s = c.last.stats
+        total.num_drafts += s.num_drafts
+        total.num_draft_tokens += s.num_draft_tokens
+        total.num_accepted_tokens += s.num_accepted_tokens
+        total.num_reached_tokens += s.num_reached_tokens
+        total.lossy |= s.lossy
+        per = total.accepted_per_position
+        per += [0] * (len(s.accepted_per_position) - len(per))
+        for i, n in enumerate(s.accepted_per_position):
+            per[i] += n
+    outputs = sum(c.last.num_output_tokens for c in choices)
+    return usage(dataclasses.replace(total), sum(prompt_tokens), outputs)

@@ -1,0 +1,144 @@
+"""The sampling fields OpenAI and vLLM clients send, through the official `openai` client against
+a live speculative server (ngram), streamed and not: n, a list of prompts, logprobs and
+top_logprobs, penalties, logit_bias, min_p, min_tokens, stop_token_ids, allowed_token_ids, echo.
+Greedy outputs and logprobs are compared with plain decoding of the same model (`LLM`)."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from specdecode import LLM, SamplingParams
+from tests.entrypoints.server_helpers import ServerThread, make_app
+
+PROMPT = "abc abc abc"
+
+
+@pytest.fixture(scope="module")
+def served(target):
+    with ServerThread(make_app(target)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    with openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def plain(ckpt):
+    return LLM(model=ckpt, dtype="float32", device="cpu", max_model_len=256)
+
+
+def streamed_completion(client, **kw) -> dict[int, dict]:
+    """Per choice index: its text, finish reason and logprobs, from a streamed /v1/completions."""
+    out: dict[int, dict] = {}
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            got = out.setdefault(c.index, {"text": "", "finish": None, "tokens": [], "token_logprobs": []})
+            got["text"] += c.text
+            got["finish"] = c.finish_reason or got["finish"]
+            if c.logprobs is not None:
+                got["tokens"] += c.logprobs.tokens
+                got["token_logprobs"] += c.logprobs.token_logprobs
+    return out
+
+
+FEATURES = {
+    "penalties": (dict(presence_penalty=0.8, frequency_penalty=0.5), dict(repetition_penalty=1.3)),
+    "logit_bias": (dict(logit_bias={"5": 4, "9": -100}), {}),
+    "min_tokens and stop_token_ids": ({}, dict(min_tokens=6, stop_token_ids=[7, 11])),
+    "allowed_token_ids and min_p": ({}, dict(allowed_token_ids=list(range(0, 120, 2)), min_p=0.3)),
+}
+
+
+@pytest.mark.parametrize("name", list(FEATURES))
+def test_greedy_features_equal_plain_decoding(client, plain, name):
+    native, extra = FEATURES[name]
+    sp = dict(native, **extra)
+    if "logit_bias" in sp:
+        sp["logit_bias"] = {int(k): v for k, v in sp["logit_bias"].items()}
+    want = plain.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12, **sp), speculative=False)[0]
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, **native)
+    got = client.completions.create(extra_body=extra, **kw)
+    assert got.choices[0].text == want.text and got.choices[0].finish_reason == want.finish_reason
+    assert got.usage.completion_tokens == len(want.token_ids)
+    assert streamed_completion(client, extra_body=extra, **kw)[0]["text"] == want.text
+
+
+def test_logprobs_are_plain_decodings(client, plain):
+    want = plain.generate(PROMPT, SamplingParams(temperature=0, max_tokens=10, logprobs=3), speculative=False)[0]
+    got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0, logprobs=3)
+    lp = got.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(want.logprobs) == 10
+    assert lp.token_logprobs == pytest.approx([x.logprob for x in want.logprobs], abs=1e-5)
+    for top, x in zip(lp.top_logprobs, want.logprobs):
+        assert len(top) <= 3 and max(top.values()) == pytest.approx(x.logprob, abs=1e-5)  # greedy: the likeliest
+    assert "".join(lp.tokens) == got.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    streamed = streamed_completion(client, model="tiny", prompt=PROMPT, max_tokens=10, temperature=0, logprobs=3)[0]
+    assert streamed["token_logprobs"] == pytest.approx(lp.token_logprobs, abs=1e-6)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_and_top_logprobs(client, stream):
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "abc abc"}], max_tokens=8, temperature=0,
+              logprobs=True, top_logprobs=2)  # fmt: skip
+    if not stream:
+        r = client.chat.completions.create(**kw)
+        content = r.choices[0].logprobs.content
+        assert len(content) == r.usage.completion_tokens
+        text = r.choices[0].message.content
+    else:
+        content, text = [], ""
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                text += c.delta.content or ""
+                content += c.logprobs.content if c.logprobs is not None else []
+        assert len(content) == 8
+    for e in content:
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-6)
+        assert bytes(e.bytes).decode("utf-8", "replace") == e.token
+    assert text.startswith("".join(e.token for e in content).rstrip("\ufffd")[: len(text)])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_samples_and_a_list_of_prompts(client, plain, stream):
+    kw = dict(model="tiny", prompt=[PROMPT, "xyz xyz"], n=3, max_tokens=8, temperature=1.5, seed=5,
+              extra_body={"ignore_eos": True})  # fmt: skip
+    if stream:
+        texts = {i: c["text"] for i, c in streamed_completion(client, **kw).items()}
+    else:
+        r = client.completions.create(**kw)
+        texts = {c.index: c.text for c in r.choices}
+        assert r.usage.completion_tokens == 6 * 8  # every sample counted
+        assert r.usage.prompt_tokens == len(plain.tokenize(PROMPT)) + len(plain.tokenize("xyz xyz"))  # each prompt once
+    assert sorted(texts) == list(range(6))
+    again = client.completions.create(**kw)
+    assert {c.index: c.text for c in again.choices} == texts  # seeded: reproducible, streamed or not
+    one = client.completions.create(**{**kw, "prompt": "xyz xyz", "n": 1})
+    assert one.choices[0].text == texts[3]  # sample 0 of prompt 1 is the n = 1 request with the seed
+    assert len(set(texts.values())) > 2  # the samples differ
+
+
+def test_echo_prepends_the_prompt(client):
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, echo=True)
+    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0)
+    assert r.choices[0].text == PROMPT + plain.choices[0].text
+
+
+@pytest.mark.parametrize(
+    "kw,param",
+    [(dict(n=17), "n"), (dict(logprobs=21), "logprobs"), (dict(logit_bias={"999999": 1}), "logit_bias"),
+     (dict(presence_penalty=-2.5), "presence_penalty"), (dict(extra_body={"repetition_penalty": -1}), "repetition_penalty"),
+     (dict(extra_body={"min_tokens": 50}), "min_tokens")],
+)  # fmt: skip
+def test_bad_values_are_a_400_naming_the_field(client, kw, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, **kw)
+    assert err.value.body["param"] == param and "\n" not in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], top_logprobs=21,
+                                       logprobs=True)  # fmt: skip
+    assert err.value.body["param"] == "top_logprobs"
