@@ -10,6 +10,7 @@ Does not own: which drafting methods exist, nor parsing a speculative config int
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -56,6 +57,37 @@ def is_real(x: object) -> bool:
     return True
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the output's text (vLLM's ``structured_outputs``): ``kind`` "json" (``spec``
+    a JSON schema, as text or a dict), "json_object" (any JSON object), "regex", "choice" (``spec``
+    a list of strings: exactly one of them) or "grammar" (Lark, or GBNF / EBNF with ``::=``).
+    Whether it compiles is checked where the tokenizer is known (structured.py)."""
+
+    kind: str
+    spec: Any = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise SpecDecodeError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}")
+        spec = self.spec
+        if self.kind == "json":
+            if isinstance(spec, Mapping):
+                spec = json.dumps(spec, sort_keys=True)
+            if not isinstance(spec, str):
+                raise SpecDecodeError("a json structured output needs a JSON schema (an object or its text)")
+        elif self.kind == "choice":
+            if not isinstance(spec, (list, tuple)) or not spec or not all(isinstance(c, str) and c for c in spec):
+                raise SpecDecodeError("a choice structured output needs a non-empty list of non-empty strings")
+            spec = tuple(spec)
+        elif self.kind in ("regex", "grammar") and (not isinstance(spec, str) or not spec):
+            raise SpecDecodeError(f"a {self.kind} structured output needs its {self.kind} as a non-empty string")
+        object.__setattr__(self, "spec", spec if self.kind != "json_object" else None)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens from the target's distribution p (and the draft's q alike).
@@ -76,7 +108,9 @@ class SamplingParams:
     the prompt (sample i > 0 seeded from ``seed`` and i). ``logprobs`` k >= 0 returns each
     output token's log-probability and the k likeliest alternatives (``logprobs_mode``:
     "raw_logprobs", the model's own distribution, as vLLM's default; "processed_logprobs",
-    after penalties, bias, masks, temperature and filters).
+    after penalties, bias, masks, temperature and filters). ``structured`` constrains the
+    output to a JSON schema, regex, choice or grammar (`StructuredOutput`); the text it ends
+    ends the output.
     """
 
     temperature: float = 1.0
@@ -98,6 +132,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     logprobs: int | None = None
     logprobs_mode: str = "raw_logprobs"
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # None is vLLM's default value
@@ -171,6 +206,8 @@ class SamplingParams:
         object.__setattr__(self, "bad_words", tuple(words))
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             raise SpecDecodeError(f"logprobs must be an integer >= 0 (the alternatives to return) or null, got {self.logprobs!r}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise SpecDecodeError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise SpecDecodeError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
 
@@ -183,7 +220,7 @@ class SamplingParams:
         """Whether p depends on more than temperature / top-k / top-p (logits_process.py)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.logit_bias or self.min_tokens or self.bad_words
-                    or self.allowed_token_ids is not None)  # fmt: skip
+                    or self.allowed_token_ids is not None or self.structured is not None)  # fmt: skip
 
     def sample_seed(self, i: int) -> int | None:
         """Sample i's seed among ``n``: the request's own for the first, a distinct 64-bit mix of

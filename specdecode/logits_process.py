@@ -9,7 +9,7 @@ position, no draft prefix), so speculative and plain decoding see the same p.
 Does not own: temperature, min-p, top-k and top-p (sampling.py), or which positions a
 pass holds (engine/step.py).
 
-Order, as vLLM's sampler: allowed_token_ids, bad_words, min_tokens (EOS and stop token
+Order, as vLLM's sampler: the structured output's grammar, allowed_token_ids, bad_words, min_tokens (EOS and stop token
 ids held back), logit_bias, then repetition, frequency and presence penalties (over the
 output; repetition over the prompt too). Masked tokens get -inf.
 """
@@ -41,8 +41,8 @@ class RowState:
     ``stop_ids``: the tokens min_tokens holds back (EOS unless ignored, and stop_token_ids)."""
 
     def __init__(self, prompt: Sequence[int], output: Sequence[int], params: SamplingParams,
-                 eos_ids: Iterable[int], bad_words: list[list[int]] | None = None) -> None:  # fmt: skip
-        self.prompt, self.output, self.params = prompt, output, params
+                 eos_ids: Iterable[int], bad_words: list[list[int]] | None = None, grammar: Any = None) -> None:  # fmt: skip
+        self.prompt, self.output, self.params, self.grammar = prompt, output, params, grammar
         eos = () if params.ignore_eos else tuple(eos_ids)
         self.stop_ids = sorted(set(eos) | set(params.stop_token_ids))
         self.bad_words = bad_words or []
@@ -67,6 +67,11 @@ def process_logits(logits: Tensor, rows: Sequence[int], prefixes: Sequence[Seque
         sp = st.params
         at = torch.tensor(idx, device=out.device)
         x = out[at]  # [n, V] this row's positions
+        if st.grammar is not None:  # a structured.Grammar, in step with the committed output
+            for j, i in enumerate(idx):
+                allowed = st.grammar.mask(prefixes[i])
+                if allowed is not None:  # None: the prefix left the grammar, so no draft reaches here
+                    x[j].masked_fill_(~allowed.to(x.device), float("-inf"))
         if sp.allowed_token_ids is not None:
             keep = torch.zeros(V, dtype=torch.bool, device=out.device)
             keep[[t for t in sp.allowed_token_ids if t < V]] = True

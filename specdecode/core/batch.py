@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -24,6 +25,7 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    num_grammar_cut_tokens: int = 0  # deterministic draft tokens cut before verification: outside the grammar
     lossy: bool = False  # decoded with a lossy opt-in (typical acceptance): not the target's distribution
     # draft tokens verification decided on: a round stops at its first rejection, so the drafts
     # after it were never tried (α = accepted / reached; accepted / drafted understates it)
@@ -60,6 +62,7 @@ class Sequence:
     finish_reason: str | None = None
     bad_words_ids: list[list[int]] = field(default_factory=list)  # params.bad_words tokenized
     logprobs: list[Logprob] = field(default_factory=list)  # one per output token, where params.logprobs asks
+    grammar: Any = None  # a structured.Grammar, in step with the output, where params.structured asks
 
     @property
     def prompt_ids(self) -> list[int]:

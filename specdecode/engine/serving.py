@@ -42,6 +42,7 @@ from specdecode.model.cpu_block import MAX_POSITIONS
 from specdecode.model.loader import LoadedModel
 from specdecode.paged_cache import PagedKVCache, new_paged_cache
 from specdecode.logits_process import bad_words_ids, process_logits
+from specdecode.structured import Grammar
 from specdecode.sampling import argmax, logits_to_probs, sample, sampling_tensors
 
 DEFAULT_KV_BYTES = 256 << 20  # KV pool size when num_blocks is not given (at least one full sequence)
@@ -142,6 +143,10 @@ class ServingEngine(Engine):
             if self.tokenizer is None:
                 raise SpecDecodeError("bad_words needs a tokenizer; this model folder has none")
             seq.bad_words_ids = bad_words_ids(params, self.tokenizer)
+        if params.structured is not None:
+            if self.tokenizer is None:
+                raise SpecDecodeError("structured output needs a tokenizer; this model folder has none")
+            seq.grammar = Grammar(params.structured, self.tokenizer, vocab, sorted(self.eos_ids))
         self.budget.forget(request_id)  # an id an ended request had: nothing of it carries over
         self.waiting.append(Request(request_id, seq, gamma, next(self._arrivals)))
 

@@ -20,6 +20,7 @@ K/V are compacted into contiguous slots before the commit.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -136,6 +137,8 @@ class Engine:
                 return self._verify_tree(batch, cache, draft)
             # Every row's tree is a chain (nodes 0, 1, 2, ... in order): the chain round is cheaper.
             draft = Draft(tokens=draft.tree.tokens[:, 1:], q=draft.q[:, 1:] if draft.q is not None else None)
+        if draft.q is None and any(s.grammar is not None for s in batch.seqs):
+            draft = dataclasses.replace(draft, tokens=_cut_by_grammar(batch.seqs, draft.tokens))
         num_draft = draft.num_tokens
         width = int(num_draft.max()) if B else 0  # rows that found nothing do not make others pay
         draft_tokens = draft.tokens[:, :width]
@@ -203,7 +206,7 @@ class Engine:
         """Each row's processing state (None where its settings process nothing); None for all."""
         if not any(s.params.processes_logits for s in seqs):
             return None
-        return [RowState(s.prompt_ids, s.output_ids, s.params, self.eos_ids, s.bad_words_ids)
+        return [RowState(s.prompt_ids, s.output_ids, s.params, self.eos_ids, s.bad_words_ids, s.grammar)
                 if s.params.processes_logits else None for s in seqs]  # fmt: skip
 
     def _process(self, batch: Batch, raw: torch.Tensor, contexts, *args) -> torch.Tensor:
@@ -259,7 +262,11 @@ class Engine:
         for t in tokens:
             seq.token_ids.append(t)
             added.append(t)
+            if seq.grammar is not None:
+                seq.grammar.advance(t)
             if (t in self.eos_ids and not seq.params.ignore_eos) or t in seq.params.stop_token_ids:
+                seq.finish_reason = "stop"
+            elif seq.grammar is not None and seq.grammar.done:  # the structured output is complete
                 seq.finish_reason = "stop"
             elif len(seq.token_ids) >= limit:
                 seq.finish_reason = "length"
@@ -296,6 +303,24 @@ def _argmax_at(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(valid.numel(), dtype=torch.long, device=logits.device)
     out[valid.reshape(-1)] = argmax(logits)
     return out.view(valid.shape)
+
+
+def _cut_by_grammar(seqs: list[Sequence], tokens: torch.Tensor) -> torch.Tensor:
+    """Deterministic chains [B, γ] (-1 padded) cut at their first token outside the row's
+    grammar: verification would reject it for sure (p gives it 0) and sample from p itself,
+    as the bonus position the cut leaves does, so the output's law is unchanged and the
+    positions past it are not computed. (A sampled draft is not cut: its rejection samples
+    from the residual p - q, not p.)"""
+    rows = tokens.tolist()
+    for b, seq in enumerate(seqs):
+        if seq.grammar is None:
+            continue
+        real = rows[b][: next((i for i, t in enumerate(rows[b]) if t < 0), len(rows[b]))]
+        n = seq.grammar.allows(real)
+        if n < len(real):
+            rows[b] = real[:n] + [-1] * (len(rows[b]) - n)
+            seq.stats.num_grammar_cut_tokens += len(real) - n
+    return torch.tensor(rows, dtype=tokens.dtype, device=tokens.device).view(tokens.shape)
 
 
 def _chain_contexts(drafts: torch.Tensor, num_draft: torch.Tensor) -> tuple[list[int], list[list[int]]]:

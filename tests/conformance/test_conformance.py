@@ -17,10 +17,12 @@ A method's own test file covers only what is special about it.
 from __future__ import annotations
 
 import dataclasses
+import json
 
+import jsonschema
 import pytest
 
-from specdecode import LLM, SamplingParams
+from specdecode import LLM, SamplingParams, StructuredOutput
 from specdecode.drafters.registry import parse_spec
 from specdecode.config import SpecDecodeError
 from specdecode.drafters.registry import method_names
@@ -179,6 +181,15 @@ FEATURES = {
     "processed_logprobs": dict(logprobs=2, logprobs_mode="processed_logprobs", repetition_penalty=1.2),
 }
 FEATURES["combined"] = {k: v for f in FEATURES.values() for k, v in f.items()} | {"stop_token_ids": [13]}
+# structured outputs (the tiny tokenizer spells printable ASCII a character a token)
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
+          "b": {"enum": ["x", "yy", "zzz"]}}, "required": ["a", "b"], "additionalProperties": False,
+          "x-guidance": {"whitespace_flexible": False}}  # fmt: skip
+FEATURES |= {
+    "json_schema": dict(structured=StructuredOutput("json", SCHEMA), ignore_eos=False, max_tokens=40),
+    "regex": dict(structured=StructuredOutput("regex", "[a-f]{2,8}( [0-9]{1,3}){2,6}"), logprobs=1),
+    "choice": dict(structured=StructuredOutput("choice", ["alpha", "beta", "alphabet"]), ignore_eos=False),
+}
 
 
 @pytest.mark.parametrize("method,variant", cases())
@@ -189,6 +200,8 @@ def test_sampling_features_greedy_equal_plain(target, specs, method, variant):
     for name, feature in FEATURES.items():
         params = SamplingParams(**{"temperature": 0.0, "max_tokens": 24, "ignore_eos": True, **feature})
         want = plain.generate(PROMPTS, params)
+        if params.structured is not None and params.structured.kind != "regex":  # the grammar ended them
+            assert all(o.finish_reason == "stop" for o in want), name
         got = llm.generate(PROMPTS, params) + [llm.generate([p], params)[0] for p in PROMPTS]
         for w, g in zip(want + want, got):
             assert g.token_ids == w.token_ids, (name, method, variant)
@@ -226,3 +239,33 @@ def test_sampled_features_follow_the_processed_target(sampling, method, variant)
     for wrong in (exact_joint(llm, SAMPLING_PROMPT, 3, 0, 0, params=base, see_output=False),
                   exact_joint(llm, SAMPLING_PROMPT, 3, 0.9, 0)):  # fmt: skip
         assert test.pvalue_if(wrong) < 1e-3
+
+
+@pytest.mark.parametrize("method,variant", cases())
+def test_sampled_json_always_validates(target, specs, method, variant):
+    _, path, _ = target
+    llm = LLM(model=path, speculative_config=specs(method, variant), dtype="float32", device="cpu")
+    base = SamplingParams(temperature=1.0, max_tokens=40, structured=StructuredOutput("json", SCHEMA))
+    outs = llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(200)],
+                        [dataclasses.replace(base, seed=s) for s in range(200)])  # fmt: skip
+    for o in outs:
+        assert o.finish_reason == "stop"
+        jsonschema.validate(json.loads(o.text), SCHEMA)
+    assert len({o.text for o in outs}) > 20  # sampled, not one answer
+
+
+@pytest.mark.parametrize("method,variant", cases())
+def test_sampled_grammar_follows_the_masked_target(sampling, method, variant):
+    """A regex over the sampling target's two text tokens ('0' and '1'; a '1' must be followed by
+    a '0'): the mask at a draft position depends on the drafts before it."""
+    path, spec = sampling(method, variant)
+    llm = LLM(model=path, speculative_config=spec, dtype="float32", device="cpu")
+    base = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, structured=StructuredOutput("regex", "(0|10)+[01]{4}"))
+    prompt = [4, 5, 4, 4, 5, 4, 4, 5, 4, 5, 4]  # "01001001010": drafts from it can pass the grammar
+    want = exact_joint(llm, prompt, 3, 0, 0, params=base)
+    outs = llm.generate([prompt] * 1500, [dataclasses.replace(base, seed=s) for s in range(1500)])
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+    test = joint_chisquare([o.token_ids for o in outs], want, SAMPLING_VOCAB, 3)
+    assert test.pvalue > 1e-3
+    # power: the mask of the committed output alone (drafts left out of the grammar's state)
+    assert test.pvalue_if(exact_joint(llm, prompt, 3, 0, 0, params=base, see_output=False)) < 1e-3

@@ -15,6 +15,7 @@ from scipy.stats import chisquare
 from specdecode import LLM, SamplingParams
 from specdecode.logits_process import RowState, process_logits
 from specdecode.sampling import logits_to_probs, sampling_tensors
+from specdecode.structured import Grammar
 from tests.tiny import make_tiny_checkpoint
 
 
@@ -39,7 +40,10 @@ def exact_joint(
         if params is None:
             p = logits_to_probs(logits, torch.full((B,), temperature), torch.full((B,), top_k), torch.full((B,), top_p))
         else:
-            state = RowState(prompt, [], params, llm.target.config.eos_token_ids)
+            grammar = None
+            if params.structured is not None:
+                grammar = Grammar(params.structured, llm.tokenizer, V, llm.target.config.eos_token_ids)
+            state = RowState(prompt, [], params, llm.target.config.eos_token_ids, grammar=grammar)
             seen = prefixes if see_output else [()] * B
             logits = process_logits(logits[:, 0], range(B), seen, [state] * B)[:, None]
             p = logits_to_probs(logits, *sampling_tensors([params] * B, "cpu"))
