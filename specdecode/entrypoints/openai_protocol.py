@@ -19,17 +19,17 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, mo
 from pydantic_core import PydanticCustomError
 from starlette.requests import Request
 
-from specdecode.config import SamplingParams, SpecDecodeError, first_line, is_int
+from specdecode.config import SamplingParams, SpecDecodeError, StructuredOutput, first_line, is_int
 from specdecode.core.batch import SpecStats
 from specdecode.entrypoints.llm import RequestMetrics
 
 # OpenAI and vLLM fields we do not implement: a request that sets one gets a 400 rather than
 # silence, except at the values that ask for nothing (their defaults, which some clients always send).
 UNSUPPORTED: dict[str, tuple] = {
-    "suffix": ("",), "tools": ([],), "functions": ([],), "response_format": ({"type": "text"},),
-    "tool_choice": ("none",), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-    "structured_outputs": (), "prompt_logprobs": (),
+    "suffix": ("",), "tools": ([],), "functions": ([],), "tool_choice": ("none",), "prompt_logprobs": (),
 }  # fmt: skip
+# vLLM's structured_outputs keys (and its older guided_* fields) -> StructuredOutput kinds
+STRUCTURED_KEYS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar", "json_object": "json_object"}
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "n", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "min_tokens", "stop_token_ids",
                    "bad_words", "allowed_token_ids", "logprobs", "top_logprobs", "logprobs_mode")  # fmt: skip
@@ -97,6 +97,54 @@ class _Request(BaseModel):
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     logprobs_mode: str | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured(self) -> tuple[StructuredOutput | None, str | None]:
+        """The output constraint the request sets, and the field that set it (at most one)."""
+        found: list[tuple[str, str, Any]] = []  # (field, kind, spec)
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind == "json_object":
+                found.append(("response_format", "json_object", None))
+            elif kind == "json_schema":
+                js = rf.get("json_schema")
+                if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+                    raise bad_request("response_format.json_schema must be an object with a schema object", "response_format")
+                found.append(("response_format", "json", js.get("schema", {})))
+            elif kind != "text":
+                raise bad_request(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                                  "response_format")  # fmt: skip
+        so = self.structured_outputs or {}
+        for key, value in so.items():
+            if key not in STRUCTURED_KEYS:
+                raise bad_request(f"structured_outputs: unknown key {key!r}; one of {', '.join(STRUCTURED_KEYS)}",
+                                  "structured_outputs")  # fmt: skip
+            if value is not None and value is not False:
+                found.append(("structured_outputs", STRUCTURED_KEYS[key], None if key == "json_object" else value))
+        for key in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{key}")
+            if value is not None:
+                found.append((f"guided_{key}", key, value))
+        if len(found) > 1:
+            raise bad_request(f"set one output constraint, got {', '.join(f for f, _, _ in found)}", found[1][0])
+        if not found:
+            return None, None
+        field, kind, spec = found[0]
+        if kind == "json" and isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise bad_request(f"{field}: the JSON schema is not valid JSON: {e.msg}", field) from None
+        try:
+            return StructuredOutput(kind, spec), field
+        except SpecDecodeError as e:
+            raise bad_request(f"{field}: {e}", field) from None
 
     def check_supported(self) -> None:
         for name, no_ops in UNSUPPORTED.items():
@@ -115,8 +163,10 @@ class _Request(BaseModel):
         optional = {name: getattr(self, name) for name in (
             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "min_tokens",
             "stop_token_ids", "bad_words", "allowed_token_ids", "logprobs_mode", "n") if getattr(self, name) is not None}  # fmt: skip
+        structured, _ = self.structured()
         try:
             return SamplingParams(
+                structured=structured,
                 temperature=1.0 if self.temperature is None else self.temperature,  # OpenAI's default
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=self.top_k or 0,  # -1 (vLLM) or 0: no top-k filter; below -1 refused, as vLLM does
@@ -131,7 +181,10 @@ class _Request(BaseModel):
             raise self.as_sent(from_spec_error(e)) from None
 
     def as_sent(self, e: APIError) -> APIError:
-        """``e`` with its fields named as the client sent them (a chat request may say max_completion_tokens)."""
+        """``e`` with its fields named as the client sent them (a chat request may say max_completion_tokens;
+        a grammar that does not compile names the field that sent it)."""
+        if e.message.startswith("structured output"):
+            return bad_request(e.message, self.structured()[1])
         return e
 
     @property
@@ -221,7 +274,7 @@ class ChatCompletionRequest(_Request):
     def as_sent(self, e: APIError) -> APIError:
         if e.param == "max_tokens" and self.max_completion_tokens is not None and e.message.startswith("max_tokens"):
             return bad_request("max_completion_tokens" + e.message[len("max_tokens") :], "max_completion_tokens")
-        return e
+        return super().as_sent(e)
 
     def plain_messages(self) -> list[dict[str, str]]:
         if not self.messages:

@@ -1,10 +1,15 @@
 """The sampling fields OpenAI and vLLM clients send, through the official `openai` client against
 a live speculative server (ngram), streamed and not: n, a list of prompts, logprobs and
-top_logprobs, penalties, logit_bias, min_p, min_tokens, stop_token_ids, allowed_token_ids, echo.
+top_logprobs, penalties, logit_bias, min_p, min_tokens, stop_token_ids, allowed_token_ids, echo,
+response_format (JSON schema, JSON object) and structured_outputs (choice, regex, grammar).
 Greedy outputs and logprobs are compared with plain decoding of the same model (`LLM`)."""
 
 from __future__ import annotations
 
+import json
+import re
+
+import jsonschema
 import openai
 import pytest
 
@@ -142,3 +147,55 @@ def test_bad_values_are_a_400_naming_the_field(client, kw, param):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], top_logprobs=21,
                                        logprobs=True)  # fmt: skip
     assert err.value.body["param"] == "top_logprobs"
+
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+          "tag": {"enum": ["ab", "c"]}}, "required": ["n", "tag"], "additionalProperties": False,
+          "x-guidance": {"whitespace_flexible": False}}  # fmt: skip (llguidance's option: compact JSON)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_and_json_object_outputs(client, stream):
+    formats = [{"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}, {"type": "json_object"}]
+    for fmt in formats:
+        kw = dict(model="tiny", messages=[{"role": "user", "content": "a thing"}], max_tokens=60, temperature=0.7,
+                  seed=3, response_format=fmt)  # fmt: skip
+        if stream:
+            text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                           if c.choices)  # fmt: skip
+        else:
+            r = client.chat.completions.create(**kw)
+            text = r.choices[0].message.content
+            assert r.choices[0].finish_reason == "stop" or fmt["type"] == "json_object"
+        if fmt["type"] == "json_schema":  # bounded: always complete
+            jsonschema.validate(json.loads(text), SCHEMA)
+        else:  # any object: a random model may still be writing it at max_tokens
+            assert text.startswith("{")
+
+
+def test_structured_outputs_choice_regex_and_legacy_guided(client):
+    choice = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=1.0, seed=1,
+                                       extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe"]}})  # fmt: skip
+    assert choice.choices[0].text in ("yes", "no", "maybe")
+    regex = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=1.0, seed=1,
+                                      extra_body={"guided_regex": "[0-9]{3}-[a-c]{2}"})  # fmt: skip
+    assert re.fullmatch("[0-9]{3}-[a-c]{2}", regex.choices[0].text)
+
+
+@pytest.mark.parametrize(
+    "extra,param",
+    [({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", "minimum": 5,
+                                                                                           "maximum": 1}}}}, "response_format"),
+     ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
+     ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+     ({"structured_outputs": {"grammar": "start: ("}}, "structured_outputs"),
+     ({"structured_outputs": {"yaml": "x"}}, "structured_outputs"),
+     ({"guided_json": "{not json"}, "guided_json"),
+     ({"guided_regex": "a+", "structured_outputs": {"choice": ["a"]}}, "guided_regex"),
+     ({"response_format": {"type": "xml"}}, "response_format")],
+)  # fmt: skip
+def test_bad_constraints_are_a_400_naming_the_field(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, extra_body=extra)
+    assert err.value.body["param"] == param and "\n" not in err.value.body["message"], err.value.body
+    assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2).choices  # still serving
