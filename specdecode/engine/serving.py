@@ -33,7 +33,8 @@ from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError, is_in
 from specdecode.drafters.base import Draft, Drafter
 from specdecode.engine.acceptance import NOT_SHADOWED
 from specdecode.engine.adaptive import AdaptiveBudget
-from specdecode.core.batch import Batch, Sequence
+from specdecode.core.batch import Batch
+from specdecode.engine import processing
 from specdecode.engine.budget import BudgetPolicy, FixedBudget, apply_budgets
 from specdecode.engine.cost import VerifyCost, clock, measure_attention_cost
 from specdecode.engine.requests import EngineStats, Request, RequestEvent
@@ -41,9 +42,6 @@ from specdecode.engine.step import Engine
 from specdecode.model.cpu_block import MAX_POSITIONS
 from specdecode.model.loader import LoadedModel
 from specdecode.paged_cache import PagedKVCache, new_paged_cache
-from specdecode.logits_process import bad_words_ids, process_logits
-from specdecode.structured import Grammar
-from specdecode.sampling import argmax, logits_to_probs, sample, sampling_tensors
 
 DEFAULT_KV_BYTES = 256 << 20  # KV pool size when num_blocks is not given (at least one full sequence)
 
@@ -136,29 +134,11 @@ class ServingEngine(Engine):
                 f"max_tokens={params.max_tokens} is beyond the context: the prompt has {len(prompt_ids)} of "
                 f"{self.max_model_len} tokens, so at most {room} can be generated"
             )
-        self._check_token_ids(params, vocab)
         gamma = self._parse_override(spec_override)
         seq = Batch.new_sequence(request_id, prompt_ids, params, self.device)
-        if params.bad_words:
-            if self.tokenizer is None:
-                raise SpecDecodeError("bad_words needs a tokenizer; this model folder has none")
-            seq.bad_words_ids = bad_words_ids(params, self.tokenizer)
-        if params.structured is not None:
-            if self.tokenizer is None:
-                raise SpecDecodeError("structured output needs a tokenizer; this model folder has none")
-            seq.grammar = Grammar(params.structured, self.tokenizer, vocab, sorted(self.eos_ids))
+        processing.setup_sequence(seq, self.tokenizer, vocab, self.eos_ids)
         self.budget.forget(request_id)  # an id an ended request had: nothing of it carries over
         self.waiting.append(Request(request_id, seq, gamma, next(self._arrivals)))
-
-    @staticmethod
-    def _check_token_ids(params: SamplingParams, vocab: int) -> None:
-        if params.n != 1:
-            raise SpecDecodeError(f"the engine takes one sample per request, got n={params.n}: add one request per sample")
-        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids),
-                          ("allowed_token_ids", params.allowed_token_ids or ())):  # fmt: skip
-            bad = next((t for t in ids if t >= vocab), None)
-            if bad is not None:
-                raise SpecDecodeError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
 
     def _parse_override(self, override: dict | None) -> int:
         if override is None:
@@ -292,7 +272,7 @@ class ServingEngine(Engine):
         events = []
         if fresh:
             seqs = [reqs[i].seq for i in fresh]
-            first, logprobs = self._sample_first(seqs, logits[fresh])
+            first, logprobs = processing.sample_first(seqs, logits[fresh], self.eos_ids)
             for i, token, lp in zip(fresh, first, logprobs):
                 seq = reqs[i].seq
                 new = self._append_until_stop(seq, [token])
@@ -317,22 +297,6 @@ class ServingEngine(Engine):
         features = torch.cat(req.features)
         req.features = []
         return features[: len(req.seq.token_ids) - 1]
-
-    def _sample_first(self, seqs: list[Sequence], raw: torch.Tensor) -> tuple[list[int], list]:
-        """The first output token after each prompt (raw logits [B, V]), as a round of no drafts
-        would sample it, and its `Logprob` where asked (else None)."""
-        params = [s.params for s in seqs]
-        states = self._row_states(seqs)
-        logits = raw if states is None else process_logits(raw, range(len(seqs)), [[]] * len(seqs), states)
-        if all(p.greedy for p in params):
-            first = argmax(logits).tolist()
-        else:
-            p = logits_to_probs(logits[:, None], *sampling_tensors(params, self.device))[:, 0]  # [B, V]
-            first = sample(p, [s.generator for s in seqs]).tolist()
-        valid = torch.ones(len(seqs), 1, dtype=torch.bool, device=self.device)
-        out = torch.tensor(first, device=self.device)[:, None]
-        logprobs = self._logprobs(seqs, raw, logits, valid, out, torch.zeros_like(out[:, 0]))
-        return first, logprobs or [None] * len(seqs)
 
     def _decode_round(self) -> list[RequestEvent]:
         ids = list(self.running)

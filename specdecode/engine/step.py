@@ -25,16 +25,16 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError
+from specdecode.config import SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Draft, Drafter, DrafterContext
 from specdecode.drafters.registry import create_drafter
 from specdecode.core.batch import Batch, Sequence, SpecStats
 from specdecode.kv_cache import KVCache
-from specdecode.logits_process import RowState, process_logits
 from specdecode.model.cpu_int4 import cpu_lib
 from specdecode.model.loader import LoadedModel
-from specdecode.sampling import Logprob, argmax, logits_to_probs, sampling_tensors, token_logprobs
-from specdecode.tree import TreeBatch, commit_paths
+from specdecode.engine import processing
+from specdecode.sampling import Logprob, argmax, logits_to_probs
+from specdecode.tree import commit_paths
 from specdecode.verify import greedy_verify, rejection_sample, tree_greedy_verify, tree_rejection_sample, typical_verify
 
 
@@ -138,7 +138,7 @@ class Engine:
             # Every row's tree is a chain (nodes 0, 1, 2, ... in order): the chain round is cheaper.
             draft = Draft(tokens=draft.tree.tokens[:, 1:], q=draft.q[:, 1:] if draft.q is not None else None)
         if draft.q is None and any(s.grammar is not None for s in batch.seqs):
-            draft = dataclasses.replace(draft, tokens=_cut_by_grammar(batch.seqs, draft.tokens))
+            draft = dataclasses.replace(draft, tokens=processing.cut_by_grammar(batch.seqs, draft.tokens))
         num_draft = draft.num_tokens
         width = int(num_draft.max()) if B else 0  # rows that found nothing do not make others pay
         draft_tokens = draft.tokens[:, :width]
@@ -149,8 +149,8 @@ class Engine:
         greedy = batch.all_greedy  # only the argmax is read: the logits stay in the head's dtype
         # logits [N, V] at the real positions; hidden [B, 1 + w, F]
         raw, hidden = self._target(tokens, positions, cache, valid=valid, packed=True,
-                                   fp32_logits=not greedy or self._wants_logprobs(batch.seqs))  # fmt: skip
-        logits = self._process(batch, raw, _chain_contexts, draft_tokens, num_draft)
+                                   fp32_logits=not greedy or processing.wants_logprobs(batch.seqs))  # fmt: skip
+        logits = processing.process(batch.seqs, self.eos_ids, raw, processing.chain_contexts, draft_tokens, num_draft)
         if draft.typical is not None:  # LOSSY opt-in (Medusa's typical acceptance): flag the requests it bent
             # a greedy row's p is one-hot, where typical acceptance is greedy verification (exact), and
             # a row without drafts samples from p alone
@@ -164,7 +164,7 @@ class Engine:
         else:
             out, num_accepted = rejection_sample(_probs_at(logits, valid, batch), q, draft_tokens, batch.generators)
         cache.commit(num_accepted + 1)
-        logprobs = self._logprobs(batch.seqs, raw, logits, valid, out, num_accepted)
+        logprobs = processing.logprobs(batch.seqs, raw, logits, valid, out, num_accepted)
         return Verified(out, num_accepted, num_draft, None, hidden, logprobs=logprobs)
 
     def _verify_tree(self, batch: Batch, cache: KVCache, draft: Draft) -> Verified:
@@ -188,8 +188,8 @@ class Engine:
             raw, valid = raw.flatten(0, 1)[tree.valid.reshape(-1)], tree.valid  # as packed: [N, V]
         else:
             raw, hidden = self._target(tokens, positions, cache, block_mask=mask, valid=valid, packed=True,
-                                       fp32_logits=not batch.all_greedy or self._wants_logprobs(batch.seqs))  # fmt: skip
-        logits = self._process(batch, raw, _tree_contexts, tree)  # [N, V]
+                                       fp32_logits=not batch.all_greedy or processing.wants_logprobs(batch.seqs))  # fmt: skip
+        logits = processing.process(batch.seqs, self.eos_ids, raw, processing.tree_contexts, tree)  # [N, V]
         if batch.all_greedy:
             out, num_accepted, nodes = tree_greedy_verify(_argmax_at(logits, valid), tree)  # [B, N] -> paths
         else:
@@ -197,45 +197,8 @@ class Engine:
         commit_paths(cache, nodes, num_accepted)
         if hidden is not None:  # the accepted path's features, root first
             hidden = hidden.gather(1, nodes.clamp(min=0)[:, :, None].expand(-1, -1, hidden.shape[-1]))
-        logprobs = self._logprobs(batch.seqs, raw, logits, valid, out, num_accepted, nodes)
+        logprobs = processing.logprobs(batch.seqs, raw, logits, valid, out, num_accepted, nodes)
         return Verified(out, num_accepted, draft.num_tokens, aux_logits, hidden, num_positions, logprobs)
-
-    # ---- what plain decoding does to p: token masks, bias, penalties; logprobs -----------
-
-    def _row_states(self, seqs: list[Sequence]) -> list[RowState | None] | None:
-        """Each row's processing state (None where its settings process nothing); None for all."""
-        if not any(s.params.processes_logits for s in seqs):
-            return None
-        return [RowState(s.prompt_ids, s.output_ids, s.params, self.eos_ids, s.bad_words_ids, s.grammar)
-                if s.params.processes_logits else None for s in seqs]  # fmt: skip
-
-    def _process(self, batch: Batch, raw: torch.Tensor, contexts, *args) -> torch.Tensor:
-        """The packed logits [N, V] processed, each position with its own context: the row's
-        output and the draft tokens on its path (``contexts(*args)`` lists them in packed order)."""
-        states = self._row_states(batch.seqs)
-        return raw if states is None else process_logits(raw, *contexts(*args), states)
-
-    @staticmethod
-    def _wants_logprobs(seqs: list[Sequence]) -> bool:
-        return any(s.params.logprobs is not None for s in seqs)
-
-    def _logprobs(self, seqs: list[Sequence], raw: torch.Tensor, processed: torch.Tensor, valid: torch.Tensor,
-                  out: torch.Tensor, num_accepted: torch.Tensor, nodes: torch.Tensor | None = None,
-                  ) -> list[list[Logprob] | None] | None:  # fmt: skip
-        """Per row asking, a `Logprob` for each emitted token, from the verify pass's logits at
-        the position that emitted it (chains: position j; trees: the path's node j)."""
-        if not self._wants_logprobs(seqs):
-            return None
-        index = (valid.reshape(-1).long().cumsum(0) - 1).view(valid.shape)  # [B, T] packed index of each position
-        result: list[list[Logprob] | None] = [None] * len(seqs)
-        for b, seq in enumerate(seqs):
-            sp = seq.params
-            if sp.logprobs is None:
-                continue
-            n = int(num_accepted[b]) + 1
-            at = index[b, :n] if nodes is None else index[b, nodes[b, :n]]
-            result[b] = token_logprobs(_logprob_table(sp, raw[at], processed[at]), out[b, :n].tolist(), sp.logprobs)
-        return result
 
     def _append_tokens(
         self, batch: Batch, out: torch.Tensor, num_accepted: torch.Tensor, num_draft: torch.Tensor,
@@ -303,61 +266,6 @@ def _argmax_at(logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(valid.numel(), dtype=torch.long, device=logits.device)
     out[valid.reshape(-1)] = argmax(logits)
     return out.view(valid.shape)
-
-
-def _cut_by_grammar(seqs: list[Sequence], tokens: torch.Tensor) -> torch.Tensor:
-    """Deterministic chains [B, γ] (-1 padded) cut at their first token outside the row's
-    grammar: verification would reject it for sure (p gives it 0) and sample from p itself,
-    as the bonus position the cut leaves does, so the output's law is unchanged and the
-    positions past it are not computed. (A sampled draft is not cut: its rejection samples
-    from the residual p - q, not p.)"""
-    rows = tokens.tolist()
-    for b, seq in enumerate(seqs):
-        if seq.grammar is None:
-            continue
-        real = rows[b][: next((i for i, t in enumerate(rows[b]) if t < 0), len(rows[b]))]
-        n = seq.grammar.allows(real)
-        if n < len(real):
-            rows[b] = real[:n] + [-1] * (len(rows[b]) - n)
-            seq.stats.num_grammar_cut_tokens += len(real) - n
-    return torch.tensor(rows, dtype=tokens.dtype, device=tokens.device).view(tokens.shape)
-
-
-def _chain_contexts(drafts: torch.Tensor, num_draft: torch.Tensor) -> tuple[list[int], list[list[int]]]:
-    """The row and draft prefix of each real position of a chain pass, in packed order:
-    position j of row b follows d_1..d_j."""
-    rows, prefixes = [], []
-    for b, (row, n) in enumerate(zip(drafts.tolist(), num_draft.tolist())):
-        rows += [b] * (n + 1)
-        prefixes += [row[:j] for j in range(n + 1)]
-    return rows, prefixes
-
-
-def _tree_contexts(tree: TreeBatch) -> tuple[list[int], list[list[int]]]:
-    """The row and path of each real node of a tree pass, in packed order: node n follows
-    the tokens of its ancestors below the root, then its own."""
-    rows, prefixes = [], []
-    for b, (tokens, parents, valid) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist(), tree.valid.tolist())):
-        path: dict[int, list[int]] = {0: []}
-        for n in range(len(tokens)):
-            if not valid[n]:
-                continue
-            if n > 0:
-                path[n] = path[parents[n]] + [tokens[n]]
-            rows.append(b)
-            prefixes.append(path[n])
-    return rows, prefixes
-
-
-def _logprob_table(sp: SamplingParams, raw: torch.Tensor, processed: torch.Tensor) -> torch.Tensor:
-    """[n, V] the log-probabilities a request's ``logprobs_mode`` reports: the model's own
-    (raw), or those of the distribution its tokens are drawn from (processed; at temperature
-    0 the processed logits' softmax, as the one-hot would say nothing)."""
-    if sp.logprobs_mode == "raw_logprobs":
-        return torch.log_softmax(raw.float(), dim=-1)
-    if sp.greedy:
-        return torch.log_softmax(processed.float(), dim=-1)
-    return logits_to_probs(processed[None], *sampling_tensors([sp], processed.device))[0].log()
 
 
 def _probs_at(logits: torch.Tensor, valid: torch.Tensor, batch: Batch, zero_padding: bool = False) -> torch.Tensor:

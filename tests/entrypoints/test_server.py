@@ -183,7 +183,8 @@ BAD = [
     ("min_p above 1", {"min_p": 1.5}, "min_p"),
     ("min_tokens above max_tokens", {"min_tokens": 9}, "min_tokens"),
     ("allowed_token_ids empty", {"allowed_token_ids": []}, "allowed_token_ids"),
-    ("unsupported response_format", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("unsupported tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("unknown response_format", {"response_format": {"type": "yaml"}}, "response_format"),
     ("too many prompts", {"prompt": ["a"] * 65}, "prompt"),
     ("stop not strings", {"stop": [1]}, "stop"),
     ("missing prompt", {"prompt": None}, "prompt"),
@@ -229,8 +230,8 @@ def test_bad_chat_input_is_400(client):
                 "top_logprobs": 0, "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
                 "logit_bias": {}, "seed": None}  # what they are when unset; some clients always send them
     assert client.post("/v1/chat/completions", json={**both, **defaults}).status_code == 200
-    r = client.post("/v1/chat/completions", json={**both, "response_format": {"type": "json_object"}})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    r = client.post("/v1/chat/completions", json={**both, "tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
     for messages in ([{"role": "wizard", "content": "hi"}], [{"role": "user", "content": None}],
                      [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}]):  # fmt: skip
         r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
