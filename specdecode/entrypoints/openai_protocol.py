@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 from starlette.requests import Request
 
@@ -262,6 +262,26 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # one call per answer under a forced choice; several under "auto"
+    _tool_plan: Any = PrivateAttr(default=None)  # tools.ToolPlan, set by the route
+
+    @property
+    def tool_plan(self) -> Any:
+        return self._tool_plan
+
+    def use_tools(self, plan: Any) -> None:
+        self._tool_plan = plan
+
+    def structured(self) -> tuple[StructuredOutput | None, str | None]:
+        own = super().structured()
+        plan = self.tool_plan
+        if plan is None or not plan.forced:
+            return own
+        if own[0] is not None:
+            raise bad_request(f"tool_choice forces a call; {own[1]} cannot constrain the output too", own[1])
+        return plan.constraint, "tool_choice"
 
     def num_logprobs(self) -> int | None:
         k = self.top_logprobs
@@ -275,11 +295,6 @@ class ChatCompletionRequest(_Request):
         if e.param == "max_tokens" and self.max_completion_tokens is not None and e.message.startswith("max_tokens"):
             return bad_request("max_completion_tokens" + e.message[len("max_tokens") :], "max_completion_tokens")
         return super().as_sent(e)
-
-    def plain_messages(self) -> list[dict[str, str]]:
-        if not self.messages:
-            raise bad_request("messages must not be empty", "messages")
-        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
 
 
 def parse_body(raw: bytes, model_cls: type[_Request]) -> Any:

@@ -28,6 +28,7 @@ from starlette.requests import ClientDisconnect
 
 from specdecode.config import SpecDecodeError
 from specdecode.entrypoints.choices import Choice, request_usage
+from specdecode.entrypoints.tools import ToolPlan, assistant_message, final_delta, plan_tools, template_messages
 from specdecode.entrypoints.engine_thread import ADMITTED, EngineThread, ShuttingDown
 from specdecode.entrypoints.openai_protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, ServerLimits, bad_request, from_spec_error, parse_body,
@@ -63,11 +64,11 @@ class _Server:
             raise bad_request(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
         return list(prompt)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions", "messages")
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
         except Exception as e:  # the template's own checks (roles, order) raise jinja errors
             raise bad_request(f"the chat template rejected the messages: {e}", "messages") from None
         return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
@@ -133,10 +134,10 @@ class _Server:
         lengths = [len(p) for p in prompts]
         if req.stream:
             return _EventStream(self._sse(request_id, choices, req, chat, lengths), on_close=lambda: _cancel(choices))
-        return await self._complete(request, request_id, choices, chat, lengths)
+        return await self._complete(request, request_id, choices, chat, lengths, req.tool_plan if chat else None)
 
     async def _complete(self, request: Request, request_id: str, choices: list[Choice], chat: bool,
-                        lengths: list[int]) -> Response:  # fmt: skip
+                        lengths: list[int], plan: ToolPlan | None = None) -> Response:  # fmt: skip
         async def collect(c: Choice) -> str:
             parts = []
             while c.finish is None:
@@ -164,7 +165,7 @@ class _Server:
             choice: dict[str, Any] = {"index": c.index, "logprobs": c.logprobs_json(c.logprobs, chat, self.token_text),
                                       "finish_reason": c.finish}  # fmt: skip
             if chat:
-                choice["message"] = {"role": "assistant", "content": text}
+                choice["message"], choice["finish_reason"] = assistant_message(plan, text, c.finish)
             else:
                 choice["text"] = c.echo + text
             out.append(choice)
@@ -174,6 +175,8 @@ class _Server:
     async def _sse(self, request_id: str, choices: list[Choice], req: Any, chat: bool,
                    lengths: list[int]) -> AsyncIterator[str]:  # fmt: skip
         base = self._envelope(request_id, "chat.completion.chunk" if chat else "text_completion")
+        plan = req.tool_plan if chat else None  # with tools, the text is sent whole at the end: it may be a call
+        held = {c.index: "" for c in choices}
         if req.include_usage:
             base["usage"] = None  # OpenAI: null on every chunk but the last
 
@@ -204,12 +207,20 @@ class _Server:
                         yield _sse_line(_engine_error(e).body())
                         failed = True
                         break
-                    if delta or c.new_logprobs:
+                    if plan is not None:
+                        held[c.index] += delta
+                    elif delta or c.new_logprobs:
                         yield chunk(c, delta, logprobs=c.logprobs_json(c.new_logprobs, chat, self.token_text))
                     if c.finish is None:
                         waiting[asyncio.ensure_future(c.next_delta())] = c
                     else:  # lossy (typical acceptance) said where every client sees it, not only in usage
-                        yield chunk(c, None, c.finish, lossy=c.last.stats.lossy)
+                        finish = c.finish
+                        if plan is not None:  # the held text, or its tool calls, as one delta
+                            delta_obj, finish = final_delta(plan, held[c.index], finish)
+                            lps = c.logprobs_json(c.logprobs, chat, self.token_text)
+                            yield _sse_line({**base, "choices": [{"index": c.index, "delta": delta_obj, "logprobs": lps,
+                                                                  "finish_reason": None}]})  # fmt: skip
+                        yield chunk(c, None, finish, lossy=c.last.stats.lossy)
             for task in waiting:
                 task.cancel()
             if not failed and req.include_usage:
@@ -349,9 +360,12 @@ def create_app(
     async def chat_completions(request: Request) -> Response:
         req = parse_body(await read_body(request, server.limits.max_body_bytes), ChatCompletionRequest)
         server.check_model(req.model)
-        messages = req.plain_messages()
-        server.check_limits(req, [m["content"] for m in messages])
-        ids = await asyncio.to_thread(server.encode_chat, messages)  # the template and tokenizer, off the loop
+        messages = template_messages(req.messages)
+        server.check_limits(req, [m["content"] or "" for m in messages])
+        template = getattr(server.tokenizer, "chat_template", None)
+        req.use_tools(plan_tools(req.tools, req.tool_choice, template if isinstance(template, str) else None))
+        tools = req.tool_plan.tools if req.tool_plan is not None else None
+        ids = await asyncio.to_thread(server.encode_chat, messages, tools)  # the template and tokenizer, off the loop
         return await server.generate(request, req, [ids], chat=True)
 
     app.include_router(v1)

@@ -145,9 +145,9 @@ def make_engine(target, max_num_seqs: int = 8, delay: float = 0.0) -> SlowEngine
     return SlowEngine(engine, delay)
 
 
-def make_app(target, engine=None, **kw):
+def make_app(target, engine=None, tokenizer=None, **kw):
     engine = engine if engine is not None else make_engine(target)
-    return create_app(engine, target.tokenizer, "tiny", max_model_len=MAX_MODEL_LEN,
+    return create_app(engine, tokenizer or target.tokenizer, "tiny", max_model_len=MAX_MODEL_LEN,
                       vocab_size=target.config.vocab_size, **kw)  # fmt: skip
 
 

@@ -199,3 +199,83 @@ def test_bad_constraints_are_a_400_naming_the_field(client, extra, param):
         client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, extra_body=extra)
     assert err.value.body["param"] == param and "\n" not in err.value.body["message"], err.value.body
     assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2).choices  # still serving
+
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }} {% endfor %}</tools>\n{% endif %}"
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] or '' }}"
+    "{% for c in m.get('tool_calls', []) %}<tool_call>{{ c['function']['name'] }}</tool_call>{% endfor %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
+                          "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                          "required": ["city", "days"], "additionalProperties": False,
+                          "x-guidance": {"whitespace_flexible": False}}}}  # fmt: skip
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}}}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tool_client(target):
+    import copy
+
+    tok = copy.deepcopy(target.tokenizer)
+    tok.chat_template = TOOLS_TEMPLATE
+    with ServerThread(make_app(target, tokenizer=tok)) as srv:
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+            yield c
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_a_forced_tool_call_parses_and_validates(tool_client, stream, choice):
+    tool_choice = {"type": "function", "function": {"name": "get_weather"}} if choice == "named" else "required"
+    messages = [{"role": "user", "content": "weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+                    "name": "get_time", "arguments": '{"zone": "UTC"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]  # fmt: skip
+    kw = dict(model="tiny", messages=messages, tools=[WEATHER, TIME], tool_choice=tool_choice, max_tokens=60,
+              temperature=1.0, seed=4)  # fmt: skip
+    if stream:
+        calls, finish = [], None
+        for chunk in tool_client.chat.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                calls += c.delta.tool_calls or []
+                finish = c.finish_reason or finish
+        name, arguments = calls[0].function.name, calls[0].function.arguments
+    else:
+        r = tool_client.chat.completions.create(**kw)
+        finish, msg = r.choices[0].finish_reason, r.choices[0].message
+        assert msg.content is None and len(msg.tool_calls) == 1 and msg.tool_calls[0].id.startswith("call_")
+        name, arguments = msg.tool_calls[0].function.name, msg.tool_calls[0].function.arguments
+    assert finish == "tool_calls"
+    tool = {"get_weather": WEATHER, "get_time": TIME}[name]
+    jsonschema.validate(json.loads(arguments), tool["function"]["parameters"])
+    assert name == "get_weather" or choice == "required"
+
+
+def test_hermes_tool_calls_under_auto_are_parsed():
+    from specdecode.entrypoints.tools import ToolPlan, tool_calls
+
+    text = 'Let me look. <tool_call>{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}</tool_call>'
+    content, calls = tool_calls(ToolPlan([WEATHER]), text)
+    assert content == "Let me look." and calls[0]["function"]["name"] == "get_weather"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Rome", "days": 2}
+    assert tool_calls(ToolPlan([WEATHER]), "no call here") == ("no call here", [])
+
+
+@pytest.mark.parametrize(
+    "kw,param",
+    [(dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools"),
+     (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+     (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "response_format")],
+)  # fmt: skip
+def test_bad_tools_are_a_400(tool_client, client, kw, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        tool_client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], **kw)
+    assert err.value.body["param"] == param, err.value.body
+    with pytest.raises(openai.BadRequestError) as err:  # the plain tiny template shows no tools
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER])
+    assert err.value.body["param"] == "tools"
