@@ -106,7 +106,8 @@ class SamplingParams:
     ``stop_token_ids`` end generation like EOS; ``bad_words`` are never completed;
     ``allowed_token_ids`` are the only tokens that may be sampled. ``n`` independent samples of
     the prompt (sample i > 0 seeded from ``seed`` and i). ``logprobs`` k >= 0 returns each
-    output token's log-probability and the k likeliest alternatives (``logprobs_mode``:
+    output token's log-probability and the k likeliest alternatives (``prompt_logprobs`` k:
+    each prompt token's, the model's own, None for the first; ``logprobs_mode``:
     "raw_logprobs", the model's own distribution, as vLLM's default; "processed_logprobs",
     after penalties, bias, masks, temperature and filters). ``structured`` constrains the
     output to a JSON schema, regex, choice or grammar (`StructuredOutput`); the text it ends
@@ -131,6 +132,7 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     logprobs_mode: str = "raw_logprobs"
     structured: StructuredOutput | None = None
 
@@ -204,8 +206,10 @@ class SamplingParams:
         if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
             raise SpecDecodeError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
         object.__setattr__(self, "bad_words", tuple(words))
-        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
-            raise SpecDecodeError(f"logprobs must be an integer >= 0 (the alternatives to return) or null, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not is_int(k) or k < 0):
+                raise SpecDecodeError(f"{name} must be an integer >= 0 (the alternatives to return) or null, got {k!r}")
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise SpecDecodeError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
         if self.logprobs_mode not in LOGPROBS_MODES:

@@ -63,6 +63,7 @@ class Sequence:
     bad_words_ids: list[list[int]] = field(default_factory=list)  # params.bad_words tokenized
     logprobs: list[Logprob] = field(default_factory=list)  # one per output token, where params.logprobs asks
     grammar: Any = None  # a structured.Grammar, in step with the output, where params.structured asks
+    prompt_logprobs: list[Logprob | None] = field(default_factory=list)  # None for the first token
 
     @property
     def prompt_ids(self) -> list[int]:

@@ -82,6 +82,23 @@ def logprobs(seqs: list[Sequence], raw: torch.Tensor, processed: torch.Tensor, v
     return result
 
 
+def wants_prompt_logprobs(seq: Sequence, start: int) -> bool:
+    """Whether a prefill pass from ``start`` holds prompt positions still to be scored."""
+    return seq.params.prompt_logprobs is not None and start < seq.num_prompt - 1 and len(seq.prompt_logprobs) <= start + 1
+
+
+def score_prompt(seq: Sequence, start: int, logits: torch.Tensor) -> None:
+    """The prompt tokens' logprobs from a prefill pass's logits [m, V] at positions start..:
+    position t's logits score prompt token t + 1 (the model's own distribution, as vLLM's)."""
+    if not seq.prompt_logprobs:
+        seq.prompt_logprobs.append(None)  # the first token has no context to be scored in
+    end = min(start + logits.shape[0], seq.num_prompt - 1)  # past the prompt: output tokens of a resumed request
+    if end <= start:
+        return
+    table = torch.log_softmax(logits[: end - start].float(), dim=-1)
+    seq.prompt_logprobs += token_logprobs(table, seq.token_ids[start + 1 : end + 1], seq.params.prompt_logprobs)
+
+
 def sample_first(seqs: list[Sequence], raw: torch.Tensor, eos_ids: Iterable[int]) -> tuple[list[int], list]:
     """The first output token after each prompt (raw logits [B, V]), as a round with no drafts
     would sample it, and its `Logprob`s where asked (else None)."""

@@ -29,6 +29,7 @@ class RequestEvent:
     # before the same step's decode round, whose tokens come out with it
     at: float = field(default_factory=time.perf_counter)
     logprobs: list[Logprob] | None = None  # one per new token, where the request asks for logprobs
+    prompt_logprobs: list[Logprob | None] | None = None  # on a request's first event, where it asks: one per prompt token
 
 
 @dataclass

@@ -255,8 +255,12 @@ class ServingEngine(Engine):
                 self._reserve([m], prefill=True)  # a commit frees the blocks past what it commits
                 tokens = torch.tensor([req.seq.token_ids[req.cached : req.cached + m]], device=self.device)
                 positions = torch.arange(req.cached, req.cached + m, device=self.device)[None, :]
-                at = torch.tensor([[m - 1]], device=self.device)
+                scored = processing.wants_prompt_logprobs(req.seq, req.cached)  # every position's logits, not the last
+                at = torch.arange(m if scored else 1, device=self.device)[None, :] + (0 if scored else m - 1)
                 logits, hidden = self._target(tokens, positions, self.cache, logits_at=at)
+                if scored:
+                    processing.score_prompt(req.seq, req.cached, logits[0])
+                    logits = logits[:, -1:]
                 self.cache.commit(torch.tensor([m], device=self.device))
                 req.cached += m
                 if hidden is not None:
@@ -399,7 +403,9 @@ class ServingEngine(Engine):
     def _event(self, req: Request, new: list[int]) -> RequestEvent:
         seq = req.seq
         logprobs = seq.logprobs[len(seq.logprobs) - len(new) :] if seq.params.logprobs is not None else None
+        first = len(seq.token_ids) - seq.num_prompt == len(new)  # the event of its first token
+        prompt = (seq.prompt_logprobs or [None]) if first and seq.params.prompt_logprobs is not None else None
         return RequestEvent(  # the stats as of this event: a prefill's event comes before its step's decode round
             req.request_id, new, seq.finish_reason, seq.stats.snapshot(), seq.num_prompt,
-            len(seq.token_ids) - seq.num_prompt, logprobs=logprobs,
+            len(seq.token_ids) - seq.num_prompt, logprobs=logprobs, prompt_logprobs=prompt,
         )  # fmt: skip

@@ -28,14 +28,16 @@ class Choice:
     """One sample of one prompt: ``index`` is its place among the request's choices."""
 
     def __init__(self, app: Any, request_id: str, events: asyncio.Queue, params: SamplingParams, arrival: float,
-                 index: int = 0, echo: str = "") -> None:  # fmt: skip
+                 index: int = 0, echo: str = "", prompt_ids: Sequence[int] = ()) -> None:  # fmt: skip
         self.app, self.request_id, self.events, self.params, self.arrival = app, request_id, events, params, arrival
-        self.index, self.echo = index, echo
+        self.index, self.echo, self.prompt_ids = index, echo, list(prompt_ids)
         self.ids: list[int] = []
         self.logprobs: list[Logprob] = []
         self.new_logprobs: list[Logprob] = []  # those of the latest event
         self.shown = 0  # characters of the text already returned
         self.offset = len(echo)  # completions' text_offset of the next token whose logprobs are sent
+        self.prompt_logprobs: list[Logprob | None] | None = None  # from the first event, where asked
+        self.prompt_sent = not echo  # echo: the prompt's logprobs lead the first logprobs sent
         self.finish: str | None = None
         self.last: Any = None  # the latest RequestEvent
         self.first_token_at: float | None = None
@@ -53,6 +55,8 @@ class Choice:
             self.first_token_at = now
             self.app.metrics.ttft.observe(now - self.arrival)
         self.ids += item.new_token_ids
+        if item.prompt_logprobs is not None:
+            self.prompt_logprobs = item.prompt_logprobs
         self.new_logprobs = list(item.logprobs or [])
         self.logprobs += self.new_logprobs
         if item.finish_reason is not None:
@@ -91,12 +95,38 @@ class Choice:
         for t in tokens:  # each call continues where the last one's tokens ended (streamed chunks)
             offsets.append(self.offset)
             self.offset += len(t)
-        return {
+        body = {
             "tokens": tokens,
             "token_logprobs": [_finite(x.logprob) for x in logprobs],
             "top_logprobs": [{token_text(t): _finite(lp) for t, lp in x.top} for x in logprobs],
             "text_offset": offsets,
         }
+        if not self.prompt_sent and self.prompt_logprobs is not None and self.prompt_ids:
+            self.prompt_sent = True  # echo: the prompt's tokens first (the first one unscored, as OpenAI's)
+            lps = self.prompt_logprobs
+            texts = [token_text(t) for t in self.prompt_ids]
+            body = {
+                "tokens": texts + body["tokens"],
+                "token_logprobs": [None if x is None else _finite(x.logprob) for x in lps] + body["token_logprobs"],
+                "top_logprobs": [None if x is None else {token_text(t): _finite(v) for t, v in x.top} for x in lps]
+                + body["top_logprobs"],
+                "text_offset": [sum(len(t) for t in texts[:i]) for i in range(len(texts))] + body["text_offset"],
+            }  # fmt: skip
+        return body
+
+    def prompt_logprobs_json(self, token_text: Callable[[int], str]) -> Any:
+        """vLLM's ``prompt_logprobs``: per prompt token, {token id: {logprob, decoded_token}} for
+        the token and its top alternatives (None for the first token)."""
+        if self.prompt_logprobs is None:
+            return None
+        out: list[Any] = []
+        for x in self.prompt_logprobs:
+            if x is None:
+                out.append(None)
+                continue
+            entries = {x.token_id: x.logprob, **dict(x.top)}
+            out.append({str(t): {"logprob": _finite(lp), "decoded_token": token_text(t)} for t, lp in entries.items()})
+        return out
 
 
 def _finite(x: float) -> float:

@@ -89,6 +89,7 @@ class StreamEvent:
     stats: SpecStats
     sample: int = 0  # which of the prompt's n samples
     logprobs: list[Logprob] | None = None  # one per new token, where SamplingParams.logprobs asks
+    prompt_logprobs: list[Logprob | None] | None = None  # on the first event, where SamplingParams.prompt_logprobs asks
 
 
 @dataclass
@@ -114,6 +115,7 @@ class RequestOutput:
     metrics: RequestMetrics
     logprobs: list[Logprob] | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
+    prompt_logprobs: list[Logprob | None] | None = None  # one per prompt token (None for the first)
 
 
 class LLM:
@@ -217,8 +219,11 @@ class LLM:
         finish: dict[tuple[int, int], str] = {}
         done_at, first_at = dict.fromkeys(keys, 0.0), dict.fromkeys(keys, 0.0)
         stats: dict[tuple[int, int], Any] = {key: SpecStats() for key in keys}
+        prompt_logprobs: dict[int, Any] = {}
         for e in self._stream(token_lists, params, speculative):
             key = (e.index, e.sample)
+            if e.prompt_logprobs is not None:
+                prompt_logprobs[e.index] = e.prompt_logprobs
             if not outputs[key]:
                 first_at[key] = e.time_s
             outputs[key] += e.new_token_ids
@@ -238,7 +243,7 @@ class LLM:
             ]  # fmt: skip
             first = samples[0]
             results.append(RequestOutput(token_lists[i], first.token_ids, first.text, first.finish_reason,
-                                         first.metrics, first.logprobs, samples))  # fmt: skip
+                                         first.metrics, first.logprobs, samples, prompt_logprobs.get(i)))  # fmt: skip
         return results
 
     def stream(
@@ -273,7 +278,8 @@ class LLM:
             while engine.has_unfinished():
                 for e in engine.step():
                     i, k = index[e.request_id]
-                    yield StreamEvent(i, e.new_token_ids, e.finish_reason, e.at - start, e.stats, k, e.logprobs)
+                    yield StreamEvent(i, e.new_token_ids, e.finish_reason, e.at - start, e.stats, k, e.logprobs,
+                                      e.prompt_logprobs)  # fmt: skip
         except GeneratorExit:  # the consumer stopped early: its requests are aborted below
             raise
         except BaseException:  # a failed or interrupted (Ctrl-C) step may have left a row half removed,

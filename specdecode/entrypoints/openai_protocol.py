@@ -26,7 +26,7 @@ from specdecode.entrypoints.llm import RequestMetrics
 # OpenAI and vLLM fields we do not implement: a request that sets one gets a 400 rather than
 # silence, except at the values that ask for nothing (their defaults, which some clients always send).
 UNSUPPORTED: dict[str, tuple] = {
-    "suffix": ("",), "tools": ([],), "functions": ([],), "tool_choice": ("none",), "prompt_logprobs": (),
+    "suffix": ("",), "tools": ([],), "functions": ([],), "tool_choice": ("none",),
 }  # fmt: skip
 # vLLM's structured_outputs keys (and its older guided_* fields) -> StructuredOutput kinds
 STRUCTURED_KEYS = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar", "json_object": "json_object"}
@@ -97,6 +97,7 @@ class _Request(BaseModel):
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     logprobs_mode: str | None = None
+    prompt_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -158,6 +159,12 @@ class _Request(BaseModel):
         """The alternatives to return per token; None: no logprobs."""
         return None
 
+    def num_prompt_logprobs(self) -> int | None:
+        k = self.prompt_logprobs
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise bad_request(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {k}", "prompt_logprobs")
+        return k
+
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         optional = {name: getattr(self, name) for name in (
@@ -175,6 +182,7 @@ class _Request(BaseModel):
                 stop=stop,
                 ignore_eos=bool(self.ignore_eos),
                 logprobs=self.num_logprobs(),
+                prompt_logprobs=self.num_prompt_logprobs(),
                 **optional,
             )
         except SpecDecodeError as e:
@@ -208,9 +216,12 @@ class CompletionRequest(_Request):
     def num_logprobs(self) -> int | None:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad_request(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
-        if self.echo and self.logprobs is not None:
-            raise bad_request("echo with logprobs would need the prompt's logprobs, which are not supported", "echo")
         return self.logprobs
+
+    def num_prompt_logprobs(self) -> int | None:
+        """echo with logprobs scores the prompt's tokens too (OpenAI's legacy way to get them)."""
+        k = super().num_prompt_logprobs()
+        return self.logprobs if k is None and self.echo and self.logprobs is not None else k
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")

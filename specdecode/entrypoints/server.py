@@ -126,7 +126,7 @@ class _Server:
                     if admitted is not ADMITTED:
                         raise req.as_sent(_engine_error(admitted))
                     self.metrics.observe_admitted(len(ids))
-                    choices.append(Choice(self, rid, events, sp, arrival, len(choices), echo[i] if echo else ""))
+                    choices.append(Choice(self, rid, events, sp, arrival, len(choices), echo[i] if echo else "", ids))
         except BaseException:
             for c in choices:  # nothing of a refused request keeps running
                 c.cancel()
@@ -164,6 +164,8 @@ class _Server:
         for c, text in zip(choices, texts):
             choice: dict[str, Any] = {"index": c.index, "logprobs": c.logprobs_json(c.logprobs, chat, self.token_text),
                                       "finish_reason": c.finish}  # fmt: skip
+            if c.params.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = c.prompt_logprobs_json(self.token_text)
             if chat:
                 choice["message"], choice["finish_reason"] = assistant_message(plan, text, c.finish)
             else:

@@ -172,7 +172,7 @@ BAD = [
     ("best_of = 0", {"best_of": 0}, "best_of"),
     ("seed beyond 64 bits", {"seed": 2**64}, "seed"),
     ("logprobs above 20", {"logprobs": 21}, "logprobs"),
-    ("echo with logprobs", {"echo": True, "logprobs": 1}, "echo"),
+    ("prompt_logprobs above 20", {"prompt_logprobs": 21}, "prompt_logprobs"),
     ("stop_token_ids outside the vocabulary", {"stop_token_ids": [100000]}, "stop_token_ids"),
     ("logit_bias id outside the vocabulary", {"logit_bias": {"100000": 1}}, "logit_bias"),
     ("logit_bias key not an id", {"logit_bias": {"x": 1}}, "logit_bias"),

@@ -279,3 +279,19 @@ def test_bad_tools_are_a_400(tool_client, client, kw, param):
     with pytest.raises(openai.BadRequestError) as err:  # the plain tiny template shows no tools
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER])
     assert err.value.body["param"] == "tools"
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, plain):
+    """lm-eval-harness's loglikelihood request: echo, logprobs, one token."""
+    want = plain.generate(PROMPT, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), speculative=False)[0]
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, temperature=0, echo=True, logprobs=1)
+    lp = r.choices[0].logprobs
+    n = len(want.prompt_token_ids)
+    assert len(lp.tokens) == n + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:n] == pytest.approx([x.logprob for x in want.prompt_logprobs[1:]], abs=1e-5)
+    assert "".join(lp.tokens[:n]) == PROMPT and lp.text_offset[n] == len(PROMPT)
+    vllm = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1, extra_body={"prompt_logprobs": 2})
+    plp = vllm.choices[0].model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == n
+    for entry, x in zip(plp[1:], want.prompt_logprobs[1:]):
+        assert entry[str(x.token_id)]["logprob"] == pytest.approx(x.logprob, abs=1e-5) and len(entry) <= 3
