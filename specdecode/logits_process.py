@@ -48,6 +48,16 @@ class RowState:
         self.bad_words = bad_words or []
 
 
+def row_states(seqs: Sequence[Any], eos_ids: Iterable[int]) -> list[RowState | None] | None:
+    """Each sequence's state (None where its settings process nothing); None for all. A
+    sequence has ``prompt_ids``, ``output_ids``, ``params``, ``bad_words_ids`` and ``grammar``
+    (core/batch.py's `Sequence`)."""
+    if not any(s.params.processes_logits for s in seqs):
+        return None
+    return [RowState(s.prompt_ids, s.output_ids, s.params, eos_ids, s.bad_words_ids, s.grammar)
+            if s.params.processes_logits else None for s in seqs]  # fmt: skip
+
+
 def process_logits(logits: Tensor, rows: Sequence[int], prefixes: Sequence[Sequence[int]],
                    states: Sequence[RowState | None]) -> Tensor:  # fmt: skip
     """logits [N, V] raw, one position each -> float32 [N, V] processed.

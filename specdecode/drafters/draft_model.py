@@ -41,6 +41,7 @@ from specdecode.core.batch import Batch, pad_right
 from specdecode.kv_cache import KVCache
 from specdecode.model.loader import keeps_gguf_blocks, load_model
 from specdecode.model.transformer import Transformer
+from specdecode.logits_process import process_logits, row_states
 from specdecode.sampling import argmax, logits_to_probs, sample
 from specdecode.drafters.distill_net import DistillNet
 from specdecode.tree import MAX_TREE_NODES, TreeShape, check_node_budget, parse_token_tree
@@ -155,14 +156,20 @@ class DraftModelDrafter:
             return trees_with_lookup(grow, batch, roots, depth, found, self.ctx.device)
         drafts, qs = [], []
         alive = model_rows(found, self.ctx.device)
+        # q as plain decoding would process p (penalties, bias, masks, grammar), each draft position
+        # seeing the drafts before it: likelier drafts; exactness does not depend on it
+        states = row_states(batch.seqs, self.ctx.target.config.eos_token_ids)
         # a copying row's draft cache takes its copy, not the model's scratch tokens: what it
         # accepts is kept as entries for the next round (the model's tokens there were stale)
         copies, copied = pad_right([f[: depth - 1] for f in found], self.ctx.device) if any(found) else (None, None)
         for k in range(depth):
+            if states is not None:
+                prefixes = [[t for t in row if t >= 0] for row in torch.stack(drafts, dim=1).tolist()] if drafts else [[]] * len(batch)
+                logits = process_logits(logits, range(len(batch)), prefixes, states)
             if batch.all_greedy:  # one-hot q: the verifier needs no distribution
                 token = argmax(logits)
             else:  # a lookup row's draws are scratch: its own stream is for its own drafts
-                q = logits_to_probs(logits[:, None], batch.temperature, batch.top_k, batch.top_p)[:, 0]  # [B, V]
+                q = logits_to_probs(logits[:, None], batch.temperature, batch.top_k, batch.top_p, batch.min_p)[:, 0]  # [B, V]
                 token = sample(q, batch.draft_generators(k, alive if self.lookup is not None else None))
                 qs.append(q)
             drafts.append(torch.where(alive, token, -1))

@@ -19,7 +19,7 @@ import torch
 
 from specdecode.config import SamplingParams, SpecDecodeError
 from specdecode.core.batch import Sequence
-from specdecode.logits_process import RowState, bad_words_ids, process_logits
+from specdecode.logits_process import bad_words_ids, process_logits, row_states
 from specdecode.sampling import Logprob, argmax, logits_to_probs, sample, sampling_tensors, token_logprobs
 from specdecode.structured import Grammar
 from specdecode.tree import TreeBatch
@@ -42,14 +42,6 @@ def setup_sequence(seq: Sequence, tokenizer: Any, vocab: int, eos_ids: Iterable[
         seq.bad_words_ids = bad_words_ids(params, tokenizer)
     if params.structured is not None:
         seq.grammar = Grammar(params.structured, tokenizer, vocab, sorted(eos_ids))
-
-
-def row_states(seqs: list[Sequence], eos_ids: Iterable[int]) -> list[RowState | None] | None:
-    """Each row's processing state (None where its settings process nothing); None for all."""
-    if not any(s.params.processes_logits for s in seqs):
-        return None
-    return [RowState(s.prompt_ids, s.output_ids, s.params, eos_ids, s.bad_words_ids, s.grammar)
-            if s.params.processes_logits else None for s in seqs]  # fmt: skip
 
 
 def process(seqs: list[Sequence], eos_ids: Iterable[int], raw: torch.Tensor, contexts: Callable, *args: Any) -> torch.Tensor:
