@@ -1,4 +1,4 @@
-"""The fused CPU block against the torch blocks, side by side in one run (issue 6).
+"""The fused CPU block against the torch blocks, side by side in one run.
 
 Default model, CPU, bf16 activations, one forward pass of B rows x T new positions over a
 cached 100-token prompt per row (decode: T = 1; verify: T = γ + 1), and prefill passes of

@@ -1,6 +1,6 @@
 """Calibration of the adaptive budget's confidences: a learned drafter's own draft probabilities
 (and, given one, a trained confidence head) against the online per-position estimates, each
-before and after Sequential Temperature Scaling (issues 4 and 5).
+before and after Sequential Temperature Scaling.
 
 Default model, CPU, batch 1, 128 new tokens, the 9 prompts of prompts_learned.json, served one
 after another through one engine per variant with `"num_speculative_tokens": "auto"` (the

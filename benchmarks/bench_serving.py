@@ -81,7 +81,7 @@ def encode_chat(model: LoadedModel, text: str) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-# ---- the verify cost on this CPU -----------------------------------------------------------
+# ---- the verify cost on the machine the benchmark runs on -----------------------------------
 
 
 def fit_line(curve: VerifyCost) -> tuple[float, float]:
@@ -266,11 +266,11 @@ def main() -> int:
     ap.add_argument("--threads", type=positive_int, default=2)
     ap.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N")
     ap.add_argument("--quantization", default="none",
-                    help="weights: none (bf16, the documented AVX512 runs), gguf (the file's Q4_1 blocks), gguf-a8 "
+                    help="weights: none (bf16), gguf (the file's Q4_1 blocks), gguf-a8 "
                          "(the same times int8 activations), int8, int4")
     ap.add_argument("--load-warmup", type=nonneg_int, default=0,
                     help="untimed requests per client that every configuration serves at each load first "
-                         "(on CUDA the first configuration at a new batch size was measured slower)")
+                         "(on CUDA the first configuration at a new batch size otherwise pays for warming it up)")
     ap.add_argument("--repeats", type=positive_int, default=1, help="runs of every configuration per load, interleaved")
     ap.add_argument("--interleave", choices=("clock", "steps", "runs"), default="clock",
                     help="clock: a repetition runs every configuration's load together, one engine step at a "
@@ -320,8 +320,8 @@ def main() -> int:
         for rep in range(args.repeats):
             # each repetition runs every configuration once, the order rotated and every other
             # repetition reversed, so that no configuration always meets the machine in the same
-            # state (a rotation alone keeps each one's neighbours: at 32 clients the adaptive runs
-            # both followed γ = 8's, after which prefill ran ~10% slower for whichever came next)
+            # state (a rotation alone keeps each one's neighbours, and a configuration that leaves
+            # the machine slower, e.g. its allocator or caches in another state, always hits the same one)
             order = configs[rep % len(configs) :] + configs[: rep % len(configs)]
             order = order[::-1] if rep % 2 else order
             if args.interleave != "runs":  # all at once, one engine step at a time

@@ -13,8 +13,8 @@ round. The CPU may be shared: timings are noisy, ratios less so.
 
     python benchmarks/bench_suffix.py [--reps 5] [--max-tokens 128] [--gamma 24] [--threads 1] [--json out.json]
 
-On a CPU shared with other jobs, ``--threads 1`` avoids OpenMP oversubscription (with 2
-threads on 2 busy cores a plain step was seen to take 400 ms instead of 30 ms). In
+On a CPU shared with other jobs, ``--threads 1`` avoids OpenMP oversubscription (threads
+waiting on busy cores can make a plain step many times slower). In
 bf16, a (γ+1)-token pass rounds differently from a 1-token pass, so outputs may part
 from plain greedy's ("same as plain"); in fp32 they are identical.
 """

@@ -42,7 +42,7 @@ class Calibration:
     plan_online: list[tuple[float, int]] = field(default_factory=list)
 
 
-CALIBRATION_EVERY = 4  # steps: the calibration pairs are a sample (at one client, every step cost 0.6%)
+CALIBRATION_EVERY = 4  # steps: the calibration pairs are a sample (recording every step would slow the run it measures)
 
 
 class Recording:
@@ -216,13 +216,12 @@ class ClosedLoop:
 
 def run_loads(loops: list[ClosedLoop], pair: str = "clock") -> list[dict]:
     """Run the loops together until all are done, one engine step at a time, each on its own
-    clock, so that the machine's noise (which drifts over seconds: a configuration run alone
-    measured 147-207 tok/s in one session's consecutive runs) falls on all of them alike.
+    clock, so that the machine's noise (which drifts over seconds: consecutive runs of one
+    configuration alone can differ by a third) falls on all of them alike.
     ``pair="clock"``: the next step is the loop whose clock is behind, so every stretch of the
     run's wall time holds the same share of each loop's own time. ``"steps"``: the loops step
     in turn; one that needs fewer steps (speculation) then spends its time in the run's early
-    part and finishes first, and the others run their last stretch without it (at 16 clients
-    *none* ran its last ~30% of steps after γ = 2 was done)."""
+    part and finishes first, and the others run their last stretch without it."""
     while not all(loop.done() for loop in loops):
         if pair == "clock":
             min((loop for loop in loops if not loop.done()), key=lambda loop: loop.clock).advance()

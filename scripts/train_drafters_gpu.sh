@@ -18,10 +18,9 @@
 # no second stage), PASSAGES (1; 0 skips the passages pass), METHODS, DATA (1; 0 reuses OUT/data),
 # INIT (unset: from scratch; a prefix such as specdecode/weights/smollm2-135m continues each method's
 # folder INIT-METHOD on the new data, --init --finetune, at LR_INIT, 5e-4), BF16 (0; 1 trains in mixed
-# precision, `specdecode train --bf16`: tested on CPU only, where it was 2x faster).
-# On a lent GPU machine, scripts/device_bundle.sh (here) and scripts/device_train.sh (there) wrap it.
-# A device call is limited to 600 s: split a run in two, e.g. TRAIN_S=250 REGEN_S=90 (data and a
-# first stage), then DATA=0 TRAIN_S=0 RESUME_S=480 (every method resumed to 480 s in all).
+# precision, `specdecode train --bf16`: tested on CPU only).
+# A run can be split in two, e.g. TRAIN_S=250 REGEN_S=90 (data and a first stage), then
+# DATA=0 TRAIN_S=0 RESUME_S=480 (every method resumed to 480 s in all).
 set -euo pipefail
 TARGET=${1:?usage: $0 TARGET OUT}
 OUT=${2:?usage: $0 TARGET OUT}

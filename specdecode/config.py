@@ -249,7 +249,7 @@ class SamplingParams:
             return text
         text = text.rstrip("\ufffd")
         held = 0  # the longest tail that begins a stop string; longest first, never past the text's length
-        for s in self.stop:  # (every k up to len(s) made a 1 MB stop string cost seconds per event)
+        for s in self.stop:  # (every k up to len(s) would make a long stop string cost its length squared per event)
             held = next((k for k in range(min(len(s) - 1, len(text)), held, -1) if text.endswith(s[:k])), held)
         return text[: len(text) - held]
 

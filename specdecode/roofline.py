@@ -100,10 +100,10 @@ class Roofline:
 
 
 def profile_local(device: torch.device) -> Hardware:
-    """Measure this machine: a large matmul for FLOP/s and a GEMV over a large weight for
-    bandwidth, in bf16; on a CPU also in fp32, keeping the faster of each. A CPU without bf16
-    arithmetic (AVX2) runs torch's bf16 matmul emulated at ~1 GFLOP/s, where its fp32 matmul
-    and our int4 kernels' fp32 FMAs run ~70: the model's passes see the fp32 rate."""
+    """Measure the machine it runs on: a large matmul for FLOP/s and a GEMV over a large weight
+    for bandwidth, in bf16; on a CPU also in fp32, keeping the faster of each. A CPU without bf16
+    arithmetic (AVX2) runs torch's bf16 matmul emulated, far slower than its fp32 matmul and our
+    int4 kernels' fp32 FMAs: the model's passes see the fp32 rate."""
     if device.type == "cpu":
         runs = [_profile(device, dtype) for dtype in (torch.bfloat16, torch.float32)]
         flops, bandwidth = max(r[0] for r in runs), max(r[1] for r in runs)

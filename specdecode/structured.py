@@ -23,7 +23,7 @@ _TOKENIZERS: dict[tuple, tuple[Any, Any]] = {}  # (id(tokenizer), vocab, eos) ->
 
 
 def _ll_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> Any:
-    """llguidance's view of a Hugging Face tokenizer (~0.5 s to build: once per tokenizer)."""
+    """llguidance's view of a Hugging Face tokenizer (slow to build: once per tokenizer)."""
     import llguidance
     import llguidance.hf
 

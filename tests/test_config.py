@@ -62,8 +62,8 @@ def test_visible_text_holds_back_what_may_begin_a_stop_string():
     assert sp.visible_text("xxa\ufffd", finished=False) == "xx"  # an unfinished character, then "a"
     assert sp.visible_text("xxab", finished=True) == "xxab"
     assert sp.visible_text("xabcd", finished=False) == "x"
-    # A long stop string: only tails as long as the text are tried (every prefix of the stop was:
-    # quadratic in its length: 1.3 s per streamed event for ten of 100 kB; not timed here).
+    # A long stop string: only tails as long as the text are tried (trying every prefix of the
+    # stop would be quadratic in its length per streamed event; not timed here).
     long = SamplingParams(stop=("q" * 10_000 + "!",))
     assert long.visible_text("hello qq", finished=False) == "hello "
     assert long.visible_text("q" * 10, finished=False) == ""

@@ -252,7 +252,7 @@ def test_reserve_is_atomic(llama):
 def test_rows_that_give_back_their_room_get_the_same_blocks_again(llama):
     """A round reserves room for drafts on every row, and the commit frees what the rejected
     ones held; the next round must hand each row its own blocks back, not its neighbour's (a
-    decode batch swapping blocks every step ran its passes ~1% slower, none's engine at 16 rows)."""
+    decode batch swapping blocks every step scatters each row's cache and slows its passes)."""
     cache = new_paged_cache(llama, 32, BS)
     rows = ["a", "b", "c"]
     for sid in rows:

@@ -12,12 +12,11 @@ making the records (train/regenerate.py, train/datastore.py).
 
 The suffix array is over the *reversed* token array, so the occurrences of a context's last
 n tokens are one range that narrows as n grows: the longest match costs one pass of
-binary searches over shrinking ranges (tens of microseconds per row and round at a million
-tokens), not one search per n. It is built when the folder is loaded (numpy sorts on the
-first MAX_MATCH tokens of each suffix: ~0.5 s for the shipped 2.8M tokens) rather than
-shipped: the tokens are 2 bytes each on disk, the order and its first two columns would add
-12. A draft is a deterministic function of the context and the store (one-hot q), so a round
-that takes it stays lossless.
+binary searches over shrinking ranges (cheap even at millions of tokens), not one search
+per n. It is built when the folder is loaded (numpy sorts on the first MAX_MATCH tokens of
+each suffix) rather than shipped: the tokens are 2 bytes each on disk, the order and its
+first two columns would add 12. A draft is a deterministic function of the context and the
+store (one-hot q), so a round that takes it stays lossless.
 """
 
 from __future__ import annotations
@@ -43,7 +42,9 @@ MAX_MATCH = 8  # the longest context suffix looked up
 # a draft is at most this many tokens per matched one (suffix decoding's max_spec_factor): a short
 # match is a weak guess at a long continuation, and each drafted token is a verified position
 SPEC_FACTOR = 1
-DEFAULT_MIN_PROB = 0.4  # datastore_min_prob's default (chosen in docs/benchmarks.md, forty-fourth session)
+# datastore_min_prob's default: a lower bar drafts more continuations (more tokens per round when
+# they hold) but verifies more that the target rejects, each a position paid for nothing
+DEFAULT_MIN_PROB = 0.4
 EVIDENCE = 100  # a datastore row's evidence (`Draft.evidence`) is 100 + its match length (prompt lookup's: the length)
 
 
@@ -52,8 +53,8 @@ def suffix_order(tokens: np.ndarray, depth: int = MAX_MATCH) -> np.ndarray:
     ``depth`` tokens (a suffix that ends sorts before any that goes on), ties in position order.
     A match reads at most MAX_MATCH tokens, so no order past them is needed: the ``depth`` tokens
     are packed into 64-bit keys (16 bits a token for a vocabulary under 65,534) and sorted with
-    one stable sort per key, least significant first (~0.5 s for 2.8M tokens; full prefix
-    doubling took 3.2 s)."""
+    one stable sort per key, least significant first (cheaper than full prefix
+    doubling, which sorts to the end of every suffix)."""
     n = len(tokens)
     ranks = np.zeros(n + depth, dtype=np.uint64)  # 0: past the end
     ranks[:n] = np.asarray(tokens, dtype=np.int64) - SENTINEL + 1  # >= 1, in the tokens' order
@@ -73,7 +74,7 @@ def suffix_order(tokens: np.ndarray, depth: int = MAX_MATCH) -> np.ndarray:
 
 def _token_range(column: np.ndarray, token: int) -> tuple[int, int]:
     """[a, b): where ``token`` lies in the sorted int32 ``column`` (the values in its dtype: int64
-    ones would make searchsorted copy the whole column to int64, ~10x the cost of a lookup)."""
+    ones would make searchsorted copy the whole column to int64, many times the cost of a lookup)."""
     a, b = np.searchsorted(column, np.array([token, token + 1], dtype=column.dtype))
     return int(a), int(b)
 
@@ -232,7 +233,7 @@ def load_datastore(path: str | Path, target_fingerprint: dict[str, Any], tokeniz
     """The datastore in folder ``path``; a one-line error if it is not one or was built for another
     target, or for another tokenizer (where the folder records a digest and ``tokenizer`` is given:
     folders built before the digest was recorded, the shipped one among them, have none; the
-    digest, ~75 ms for a 49k vocabulary, is then not computed)."""
+    digest, which hashes the whole vocabulary, is then not computed)."""
     folder = Path(path)
     try:
         meta = json.loads((folder / CONFIG_FILE).read_text())

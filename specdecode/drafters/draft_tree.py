@@ -83,7 +83,7 @@ def grow_tree(
     for _ in range(depth - 1):
         block = [sorted({n for f in fr for n in p.path(f)}) for p, fr in zip(pools, frontier)]
         T = max(len(nodes) for nodes in block)
-        # built on the host as lists, one tensor each: item writes into tensors cost ~1 µs apiece
+        # built on the host as lists, one tensor each: every item write into a tensor is a dispatch
         tokens, depths, mask, at, parent_col = [], [], [], [], []
         for p, nodes, fr in zip(pools, block, frontier):
             where = {n: i for i, n in enumerate(nodes)}

@@ -85,7 +85,7 @@ class DraftVocabHead(nn.Module):
         as filtering the full logits (-inf outside; ``vocab_ids`` are sorted, so argmax ties break
         alike), at a sixth of the cost of the softmax and of the random draws. Rows past their
         draft limit, or not ``drafting`` [B], draw from scratch (`Batch.draft_generators`)."""
-        q = logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p)  # [B, T, Vd]
+        q = logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p)  # [B, T, Vd]
         draws = [sample(q[:, k], batch.draft_generators(start + k, drafting)) for k in range(q.shape[1])]
         tokens = self.vocab_ids[torch.stack(draws, dim=1)]
         if self.size == vocab_size:  # the whole vocabulary: vocab_ids, kept sorted by prepare, is every id in order

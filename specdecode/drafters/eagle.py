@@ -79,8 +79,8 @@ class EagleDrafter:
     Options: ClassVar[type] = EagleOptions
     Net: ClassVar[type[FeatureNet]] = FeatureNet
     # with the shipped nets a second draft token pays less than its draft step and verified position
-    # cost: γ = 1 measured 2-19% faster than γ = 2 on chat and summaries, within a few % on code
-    # (docs/benchmarks.md, issue 4); a stronger drafter may go deeper, with confidence_threshold
+    # cost (benchmarks/bench_learned.py compares the depths); a stronger drafter may go deeper,
+    # with confidence_threshold
     default_num_speculative_tokens: ClassVar[int] = 1
 
     def __init__(self, spec: SpecConfig, ctx: DrafterContext) -> None:
@@ -96,7 +96,7 @@ class EagleDrafter:
         self.budget: int = spec.options.num_draft_tokens or self.steps * self.topk
         self.threshold: float = float(spec.options.confidence_threshold)
         # an adaptive budget plans on per-token confidences: a trained head's, else the draft's own
-        # probability of its token (calibrated on the default model: docs/benchmarks.md, issue 4)
+        # probability of its token (benchmarks/bench_confidence.py measures its calibration)
         self.report_confidence: bool = spec.budget.adaptive
         self.pending = PendingFeatures()
         self.cache = DraftKVCache(self.net.body)
@@ -112,9 +112,9 @@ class EagleDrafter:
         self.pending.add_rows(hidden)
         # Feed the prompt's entries now (the engine has sampled the first token, each entry's
         # next token is known), all but each row's last, whose output gives the first proposal's
-        # logits: the first proposal then costs what later ones do. Fed there, a ~100-token
-        # prompt made it cost ~1 plain step, and an adaptive budget, which prices drafting from
-        # what proposals cost, found drafting too dear to pay for a whole request.
+        # logits: the first proposal then costs what later ones do. Fed there, a prompt would
+        # make it cost about a plain step, and an adaptive budget, which prices drafting from
+        # what proposals cost, could find drafting too dear to pay for a whole request.
         early = [i for i in range(len(rows)) if len(hidden[i]) > 1]
         if early:
             features, starts = self.pending.take([rows[i] for i in early], leave=1)
@@ -151,8 +151,7 @@ class EagleDrafter:
         found, matched = look_up(batch, self.lookup, self.gamma)  # found[b] = [] where the net drafts
         if nothing_to_draft(batch, found):  # every row copies: the features owed wait for a round
             # the net drafts in (fed then in one pass: each entry's output is the same, the fused
-            # block computes every token alone). A run of copied rounds costs no net pass (~1 ms
-            # each on CPU).
+            # block computes every token alone). A run of copied rounds costs no net pass.
             return copies_only(found, matched, self.device)
         logits, out = self._feed_pending(batch)  # every row's, lookup rows' too: the cache stays whole
         depth = min(num_tokens, self.steps)

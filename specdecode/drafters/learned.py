@@ -53,7 +53,7 @@ class TrainBatch:
     mask: Tensor  # [B, T] bool
     target: "Transformer"  # frozen: nets borrow its embedding, norm and LM head
     # the target's k largest logits (values [B, T, k] fp32, token ids [B, T, k], largest first), the
-    # rest taken as -inf: the trainer's cache keeps these, and [B, T, V] is never built (~800 MB a step)
+    # rest taken as -inf: the trainer's cache keeps these, and [B, T, V] is never built (hundreds of MB a step)
     top: tuple[Tensor, Tensor] | None = None
 
     def probs_at(self, ids: Tensor, where: Tensor | None = None) -> Tensor:
@@ -94,7 +94,7 @@ def label_rows(where: Tensor, bucket: int = 256) -> Tensor:
     by repeating the first (M = N rounded up; nothing to pad when N = 0). A net that runs its head
     only at labels runs it on ``x.flatten(0, -2)[rows]`` and reads the first N rows: the matmuls
     then see few distinct shapes. (On CPU oneDNN keeps a primitive per shape; a new N every step
-    grew a training process by ~50 MB a step.)"""
+    would grow a training process's memory without bound.)"""
     rows = where.reshape(-1).nonzero()[:, 0]
     pad = -len(rows) % bucket
     return torch.cat([rows, rows[:1].expand(pad)]) if len(rows) and pad else rows

@@ -57,8 +57,8 @@ WINDOW_SEED = 0  # the seed of the generator that draws each row's first window 
 class LookaheadOptions:
     """W, N, G as the paper names them, and where the n-gram pool is seeded from."""
 
-    # Defaults measured on a 2-core CPU with the default model (docs/benchmarks.md): each
-    # verified position costs there, so a narrow window and a few long guesses win.
+    # Defaults for a target where each verified position costs (a CPU, a small batch): a narrow
+    # window and a few long guesses; with verification near free, a wider W and more G may pay.
     lookahead_window: int = 2  # W: columns of the window
     lookahead_ngram: int = 5  # N: n-gram size; the window has N-1 levels
     lookahead_guess: int = 4  # G: pool n-grams verified per round (and kept per key)

@@ -194,6 +194,6 @@ def nothing_to_draft(batch: Batch, found: list[list[int]]) -> bool:
 def copies_only(found: list[list[int]], matched: list[int], device: torch.device) -> Draft:
     """The draft of a round in which no row needs the model (`nothing_to_draft`), with no model
     pass: the copies as chains, for a tree drafter too (a tree of one branch is verified as a
-    chain anyway, and building it cost ~0.2-0.4 ms a round). The model's pending input waits for
+    chain anyway, and building it costs host time every round). The model's pending input waits for
     the next round it drafts in, fed then in one pass."""
     return splice_chains(Draft(torch.empty(len(found), 0, dtype=torch.long, device=device)), found, matched)

@@ -13,13 +13,12 @@ before with a continuation, grow a proposal tree below it by estimated path prob
 one-hot). Trees come out as a `TreeBatch`, or as plain chains when every row's tree is one.
 
 Costs per row and round: a few dozen dict look-ups to match, at most three expansions
-of <= γ nodes per tree, and ``max_tree_depth`` look-ups per committed token (about
-0.3-0.6 ms per row and round on CPU, ~1% of a default-model step). Inserting a prompt
-costs ``max_tree_depth`` look-ups per token too (a 4k-token prompt: 0.12 s at depth 24,
-1.8 s at 256). Memory: the tries are uncompressed Python objects, about 5-7 KB per cached
-token of novel text at depth 24 (133 MB for 20 outputs of 1000 tokens), and the cap counts
-requests, not tokens: at the default 10000, long outputs can reach tens of GB. Lower
-the cap where memory matters.
+of <= γ nodes per tree, and ``max_tree_depth`` look-ups per committed token (small against
+a target step). Inserting a prompt costs ``max_tree_depth`` look-ups per token too, so a
+long prompt at a large depth takes a noticeable time to insert. Memory: the tries are
+uncompressed Python objects, kilobytes per cached token of novel text at depth 24, and the
+cap counts requests, not tokens: at the default 10000, long outputs can reach tens of GB.
+Lower the cap where memory matters.
 """
 
 from __future__ import annotations
@@ -83,7 +82,7 @@ class SuffixDrafter:
     Options: ClassVar[type] = SuffixOptions
     # The node budget per round. At the default depth 24 and factor 1 a chain is at most
     # 12 deep (12 matched + 12 drafted); the extra room lets longer matches draft bushier
-    # trees. A 24-token tree costs a CPU target pass about 1.5x a 1-token step.
+    # trees, at the price of a wider verify pass where verification is not free (a CPU target).
     default_num_speculative_tokens: ClassVar[int] = 24
     hidden_layers: tuple[int, ...] = ()
 

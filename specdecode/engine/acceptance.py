@@ -6,12 +6,11 @@ Temperature Scaling, and its refits. Does not own: turning the estimates into bu
 (engine/adaptive.py plans with them).
 
 c_k is conditioned on the request's last round: acceptance comes in runs (with ngram on
-the serving benchmark's input-reuse prompts, the first token after a fully accepted round
-was accepted 120 times in 120; after a round where ngram found nothing, 42%). A lookup
-drafter's proposal right after it found nothing is a fresh match, a copy of text the row
-was not following; one after a rejection continues a source the row was just copying, so
-the two are counted apart (one client, ngram: after nothing the first token survived 9
-times in 25 and deeper ones rarely, after a rejection 6 in 7). Rows that
+input-reuse prompts, the first token after a fully accepted round is nearly always
+accepted; after a round where ngram found nothing, far less often). A lookup drafter's
+proposal right after it found nothing is a fresh match, a copy of text the row was not
+following; one after a rejection continues a source the row was just copying, so the two
+are counted apart (the first survives far more often after a rejection). Rows that
 verify no drafts still teach it through shadow rounds: when a row's proposal is cut to
 0, the tokens it then generates show whether the proposal would have been accepted. For
 a one-hot q (ngram, suffix, any greedy row) the target generates d_k with probability
@@ -88,12 +87,12 @@ class AcceptanceStats:
         the estimate of the position before it (the first towards 1/2): c_k is conditional on
         the earlier tokens surviving and changes slowly with k, so a position no round has
         reached yet gets its predecessor's estimate, not a flat 1/2. Budgets can then grow past
-        the depth first tried: with a flat prior, ngram on an input-reuse prompt stayed at 2
-        draft tokens a round while c_1 = 0.99 and c_2 = 0.95, as c_3 = 1/2 never paid."""
+        the depth first tried: with a flat prior, a row whose first tokens nearly always survive
+        stays at the depth it reached, as the next position's 1/2 never pays."""
         return torch.tensor(self._shared_rows())
 
     def _shared_rows(self) -> list[list[float]]:
-        rows = []  # in Python floats: planning runs this twice a step, and tensor ops per position took 0.6 ms
+        rows = []  # in Python floats: planning runs this twice a step, and tensor ops per position would dominate it
         for accepted, reached in zip(self.accepted.tolist(), self.reached.tolist()):
             prior, row = 0.5, []
             for a, r in zip(accepted, reached):
@@ -170,8 +169,8 @@ class AcceptanceStats:
         del self.records[: -self.window]
         # Refit every refit_every steps, not rows: with 32 rows a row count would refit every
         # other step, and the fit costs about as much as the planning itself. And only once an
-        # eighth of the window is new: a fit over a full window takes ~11 ms, so at one row
-        # (a round a step) refitting every 64 steps cost ~1% of the steps.
+        # eighth of the window is new: a fit runs over the full window, so at one row (a round a
+        # step) refitting on a step count alone would refit on mostly the same rounds.
         self._since_fit += learned
         if self._since_fit >= self.refit_every and self._new_records >= len(self.records) // 8:
             self.sts = SequentialTemperatureScaling(self.gamma).fit(self.rounds())

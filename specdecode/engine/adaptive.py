@@ -4,7 +4,7 @@ Owns: the adaptive policy (engine/budget.py's protocol) and the measured verify-
 it plans with. It follows the seed's last section (DSpark's design). Each request keeps
 an estimate c_k of the chance that its k-th draft token survives given that the ones
 before it did; a block of k tokens survives with probability s_k = c_1 · … · c_k, and
-a step that verifies P positions costs t(P), measured on this machine. Starting from no
+a step that verifies P positions costs t(P), measured on the hardware it runs on. Starting from no
 drafts at all, the scheduler adds draft positions in order of s (the most likely to
 survive first) while the expected tokens per second of pass, (B + Σ s) / t(P), still rise:
 the throughput optimum, taken if it beats no drafts by MIN_GAIN. Below the compute/bandwidth
@@ -39,21 +39,19 @@ if TYPE_CHECKING:
 # A step carries drafts only if the model predicts at least this much more expected tokens
 # per second of pass than without any: what the cost model leaves out (sampling and
 # bookkeeping per draft, the prefill that a closed loop brings in sooner) costs a few
-# percent, so a predicted gain below it was measured as a loss (0.97x of no drafts at 32
-# clients, when it was asked of the pass alone the first time).
+# percent, so a smaller predicted gain is within that error and may well be a loss.
 MIN_GAIN = 0.02
 # Steps where no row drafts still propose, for shadow rounds, while proposing them and
 # planning on the proposal cost at most this share of the time spent in verify passes that
-# carried drafts, and this share over the rows of those that did not (ngram at 32 rows:
-# ~1.6 ms of ~55 proposing; the second planning costs as much again). Under load no draft
-# pays, shadows change no budget, and they cost more than their share: at 32 clients an
-# adaptive budget that never drafted made 0.989x of no drafts' throughput with shadows at
-# 1% of every pass, 1.004x without (GGUF, AVX512, 3 step-paired repetitions). At one row the
+# carried drafts, and this share over the rows of those that did not (proposing for a busy
+# batch is a few percent of its pass, and the second planning costs as much again). Under
+# load no draft pays and shadows change no budget, so a share of every pass would be paid for
+# nothing; charged to the rows that did not draft, they stay cheap there. At one row the
 # shares are equal, and there a shadow step also saves the planning before the proposal.
 SHADOW_SHARE = 0.01
 # Proposals whose median cost per depth is the drafter's: a change of cost shows after half of
-# them, a stall not at all (a running mean that took one 2 s proposal in stopped drafting for
-# ~800 steps: with drafting off it was barely updated).
+# them, a stall not at all (a running mean that took in one stalled proposal would stop
+# drafting for a long time: with drafting off it is barely updated).
 DRAFT_COST_WINDOW = 15
 # Weight of each step in the running mean of the prefill seconds a step carries (about the
 # last 32 steps): chunks come in bursts as requests join. Also the weight of each proposal
@@ -103,8 +101,8 @@ class AdaptiveBudget:
         self.shadow_allowance = 0.0
         # A step plans without a proposal and proposes only if drafts would pay, unless it
         # proposes first (`shadow`). But a proposal shows evidence (an ngram's match length)
-        # that planning without one averages over: at 4 clients 163 of 255 steps planned no
-        # drafts that way, and so never proposed. These running means, over the steps that
+        # that planning without one averages over: planned that way, most steps can plan no
+        # drafts and so never propose. These running means, over the steps that
         # proposed first (an unbiased sample), compare the pass seconds planning on the proposal
         # saved (its expected tokens at no drafts' cost a token, less its predicted pass) with
         # what proposing and that planning cost; while savings win, every step proposes first.
@@ -118,7 +116,7 @@ class AdaptiveBudget:
         # pad attention to the widest draft (or split it, model.masks.attention_queries); the
         # fused CPU block (passes of at most ``fused_positions``, model/cpu_block.py; 0 where it
         # does not run) computes the real queries only. A batch that fits is planned to stay
-        # within it: at 32 rows, 2 drafts each cost 199 ms in the torch blocks, 1 each 97 ms.
+        # within it: in the torch blocks every row pays attention for the widest row's drafts.
         self.attention_cost = attention_cost
         self.fused_positions = fused_positions
         # seconds any pass that carries drafts pays beyond its positions (packing the linears'
@@ -131,15 +129,15 @@ class AdaptiveBudget:
         self.plan_seconds = 0.0  # the last planning on a proposal: a shadow step's cost with its proposing
         # seconds of prefill the step being planned carries: its chunk ran just before its
         # decode round. Below a floor of 1 it is part of the step time the budgets maximise
-        # tokens per unit of (`_plan`): under load a step is mostly other requests' prompts (65%
-        # of the wall time at 32 clients, GGUF on AVX512), so a likely draft token costs a small
+        # tokens per unit of (`_plan`): under load a step is mostly other requests' prompts,
+        # so a likely draft token costs a small
         # share of the step and shortens its request's life. Prefill work per output token is
         # fixed, though, so throughput is set by the pass alone, and the floor is a share of the
         # throughput optimum's. The step's own chunk, not a running mean: prompts come in bursts
         # as requests join, and at one client a decode step carries none.
-        # Tried before (GGUF, AVX512): the step without a floor drafted 1.8 tokens a row at 16
-        # clients at 0.92-0.98x of none's throughput; the step within no drafts' throughput spent
-        # the likely tokens' surplus on unlikely ones (0.99x at 16 and 32 clients).
+        # Neither extreme works: with no floor the step drafts deep and gives up throughput to
+        # per-user speed; held to no drafts' throughput, it spends the likely tokens' surplus on
+        # unlikely ones.
         self.step_prefill = 0.0
         # the prefill a step carries, a running mean over steps (about the last 32): with
         # `tokens_per_step`, the prefill work per output token the throughput floor charges
@@ -316,8 +314,8 @@ class AdaptiveBudget:
         + n · m, m being the curve's least slope past B plus one attention query (every mode runs
         at least one a draft), and yields B + the n drafts' survivals: the margin is largest with
         every draft whose survival s beats m / ``allowed``, each adding s · ``allowed`` − m.
-        Where even that fails no width can keep a draft, and `_plan` (9-16 `_fill` runs, ~0.6
-        ms at 16 rows) is skipped."""
+        Where even that fails no width can keep a draft, and `_plan` (9-16 `_fill` runs) is
+        skipped."""
         m = self.cost.min_slope(B) + self.attention_cost * self.context  # [s] the least a draft adds
         margin = B * (allowed - plain) - self.draft_overhead - self.draft_cost
         for b in range(B):

@@ -1,4 +1,4 @@
-"""What a step costs on this machine: the measured verify-cost curve t(P) of the target's
+"""What a step costs where the engine runs: the measured verify-cost curve t(P) of the target's
 passes, and what attention costs per query and context token.
 
 Owns: `VerifyCost` (measured at load, refitted from the engine's own passes by
@@ -60,10 +60,9 @@ class VerifyCost:
             pts.append((p, top))
         self.points = pts
         self._sizes = [p for p, _ in pts]
-        # the planner prices thousands of positions a step: whole pass sizes are looked up (a
-        # planning at one row took 104 us interpolating each, 55 us with the table). Built in
-        # one go: interpolated one size at a time it took ~2.5 ms, and the engine's passes are
-        # refitted into a new curve every few dozen steps.
+        # the planner prices thousands of positions a step: whole pass sizes are looked up, not
+        # interpolated each time. Built in one go (one tensor call, not one per size): the
+        # engine's passes are refitted into a new curve every few dozen steps.
         self._table = self._interpolate_all(torch.arange(TABLE_POSITIONS, dtype=torch.float64)).tolist()
         self._beyond: dict[float, float] = {}  # sizes past the table (or fractional) already asked
 
@@ -79,7 +78,7 @@ class VerifyCost:
         if isinstance(positions, int) and 0 <= positions < TABLE_POSITIONS:
             return self._table[positions]
         value = self._beyond.get(positions)
-        if value is None:  # a size past the table, once (a tensor call is ~100 us; the planner asks thousands)
+        if value is None:  # past the table, once (a tensor call per ask adds up: the planner asks thousands)
             if len(self._beyond) >= TABLE_POSITIONS:
                 self._beyond.clear()
             x = torch.tensor([float(positions)], dtype=torch.float64)
@@ -143,9 +142,8 @@ def measure_attention_cost(engine: ServingEngine, rows: int = 16, width: int = 9
     """Seconds per attention query and context token, all layers together: SDPA on the target's
     head shapes (a kv head's G query heads folded, a boolean mask, as the model runs it), timed
     for ``rows`` queries and for ``rows · width``; the fastest of 10 after a warm-up. (The
-    median of 5 ranged 0.48-1.06 µs over 12 measurements on the AVX512 CPU, and one taken at
-    load in a noisy moment priced attention at 1.32 µs for a whole run, where others had 0.59-
-    0.89; the fastest of 10 ranged 0.48-0.57.)"""
+    fastest, not a median: taken once at load, a median caught in a noisy moment would
+    misprice attention for the whole run, and noise only ever adds time.)"""
     cfg, device = engine.target.config, engine.device
     dtype = engine.model.embed.weight.dtype
     Hkv, G, D = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
@@ -167,9 +165,9 @@ def measure_attention_cost(engine: ServingEngine, rows: int = 16, width: int = 9
 
 # The passes the verify-cost curve is fitted from: the latest this many. One curve through
 # passes from several loads bent where the loads met (the machine's speed drifts between
-# them, and a pass costs more when prompt chunks run between passes): after 1 and 4 clients,
-# 2048 passes priced a draft at 16 rows at ~2.1-2.4 ms, where passes of 16 rows and their
-# drafts measured ~1.4 ms a position, and the budgets stayed at ~0.
+# them, and a pass costs more when prompt chunks run between passes): a long window kept
+# pricing drafts at the old loads' cost, well above what the current passes took, and the
+# budgets stayed at ~0.
 PASS_WINDOW = 512
 
 
@@ -190,8 +188,8 @@ class PassLog:
     ) -> tuple[VerifyCost | None, float | None] | None:
         """Log a pass; `fit_passes` over the window when a refit is due, else None. Due once an
         eighth of the window is new (at least 16 passes), counted: by the window's length, a
-        full window refitted on every pass (3.4 ms a step at 4 rows, of ~40 ms); every 64th
-        pass, the refits were 0.05 ms a step at one row (of ~8.8)."""
+        full window would be refitted on every pass, a noticeable share of a step; a fixed
+        count keeps the refits' cost a small, steady share at any load."""
         self.passes.append(one)
         del self.passes[:-PASS_WINDOW]
         self.since_refit += 1
@@ -211,13 +209,12 @@ def fit_passes(
     batch padded to its widest draft, or split, each over the longest context). c is the
     cost measured at load; a, b and e are fitted, and with them δ, the fixed cost of a pass
     that carries any draft (+ δ·[drafts]), once passes of both kinds, and drafting passes of
-    two sizes, are in the window and δ comes out ≥ 0; else without it, δ = 0. (Fitting c too
-    failed: Q rises with P, and from real passes c came out at 0-0.2 µs where SDPA alone
-    measures ~0.6-0.8 µs on this CPU, so deep drafts in busy batches looked cheap.)
+    two sizes, are in the window and δ comes out ≥ 0; else without it, δ = 0. (c is not
+    fitted: Q rises with P, so a fit from real passes moves attention's cost into the slope,
+    prices c far below what SDPA alone costs, and makes deep drafts in busy batches look cheap.)
 
-    The bend e: a position costs less in a bigger pass (AVX512, GGUF, 2 threads: ~1.9 ms a
-    position from 1 to 4, ~1.1 ms from 30 to 52), and a line through a window of passes from
-    every load priced a draft at 32 rows at 1.49 ms, so only tokens surviving 93% paid. It is
+    The bend e: a position costs less in a bigger pass, so a line through a window of passes
+    from every load overprices a draft in a big batch, and only the likeliest tokens pay. It is
     fitted only where passes of three sizes, each at least 8 times, are in the window (a
     single odd pass would set it), and kept only where the curve rises over the window's
     sizes; else the line. The curve is None where neither fits."""
@@ -231,7 +228,7 @@ def fit_passes(
     if 8 <= int(d.sum()) <= len(passes) - 8:
         # δ and the slope are told apart only by drafting passes of several sizes: at one
         # client nearly every drafting pass has 2 positions, and a single 3-position pass
-        # set the slope (7 ms a position, where 2 positions measured 4.7 ms over 1)
+        # would set the slope
         if _spread(p[d > 0].tolist()):
             for bend in shapes:
                 fitted = _fit(p, y, d, bend, lo, hi)
@@ -248,8 +245,8 @@ def fit_passes(
 
 
 # A pass this many times its size's median time is a stall (the OS, the allocator, another job),
-# not what its positions cost: one pass 70x its size's time bent the curve enough that the
-# budgets dropped to 1 per row and, every later pass having that one size, no refit came to mend it.
+# not what its positions cost: one such pass can bend the curve enough that the budgets drop to
+# 1 per row and, every later pass then having that one size, no refit comes to mend it.
 STALL = 4.0
 
 

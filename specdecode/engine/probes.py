@@ -12,13 +12,13 @@ from __future__ import annotations
 PROBE_EVERY = 16
 # A probe drafts on one row in this many (at least one): the rows probed longest ago, likeliest
 # first, so that successive probes reach every row (never past max_verify_tokens). It also shows what a
-# bigger pass costs (the curve is fitted from the engine's passes): at 16 clients after runs
-# at 1 and 4, probes on one row in 8 left a curve that priced a draft at ~2.4 ms, where
-# such passes measured ~1.4 ms a position, and the budgets stayed at ~0 (docs/benchmarks.md).
+# bigger pass costs (the curve is fitted from the engine's passes): probes on too few rows
+# leave a curve fitted on small passes only, which overprices drafts in a big batch, and the
+# budgets stay at ~0.
 PROBE_SHARE = 2
 # Each probe after which the plans still find no drafts doubles the wait for the next, up to
-# this many steps: under load, where no draft pays, probes cost ~0.5% of the wall time every
-# 16 steps (16 clients); a plan that drafts again brings the wait back to PROBE_EVERY.
+# this many steps: under load, where no draft pays, frequent probes are a cost with nothing
+# to show for it; a plan that drafts again brings the wait back to PROBE_EVERY.
 PROBE_MAX = 128
 
 

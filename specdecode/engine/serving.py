@@ -317,7 +317,7 @@ class ServingEngine(Engine):
         # deeper than the longest budget (the model's depth: copies beside a model drafter go up to
         # γ whatever it is, lookup.look_up). Where proposing is cheap (the budget looks past its
         # budgets) and the step proposes for shadow rounds anyway, it proposes γ deep and plans
-        # once, on what it found (at one client the first planning was ~1.3% of a step).
+        # once, on what it found (rather than planning before proposing too).
         shadowing = self.drafter is not None and self._shadows and self.budget.propose_first()
         cheap = shadowing and self.budget.lookahead() > 0
         planned = None if cheap or self.drafter is None else self.budget.budgets(reqs, gammas, self)  # [B]

@@ -66,7 +66,7 @@ def _add_theory(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--gamma", type=int, default=None, help="draft length γ (omit to print the optimal γ)")
     t.add_argument("--c", type=float, default=0.05, help="draft step cost / target step cost (default 0.05)")
     t.add_argument("--model", default=None, help="roofline for this model: llama-3-8b, llama-3-70b or a model path/alias")
-    t.add_argument("--hardware", default=None, help="h100, a100, h200, or local (profiles this machine)")
+    t.add_argument("--hardware", default=None, help="h100, a100, h200, or local (profiles the machine it runs on)")
     t.add_argument("--batch", type=int, default=64, help="roofline batch size B (default 64)")
     t.add_argument("--json", action="store_true")
 

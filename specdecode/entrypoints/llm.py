@@ -127,9 +127,9 @@ class LLM:
     ``quantization`` ("auto", "none", "int8", "int4", "int4-g64", "gguf", ...) picks the
     weight format of the linears, for the target and a draft model alike; ``llm.kernels``
     says which run. The default "auto" keeps a GGUF's own blocks where our CPU kernel runs
-    them (the default model: ~170 tok/s against ~68 in bf16, and exactly the file's
+    them (several times faster than bf16 on the default model, and exactly the file's
     weights), and is "none" otherwise. "gguf-a8" / "int4-a8" also quantize each row's
-    activations to int8 per group of 32, as llama.cpp does: on AVX2-only CPUs ~1.5x faster,
+    activations to int8 per group of 32, as llama.cpp does: faster on AVX2-only CPUs,
     close to but not exactly the file's weights (opt-in; still row-invariant, so lossless).
     ``batch_invariant`` (default: on where our CPU kernels run, fp32 or bf16 on a CPU with
     AVX2 or AVX512 and a C compiler) computes every position alone, whatever shares its pass:

@@ -12,8 +12,8 @@ pass's KV length, which dynamic shapes keep symbolic. Dynamo still specialises s
 and 1, so one token, one row and several of each are separate graphs: the "buckets".
 Layers of the same structure share their graphs (modules are inlined, not guarded by
 identity). ``mode="reduce-overhead"`` also captures each bucket as a CUDA graph on CUDA
-(correct on an H200, but 1.7x slower than eager per pass there: docs/benchmarks.md; so
-``compile=True`` means "default"). After the warm-up, a shape
+(correct, but slower than eager per pass: `parse_compile` says why; so ``compile=True``
+means "default"). After the warm-up, a shape
 that fails to compile raises as any error of the pass would: nothing here changes torch's
 process-wide error handling (only its recompile limit, raised for the buckets).
 
@@ -43,8 +43,9 @@ def parse_compile(mode: str | bool | None) -> str | None:
     """``compile`` as given by a user -> a torch.compile mode, or None for eager.
 
     ``True`` / "auto" pick "default" everywhere. "reduce-overhead" (CUDA graphs) is there
-    to ask for on CUDA: correct on an H200, but per block it cost 1.7x the eager pass there
-    (two graphs a block, 60 entries a pass). It records a graph per prefill length, and per
+    to ask for on CUDA: correct, but it costs more than the eager pass, as a pass replays two
+    graphs a block (dozens of entries a pass), each output copied out of the graphs' pool
+    (`_copied_out`). It records a graph per prefill length, and per
     thread (the server's engine thread records its own).
     """
     if mode in (None, False, "none"):
@@ -62,8 +63,8 @@ def compile_blocks(model: torch.nn.Module, mode: str) -> None:
     from specdecode.model.transformer import Attention
 
     # Attention and the cache write stay eager between a block's two graphs. Marked here, once
-    # per process, rather than where it is defined: the mark imports dynamo (~1 s), which no
-    # eager run should pay; eagerly it costs ~0.5 us a call.
+    # per process, rather than where it is defined: the mark imports dynamo, slow to import,
+    # which no eager run should pay; in an eager pass the mark costs next to nothing a call.
     if not getattr(Attention._attend, "_specdecode_eager", False):
         eager = torch.compiler.disable(Attention._attend)
         eager._specdecode_eager = True
@@ -87,8 +88,8 @@ def _copied_out(compiled: Callable) -> Callable:
 
     Each block is its own torch.compile entry, and in inference CUDA graph trees start a new
     generation at every entry, free to reuse the memory of the last generation's outputs:
-    without the copy, block i + 1's replay overwrote block i's output, the residual stream it
-    was reading (seen on an H200). The copy is one [B, T, hidden] tensor per layer."""
+    without the copy, block i + 1's replay overwrites block i's output, the residual stream it
+    is reading. The copy is one [B, T, hidden] tensor per layer."""
 
     def call(*args: object) -> torch.Tensor:
         return compiled(*args).clone()

@@ -7,10 +7,10 @@ cache's `storage_index`), or building the library (cpu_int4.py).
 
 It runs Llama-style blocks (no biases, qk-norm, sandwich norms or sliding windows; SiLU) in
 bf16 whose four linears all use our int4 kernel, on CPU, without autograd. A decode step of
-the default model then costs its int4 matmuls plus ~20 us per layer (AVX512), against ~200 us
-per layer of dispatched torch ops. Every token is computed alone (see the kernel's header),
-so passes through it are batch-invariant whether or not ``batch_invariant`` is asked for.
-Passes of more than MAX_POSITIONS tokens run the torch blocks.
+a small model then costs its int4 matmuls plus a small fixed cost per layer, where the torch
+ops dispatched around them cost more than the matmuls themselves. Every token is computed
+alone (see the kernel's header), so passes through it are batch-invariant whether or not
+``batch_invariant`` is asked for. Passes of more than MAX_POSITIONS tokens run the torch blocks.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from specdecode.model.quant import Int4Linear
 
 # Larger passes (prefill chunks, big batches) run the torch blocks: there the kernel's
 # one-query-at-a-time attention and its bf16 GEMM (built for few rows) lose to SDPA and
-# oneDNN. Measured on the default model, 2 threads: a 64-token prefill ~equal, 256 tokens
-# 1.3-1.5x slower, 1024 tokens 2x slower; 32 rows x 3 positions in bf16 ~equal.
+# oneDNN, more the longer the pass; around this size the two are about even
+# (benchmarks/bench_block.py compares them).
 MAX_POSITIONS = 64
 
 
@@ -61,7 +61,7 @@ def _fingerprint(model: nn.Module) -> tuple[int, ...]:
     """Where the first and last blocks' norms and weights live: ``.to`` / ``.float()`` move the
     norms (int4 weights are integers and stay). The structs keep the old storages alive, so a
     moved model is caught here rather than read stale. (Swapping a linear goes through
-    quant.set_submodule, which drops the structs.) ~5 us a pass."""
+    quant.set_submodule, which drops the structs.) Cheap: a few pointer reads a pass."""
     first, last = model.layers[0], model.layers[-1]
     return (first.attn_norm.weight.data_ptr(), first.attn.qkv.weight.data_ptr(),
             last.mlp_norm.weight.data_ptr(), last.mlp.down.weight.data_ptr())  # fmt: skip
@@ -98,7 +98,7 @@ class CpuBlocks:
     def build(model: nn.Module, isa: str | None = None) -> CpuBlocks | None:
         """For a `Transformer` whose every block the kernel can run, through our library's ``isa``
         build (its int4 linears must use the same build; any other int4 kernel name, or None: the
-        best this CPU runs); else None."""
+        best the host CPU runs); else None."""
         if model.embed.weight.device.type != "cpu":
             return None  # before cpu_isa(): a model on CUDA neither builds nor probes our C library
         isa = isa if isa in CPU_ISAS else cpu_isa()

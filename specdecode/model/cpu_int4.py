@@ -1,7 +1,7 @@
 """Our CPU int4 and Q8_0 kernels and fused block, compiled with the system C compiler on first use.
 
-Owns: compiling kernels/*.c into the specdecode cache for the best instruction set this CPU
-has (AMX, else AVX512-BF16, else AVX2 + FMA + F16C), deciding whether this machine can run them,
+Owns: compiling kernels/*.c into the specdecode cache for the best instruction set the host
+CPU has (AMX, else AVX512-BF16, else AVX2 + FMA + F16C), deciding whether the host can run them,
 packing int4 weights and GGUF Q8_0 blocks into their layouts (one layout for every build),
 and calling them through ctypes.
 Does not own: the quantized Linear modules (quant.py), which fall back to torch's stock
@@ -28,7 +28,7 @@ from torch import Tensor
 from specdecode.config import SpecDecodeError
 
 # The stock CPU kernel dequantises a weight tile for every block of 4 rows and multiplies in
-# fp32, so 5 positions cost ~2-3x one. Ours decodes each slice of nibbles once for several rows
+# fp32, so 5 positions cost several times one. Ours decodes each slice of nibbles once for several rows
 # (AVX512: 16 columns x 2 k into bf16, a 16-entry lookup: q in 0..15 is exact in bf16,
 # multiplied into up to 8 rows with vdpbf16ps; AVX2: into fp32, 16 columns for 1-2 rows or 8
 # columns for up to 5, with FMAs), accumulates in fp32, and applies the group's scale and zero
@@ -47,9 +47,9 @@ from specdecode.config import SpecDecodeError
 # One library per instruction set, the same entry points and weight layouts in each: the
 # AVX512 build multiplies bf16 pairs with vdpbf16ps; the AMX build (the same sources with the
 # tile instructions enabled) decodes each group's weights to bf16 once and multiplies up to 16
-# rows in two tile instructions, so verifying 16 positions costs ~1.3x one instead of ~5x;
+# rows in two tile instructions, so verifying 16 positions costs little more than one;
 # the AVX2 build (kernels/*_avx2.c) widens weights to fp32 and uses FMAs. Listed best first:
-# "auto" takes the first this CPU runs.
+# "auto" takes the first the host CPU runs.
 CPU_ISAS = {
     "amx": (
         ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c", "fma"),
@@ -85,16 +85,16 @@ def _cpu_flags() -> set[str]:
 
 
 def cpu_isa() -> str | None:
-    """The instruction set our CPU library is built for on this machine (the best it runs), or None."""
+    """The instruction set our CPU library is built for on the host (the best it runs), or None."""
     return next((isa for isa in CPU_ISAS if cpu_lib(isa) is not None), None)
 
 
-COMPILE_TIMEOUT_S = 300  # a build takes ~3 s
+COMPILE_TIMEOUT_S = 300  # a build takes seconds: a generous bound for a slow or busy host
 QUIET_ISAS = ("amx",)  # builds whose flags a compiler may not know (GCC < 11): checked first, skipped quietly
 
 
 def _compiler_takes(compiler: str, flags: tuple[str, ...]) -> bool:
-    """Whether ``compiler`` accepts ``flags`` (compiling an empty C file, ~20 ms)."""
+    """Whether ``compiler`` accepts ``flags`` (compiling an empty C file)."""
     cmd = [compiler, *flags, "-x", "c", "-c", "-o", os.devnull, "-"]
     try:
         return subprocess.run(cmd, input=b"int x;\n", capture_output=True, timeout=60).returncode == 0
@@ -108,8 +108,8 @@ def _file_hash(path: Path) -> str:
 
 @functools.cache
 def cpu_lib(isa: str | None = None) -> ctypes.CDLL | None:
-    """Our library for ``isa`` (default: the best this CPU runs), compiled once into the
-    specdecode cache; None when this CPU or host can't run it."""
+    """Our library for ``isa`` (default: the best the host CPU runs), compiled once into the
+    specdecode cache; None when the host's CPU or compiler can't run it."""
     from specdecode.model.gguf_convert import cache_root
 
     if isa is None:
@@ -187,7 +187,7 @@ def cpu_lib(isa: str | None = None) -> ctypes.CDLL | None:
 def cpu_argmax(x: Tensor, isa: str | None = None) -> Tensor | None:
     """``x.float().max(dim=-1).indices`` for bf16 ``x`` [..., V] on the CPU, through our library
     (``isa``'s build, default the best; kernels/argmax.c: the same index, ties and NaN included,
-    ~10x faster); None where it does not run (another dtype or device, no build, torch.compile)."""
+    without converting to fp32 first); None where it does not run (another dtype or device, no build, torch.compile)."""
     if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] == 0 or torch.compiler.is_compiling():
         return None
     lib = cpu_lib(isa)
@@ -200,7 +200,7 @@ def cpu_argmax(x: Tensor, isa: str | None = None) -> Tensor | None:
 
 
 def pick_cpu_kernel(kernel: str) -> str:
-    """The int4 CPU kernel ``kernel`` names: "auto" is our best build for this CPU, else stock."""
+    """The int4 CPU kernel ``kernel`` names: "auto" is our best build for the host CPU, else stock."""
     if kernel not in INT4_CPU_KERNELS:
         raise SpecDecodeError(f"unknown int4 kernel {kernel!r}; supported: {', '.join(INT4_CPU_KERNELS)}")
     if kernel == "auto":

@@ -187,7 +187,7 @@ def load_model(
     None / "none" (``dtype``), "int8" (per channel), "int4" (group 32; "int4-g64",
     "int4-g128"), "gguf" (a .gguf's own Q4_0/Q4_1/Q4_K/Q8_0 blocks as int4 groups), or
     "auto": "gguf" for a .gguf whose blocks all stay quantized, on a CPU our int4 kernel runs
-    on (there it is ~2.5x faster than bf16 and exact to the file), else none (vLLM, too,
+    on (there it is faster than bf16 and exact to the file), else none (vLLM, too,
     keeps a GGUF quantized unless told otherwise). ``.quantization`` says what it became.
     """
     dtype, device = resolve_dtype(dtype), resolve_device(device)  # before any slow conversion

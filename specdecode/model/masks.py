@@ -75,9 +75,9 @@ def attention_queries(rows: int, drafting: int, width: int) -> int:
     """Queries (per head) that attention computes in a pass of ``rows`` padded to ``width``
     tokens, ``drafting`` of them holding more than one: B·T padded, or B + R·(T−1) when that
     is at most a third as many, in which case `Transformer.forward` splits attention that way.
-    (Splitting copies the drafting rows' K/V and runs a second SDPA: measured on CPU at 32 rows
-    of 300 tokens, it lost at widths 2-5 with a third of the rows drafting, and won by 40-90
-    ms with 1-4 rows drafting 8.)"""
+    (Splitting copies the drafting rows' K/V and runs a second SDPA, which pays only where few
+    rows draft wide: with many rows drafting a little, the copy and the second call cost more
+    than the padding saves.)"""
     split = rows + drafting * (width - 1)
     return split if drafting > 0 and split <= rows * width // 3 else rows * width
 
@@ -88,8 +88,7 @@ def split_plan(
     """How a packed pass (``valid`` [B, T]) splits its attention, or None when it stays padded.
 
     Attention runs on the batch padded to its widest row (B·T queries), so a few deep rows
-    in a busy batch make every row pay for their width (measured on CPU: one row of 8 drafts
-    among 32 rows at a 300-token context cost ~70 ms more than no drafts, 40-90 ms less split).
+    in a busy batch make every row pay for their width; split, only the drafting rows do.
     Returns the drafting rows [R] and, per layer kind, the folded mask's rows for every row's
     first query [B, 1, G, S] and for the drafting rows' later queries [R, 1, G*(T-1), S]."""
     B, T = valid.shape

@@ -14,7 +14,7 @@ Numerics (checked against torch 2.13's kernels):
   int4: w = (q - 8) * s[n, g] + z[n, g], q in [0, 15], one (scale, zero) per row and group of
         ``group_size`` inputs. torch's kernels take ``scales_and_zeros`` [K/g, N, 2] in bf16 and
         dequantise in fp32 (``lut[q] * s + z``), accumulate in fp32 and round the output to bf16.
-        Only bf16 is vectorised on CPU (fp32/fp16 run a scalar loop ~30x slower), so int4 always
+        Only bf16 is vectorised on CPU (fp32/fp16 run a scalar loop, far slower), so int4 always
         computes in bf16 and casts the result back to the activation dtype. Our kernel (bottom of
         this file) keeps s and z - 8 s in fp16 instead, which holds GGUF's fp16 block scales exactly.
   a8:   the int4 / Q8_0 weights above times x quantized per row and group of 32 to int8
@@ -22,9 +22,9 @@ Numerics (checked against torch 2.13's kernels):
 Both modules pad K internally (int4: to a group multiple; int8: to a multiple of 32, as the bf16
 CPU kernel crashes otherwise) and int4 pads N to its kernel's column tiles (16 or 32).
 
-Kernel choice (measured with benchmarks/bench_quant.py, SmolLM2-135M, 2 threads): ours is faster
-than torch's int4 CPU kernel at every M from 1 to 48 (at M = 1 by ~5-15%, at M = 5 by ~1.5x),
-because torch's re-dequantises every weight tile per block of 4 rows; so there is no per-M switch.
+Kernel choice (benchmarks/bench_quant.py compares them): ours is faster than torch's int4 CPU
+kernel at every row count M from 1 to 48 (by more at several rows than at one), because
+torch's re-dequantises every weight tile per block of 4 rows; so there is no per-M switch.
 """
 
 from __future__ import annotations
@@ -242,7 +242,7 @@ class Int4Linear(nn.Module):
 
     def _mm(self, x2: Tensor) -> Tensor:
         if self.input_planes > 1:
-            x2 = torch.cat([x2] * self.input_planes, dim=1)  # [M, planes·K]; cat: ~5x cheaper than repeat here
+            x2 = torch.cat([x2] * self.input_planes, dim=1)  # [M, planes·K]; cat: cheaper than repeat for these shapes
         x2 = x2.contiguous()
         if self.impl in CPU_ISAS:
             return cpu_mm(x2, self.weight, self.scales_and_zeros, self.impl, self.a8)

@@ -88,7 +88,7 @@ class Attention(nn.Module):
         return step.linear(self.o, step.pack_rows(out.reshape(B, T, H * D)))
 
     # Eager even inside a compiled block: model/compiled.py marks it so when it first compiles
-    # (not here: torch.compiler.disable imports dynamo, ~1 s at every start). The cache's
+    # (not here: torch.compiler.disable imports dynamo, slow at every start). The cache's
     # bookkeeping, the layer index and the pass's KV length would otherwise specialise a
     # graph per layer and step.
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, step: _Step) -> Tensor:
@@ -283,8 +283,8 @@ class Transformer(nn.Module):
         learned drafter feeds the layers its own inputs (EAGLE's fused features).
         ``packed`` returns the logits of the real tokens only, [N, V] in the row-major order of
         ``valid``'s True entries (all B·T tokens without ``valid``), instead of [B, T, V]: a
-        verify pass with one deep row among 32 would otherwise write 32·T·V zeros (~10 ms at
-        T = 9 on the default model) that nothing reads.
+        verify pass with one deep row among 32 would otherwise write 32·T·V zeros that nothing
+        reads.
         ``fp32_logits`` False leaves the logits in the head's dtype where no soft cap applies (bf16
         under a bf16 head: a greedy pass that only takes their argmax skips converting them).
         """

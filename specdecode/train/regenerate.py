@@ -12,7 +12,7 @@ is what acceptance measures.
 ``--instructions magpie`` asks the target for the requests too (Magpie, Xu et al. 2024): fed
 only the chat template up to where a user's message begins, an instruction-tuned model writes
 a request like those it was tuned on, far more varied than templates (their answers are half
-of the shipped datastore: docs/benchmarks.md). Those that name a benchmark subject
+of the shipped datastore). Those that name a benchmark subject
 (`names_held_out`), repeat, or do not end within ``--instruction-max-tokens`` are drawn again.
 
     python -m specdecode.train.regenerate --target smollm2-135m --out data/selfdistill.jsonl --num 600

@@ -77,8 +77,8 @@ def net_class(method: str) -> type:
 def keep_freed_memory() -> bool:
     """Ask glibc to serve large tensors from its heap and keep what a step frees, instead of mapping
     fresh pages for each (above 32 MB it maps every allocation and unmaps it when freed). A training
-    step allocates and frees ~1 GB; on this CPU's VM the page faults took ~40% of it (twice the forward's
-    own time). Where it runs: CPU training under glibc. False where it cannot (another libc)."""
+    step allocates and frees large tensors every time, and faulting fresh pages in for them can
+    cost more than the forward itself. Where it runs: CPU training under glibc. False where it cannot (another libc)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:

@@ -37,7 +37,7 @@ def test_sampled_joint_distribution_matches_target(tmp_path, shape, temperature,
     "spec,words",
     [({"exit_layer": 3}, "below the target's 3 layers"), ({"exit_layer": 0}, "exit_layer must be"),
      ({"model": "x"}, "takes no \"model\""), ({"topk": 0}, "topk must be"),
-     ({"speculative_token_tree": [[0], [0, 200]]}, "rank 200, the vocabulary has")],  # was a crash in the first round
+     ({"speculative_token_tree": [[0], [0, 200]]}, "rank 200, the vocabulary has")],  # one line, not a crash
 )
 def test_bad_options_get_one_line(tmp_path, spec, words):
     path = str(make_tiny_checkpoint(tmp_path / "t", "llama", seed=0))

@@ -276,7 +276,7 @@ def test_an_adaptive_budget_asking_for_less_still_gets_the_copies_gamma_deep(set
             "prompt_lookup_max": 3, "verify_budget": "adaptive"}  # fmt: skip
     llm = LLM(model=target, speculative_config=spec, dtype="float32", device="cpu")
     # a learned drafter too dear to propose before planning (its measured cost decides that: fixed
-    # here, so the test does not hang on this machine's timing)
+    # here, so the test does not hang on the host's timing)
     monkeypatch.setattr(llm.engine.budget, "lookahead", lambda: 0)
     asked, propose = [], llm.engine.drafter.propose
 

@@ -197,7 +197,7 @@ def test_adaptive_budget_keeps_a_busy_batch_narrow_when_padding_costs():
 def test_where_the_fused_block_runs_a_deep_row_pays_no_padding_and_the_pass_stays_within_it():
     """The fused CPU block computes attention for the real queries only, so a few sure rows may
     draft deep without making the batch pay padding; and a batch that fits in the block is
-    planned not to leave it (the torch blocks it would fall back to cost ~2x per position)."""
+    planned not to leave it (the torch blocks it would fall back to cost more per position)."""
     policy = AdaptiveBudget(VerifyCost([(1, 0.05), (200, 0.05 + 0.001 * 199)]), max_gamma=8)
     policy.acceptance.reached = torch.full((STATES, 8), 100.0)
     policy.acceptance.accepted = torch.full((STATES, 8), 30.0)
@@ -293,8 +293,8 @@ def simulate(pass_seconds, draft_seconds, steps: int = 600) -> list[float]:
 
 def test_one_stall_does_not_set_the_budgets_for_good():
     """A pass or a proposal taking 2 s once (the OS, another job) is not what drafts cost: one
-    such pass bent the refitted curve until every row drafted 1 where 3 pay, and, each later
-    pass having one size, no refit mended it; one such proposal stopped drafting ~800 steps."""
+    such pass must not bend the refitted curve until every row drafts 1 where 3 pay (each later
+    pass then having one size, no refit would mend it), nor one such proposal stop drafting."""
     calm = simulate(lambda t, P, true: true(P), lambda t, d: 0.0005 * d)
     slow_pass = simulate(lambda t, P, true: 2.0 if t == 200 else true(P), lambda t, d: 0.0005 * d)
     slow_draft = simulate(lambda t, P, true: true(P), lambda t, d: 2.0 if t == 200 else 0.0005 * d)

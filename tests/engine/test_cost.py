@@ -1,4 +1,4 @@
-"""What a step costs here (engine/cost.py): the verify-cost curve, interpolated and kept monotone,
+"""What a step costs (engine/cost.py): the verify-cost curve, interpolated and kept monotone,
 refitted from the engine's own passes, and attention's cost measured at load."""
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def test_cost_curve_is_monotone_and_refits_from_real_passes():
 
 def test_one_odd_pass_does_not_set_the_slope_at_one_client():
     """At one client the passes that carry drafts nearly all have 2 positions: the fixed cost
-    of drafting and the slope are not told apart, and a single 3-position pass once set the
-    slope alone (2 positions were then priced 1.9 ms above what they measured)."""
+    of drafting and the slope are not told apart, and a single 3-position pass must not set
+    the slope alone (2 positions would then be priced well above what they measured)."""
     policy = AdaptiveBudget(roofline(knee=64), max_gamma=4)
     r = [req("a", 300)]
     times = [(0, 0.0156)] * 200 + [(1, 0.0204)] * 90 + [(2, 0.0270)]  # (draft tokens, seconds): P = 1, 2, 3

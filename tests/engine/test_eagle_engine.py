@@ -71,7 +71,7 @@ def test_confidence_threshold_stops_chains_and_stays_exact(setup, method):
 
 @pytest.mark.parametrize("method", list(NETS))
 def test_defaults_to_one_token(setup, method):
-    """γ = 1 by default (eagle and eagle3: measured fastest with the shipped nets, docs/benchmarks.md)."""
+    """γ = 1 by default (eagle and eagle3: with the shipped nets a second draft token costs more than it saves)."""
     target, nets, plain = setup
     llm = LLM(model=target, speculative_config={"method": method, "model": nets[method]}, dtype="float32", device="cpu")
     out = assert_greedy_matches_plain(llm, plain, PROMPTS, 20, method)

@@ -1,6 +1,6 @@
 """The fused CPU block (model/cpu_block.py + kernels/block_*.c): it computes what the torch
 blocks compute, it is bitwise batch-invariant (alone, in a chain, a tree, a padded batch, any
-cache), and it runs only where it applies; for every build of our library this CPU runs."""
+cache), and it runs only where it applies; for every build of our library the host CPU runs."""
 
 from __future__ import annotations
 

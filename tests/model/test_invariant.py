@@ -1,6 +1,6 @@
 """Our row-invariant attention and dense GEMM (model/invariant.py, kernels/invariant.c): as
 accurate as torch's, and bitwise the same for a query or a row whatever shares its call, on
-each build this CPU runs. (Whole passes through them: test_batch_invariant.py.)"""
+each build the host CPU runs. (Whole passes through them: test_batch_invariant.py.)"""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ BUILDS = [isa for isa in CPU_ISAS if cpu_lib(isa) is not None]  # AVX512 lanes, 
 
 @pytest.fixture(params=BUILDS)
 def build(request, monkeypatch):
-    """Each build this CPU runs (a process uses the best; the others must be right too)."""
+    """Each build the host CPU runs (a process uses the best; the others must be right too)."""
     monkeypatch.setattr(invariant, "cpu_lib", lambda: cpu_lib(request.param))
     return request.param
 

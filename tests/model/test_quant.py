@@ -44,7 +44,7 @@ def close(y: torch.Tensor, ref: torch.Tensor, rel: float) -> bool:
 SHAPES_INT4 = [(3, 96, 32), (40, 200, 64), (24, 160, 32), (17, 1152, 128)]
 
 
-OURS = [isa for isa in CPU_ISAS if cpu_lib(isa) is not None]  # our builds this CPU runs
+OURS = [isa for isa in CPU_ISAS if cpu_lib(isa) is not None]  # our builds the host CPU runs
 KERNELS = ["stock"] + OURS
 
 

@@ -2,8 +2,8 @@
    specdecode/model/cpu_block.py for when it runs and how its arguments are built.
 
    Why: a decode step of a small model is overhead-bound. The torch block dispatches ~25 ops
-   per layer (norms, RoPE, cache writes, SDPA, activations), ~200 us per layer on 2 cores,
-   more than its int4 matmuls. Here the whole block is one call.
+   per layer (norms, RoPE, cache writes, SDPA, activations), whose dispatch costs more than
+   its int4 matmuls. Here the whole block is one call.
 
    Every token of the pass is computed alone: its norm, its row of each GEMM (int4_gemm is
    row-invariant), its RoPE and its attention over exactly the keys it sees, in slot order.

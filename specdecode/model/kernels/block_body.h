@@ -57,7 +57,7 @@ void block_forward(uint16_t* x, const BlockWeights* w, const Pass* p, uint16_t* 
   /* MLP: norm, gate|up, silu(gate) * up (each rounded to bf16, as torch's two ops), down */
   rms_norm_bf16(x, M, Hd, w->mlp_norm, w->eps, 0.0f, h);
   gemm(&w->gate_up, h, M, big, xs, p->threads);
-#pragma omp parallel for schedule(static) num_threads(p->threads) if (M >= 4) /* ~30 us a row: worth a fork from 4 */
+#pragma omp parallel for schedule(static) num_threads(p->threads) if (M >= 4) /* a fork pays only over several rows */
   for (int i = 0; i < M; i++) silu_mul(big + (int64_t)i * 2 * I, mid + (int64_t)i * I, I);
   gemm(&w->down, mid, M, out, xs, p->threads);
   add_into(x, out, (int64_t)M * Hd);

@@ -213,8 +213,9 @@ static const tile_fn Q8_TILES[9] = {0, q8t1, q8t2, q8t3, q8t4, q8t5, q8t6, q8t7,
 /* A job is one 32-column tile and one block of ROW_BLOCK rows, the row blocks of a tile consecutive:
    a thread decodes a tile's weights from memory for its first row block and finds them in
    cache for the next, and every thread gets an equal share of the columns. (Row blocks
-   outermost gave one thread all of 8 rows and the other the rest, each streaming every
-   weight: 9 positions cost 1.7x 8.) Each row's result is the same whatever the order. */
+   outermost would give one thread all of 8 rows and another the rest, each streaming every
+   weight, so a ninth position would cost nearly a second pass.) Each row's result is the same
+   whatever the order. */
 static void run_tiles(const tile_fn* tiles, int Q8, const uint16_t* x, int M, int K, const float* xs,
                       const uint8_t* wp, const uint16_t* sz, int N, uint16_t* y, int threads) {
   const int G = K / 32, NT = N / 32, MBN = (M + ROW_BLOCK - 1) / ROW_BLOCK;
@@ -243,7 +244,7 @@ static void run_tiles(const tile_fn* tiles, int Q8, const uint16_t* x, int M, in
 void int4_gemm(const uint16_t* x, int M, int K, const uint8_t* wp, const uint16_t* sz, int N, uint16_t* y,
                float* xs, int threads) {
   /* each group's input sum, for the zeros: two 16-lane halves added, then one fixed reduction
-     tree (a row's sums do not depend on M; 32 dependent scalar adds cost ~0.2 ms a 9-position pass) */
+     tree (a row's sums do not depend on M; 32 dependent scalar adds a group would be a visible share of a pass) */
   for (int i = 0; i < M * (K / 32); i++)
     xs[i] = _mm512_reduce_add_ps(_mm512_add_ps(load_bf16x16(x + (size_t)i * 32), load_bf16x16(x + (size_t)i * 32 + 16)));
   run_tiles(INT4_TILES, 0, x, M, K, xs, wp, sz, N, y, threads);
@@ -257,8 +258,8 @@ void q8_gemm(const uint16_t* x, int M, int K, const uint8_t* wq, const uint16_t*
 /* RMSNorm of bf16 rows x [M, D] (D % 16 == 0) into y, each row alone (so a row's result does
    not depend on the batch): h = x / sqrt(mean(x^2) + eps) in fp32; offset == 0 (Llama):
    y = bf16(bf16(h) * w); otherwise (Gemma): y = bf16(h * (offset + w)). Rounding is to nearest
-   even, as torch's. One call instead of the ~8 dispatched ops of F.rms_norm on bf16 (~30 us
-   each per layer in a decode step); the sum of squares runs in 16 fp32 lanes, so a row can
+   even, as torch's. One call instead of the ~8 dispatched ops of F.rms_norm on bf16, each a
+   dispatch per layer in a decode step; the sum of squares runs in 16 fp32 lanes, so a row can
    differ from F.rms_norm by one bf16 ulp, never between batches. */
 void rms_norm_bf16(const uint16_t* x, int M, int D, const uint16_t* w, float eps, float offset, uint16_t* y) {
   for (int m = 0; m < M; m++) {
