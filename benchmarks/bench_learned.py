@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 import torch
-from args import decode_tokens, nonneg_float, out_path, positive_int, run
+from args import decode_tokens, nonneg_float, out_path, positive_int, run, write_results
 from timing import Timer, paired_interval
 
 from specdecode import LLM, SamplingParams
@@ -118,6 +118,7 @@ def main() -> int:
     ap.add_argument("--threads", type=positive_int, default=None)
     ap.add_argument("--prompts", default=str(HERE / "prompts_learned.json"))
     ap.add_argument("--json", type=out_path, default=None)
+    ap.add_argument("--results", type=out_path, default=None, help="the results page to write the table into")
     ap.add_argument("--plot", type=out_path, default=None,
                     help="PNG of acceptance by position (greedy), one line per method")
     ap.add_argument("--repeats", type=positive_int, default=1,
@@ -158,7 +159,13 @@ def main() -> int:
                                  rep=rep)  # fmt: skip
                         print(f"T={temperature} [{kind}] {r['prompt']!r} {name}: α={r['alpha']:.2f} τ={r['tau']:.2f} "
                               f"c={r['c']:.3f} speedup {r['speedup']:.2f}x (formula {r['predicted']:.2f}x)", flush=True)
-    print_summary(rows, [n for n, _ in methods], args)
+    table = print_summary(rows, [n for n, _ in methods], args)
+    if args.results:
+        body = ("Batch 1, each method right after plain decoding of the same prompt (the 9 prompts of "
+                "`benchmarks/prompts_learned.json`: chat, code, summaries). Speedup: decode tokens/s against "
+                "plain decoding, geometric mean over prompts with its 95% interval; formula: Leviathan's "
+                "prediction from the measured α and c.\n\n" + table + "\n")  # fmt: skip
+        write_results(args.results, "learned", body)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     if args.plot:
@@ -195,12 +202,14 @@ def run_method(
     }  # fmt: skip
 
 
-def print_summary(rows: list[dict], names: list[str], args: argparse.Namespace) -> None:
+def print_summary(rows: list[dict], names: list[str], args: argparse.Namespace) -> str:
+    """Print the table (markdown) and return it."""
     weights = f", {args.quantization} weights" if args.quantization else ""
     reps = f", {args.repeats} runs of each prompt" if args.repeats > 1 else ""
-    print(f"\n### {args.dtype}{weights}, {args.max_tokens} new tokens, batch 1, threads={args.threads}{reps}\n")
-    print("| T | kind | method | γ | α | τ | tokens/round | c | latency s (plain) | speedup | formula | acceptance by position |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    title = f"{args.dtype}{weights}, {args.max_tokens} new tokens, batch 1, threads={args.threads}{reps}"
+    lines = [f"**{title}**", "",
+             "| T | kind | method | γ | α | τ | tokens/round | c | latency s (plain) | speedup | formula | acceptance by position |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for temperature in args.temperatures:
         for kind in dict.fromkeys(r["kind"] for r in rows):
             for name in names:
@@ -209,11 +218,14 @@ def print_summary(rows: list[dict], names: list[str], args: argparse.Namespace) 
                     continue
                 mean = lambda k: sum(r[k] for r in sel) / len(sel)  # noqa: E731
                 pos = [sum(r["accepted_per_position"][k] for r in sel) / len(sel) for k in range(sel[0]["gamma"])]
-                print(f"| {temperature} | {kind} | {name}{' (lossy)' if sel[0]['lossy'] else ''} | {sel[0]['gamma']} | "
-                      f"{mean('alpha'):.2f} | {mean('tau'):.2f} | {mean('tokens_per_round'):.2f} | {mean('c'):.3f} | "
-                      f"{mean('latency_s'):.2f} ({mean('plain_latency_s'):.2f}) | "
-                      f"{speedup(sel)} | {geomean([r['predicted'] for r in sel]):.2f}x | "
-                      f"{' '.join(f'{p:.2f}' for p in pos[:8])} |")
+                lines.append(f"| {temperature} | {kind} | {name}{' (lossy)' if sel[0]['lossy'] else ''} | "
+                             f"{sel[0]['gamma']} | {mean('alpha'):.2f} | {mean('tau'):.2f} | "
+                             f"{mean('tokens_per_round'):.2f} | {mean('c'):.3f} | "
+                             f"{mean('latency_s'):.2f} ({mean('plain_latency_s'):.2f}) | "
+                             f"{speedup(sel)} | {geomean([r['predicted'] for r in sel]):.2f}x | "
+                             f"{' '.join(f'{p:.2f}' for p in pos[:8])} |")  # fmt: skip
+    print("\n" + "\n".join(lines))
+    return "\n".join(lines)
 
 
 def speedup(sel: list[dict]) -> str:

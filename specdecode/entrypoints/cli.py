@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 
 from specdecode.config import SamplingParams, SpecDecodeError
 from specdecode.drafters.registry import parse_spec
+from specdecode.entrypoints.audit import add_audit_arguments, cmd_audit
 from specdecode.entrypoints.sampling_flags import add_sampling_flags, logprobs_json, sampling_params
 
 EXIT_BAD_INPUT = 2
@@ -114,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_theory(sub)
     _add_serve(sub)
     _add_train(sub)
+    add_audit_arguments(sub.add_parser("audit", help="check that a speculative configuration is lossless on your model"))
     return parser
 
 
@@ -342,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_theory(args)
         if args.command == "serve":
             return cmd_serve(args)
+        if args.command == "audit":
+            return cmd_audit(args)
         if args.command == "train":
             from specdecode.train.trainer import cmd_train
 
