@@ -21,7 +21,6 @@ renormalised over its top k tokens. The target runs the first epoch, the net alo
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import pickle
 import time
@@ -43,6 +42,7 @@ from specdecode.drafters.learned import (
     write_whole,
 )
 from specdecode.model.transformer import Transformer
+from specdecode.train.malloc import keep_freed_memory
 from specdecode.train.config import CHECKPOINT_FILE, TrainConfig
 from specdecode.train.corpus import Windows, find_files, read_corpus
 from specdecode.drafters.distill_net import DistillNet
@@ -72,19 +72,6 @@ def net_class(method: str) -> type:
     if net is None or net.method != method:  # (layer_skip inherits draft_model's, untrained)
         raise SpecDecodeError(f"method {method!r} has no network to train; trainable: {', '.join(trainable_methods())}")
     return net
-
-
-def keep_freed_memory() -> bool:
-    """Ask glibc to serve large tensors from its heap and keep what a step frees, instead of mapping
-    fresh pages for each (above 32 MB it maps every allocation and unmaps it when freed). A training
-    step allocates and frees large tensors every time, and faulting fresh pages in for them can
-    cost more than the forward itself. Where it runs: CPU training under glibc. False where it cannot (another libc)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # malloc.h
-    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def batch_rows(step: int, batch_size: int, num_windows: int, seed: int) -> Tensor:

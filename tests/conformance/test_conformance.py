@@ -29,6 +29,8 @@ from specdecode.drafters.registry import method_names
 from specdecode.engine.serving import ServingEngine
 from tests.conformance.builders import BUILDERS, method_specs
 from tests.engine.checks import (
+    SAMPLING_PROMPT,
+    SAMPLING_VOCAB,
     assert_greedy_matches_plain,
     assert_samples_follow_target,
     exact_joint,
@@ -36,7 +38,6 @@ from tests.engine.checks import (
     joint_chisquare,
     sampling_target,
 )
-from tests.engine.checks import SAMPLING_PROMPT, SAMPLING_VOCAB
 from tests.tiny import make_tiny_checkpoint
 
 PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4, 4, 6], [11], [2, 3, 2, 3, 2, 3, 2, 3, 2]]
@@ -177,6 +178,7 @@ FEATURES = {
     "min_p": dict(min_p=0.2),
     "min_tokens": dict(min_tokens=20, stop_token_ids=[13, 22], ignore_eos=False),
     "allowed_token_ids": dict(allowed_token_ids=list(range(0, 128, 3))),
+    "bad_words": dict(bad_words=["ab", "7", "x y"]),
     "logprobs": dict(logprobs=3),
     "processed_logprobs": dict(logprobs=2, logprobs_mode="processed_logprobs", repetition_penalty=1.2),
 }

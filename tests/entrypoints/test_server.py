@@ -34,12 +34,6 @@ USAGE_KEYS = {"prompt_tokens", "completion_tokens", "total_tokens", "acceptance_
 
 
 @pytest.fixture(scope="module")
-def served(target):
-    with ServerThread(make_app(target)) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
 def client(served):
     with httpx.Client(base_url=served.url, timeout=30) as c:
         yield c

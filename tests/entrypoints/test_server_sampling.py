@@ -20,12 +20,6 @@ PROMPT = "abc abc abc"
 
 
 @pytest.fixture(scope="module")
-def served(target):
-    with ServerThread(make_app(target)) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
 def client(served):
     with openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
         yield c
