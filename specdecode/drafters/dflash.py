@@ -40,6 +40,7 @@ from specdecode.drafters.draft_vocab import check_confidence_threshold, stop_aft
 from specdecode.drafters.learned import load_net, resolve_weights
 from specdecode.drafters.lookup import LookupKeys, copies_only, look_up, model_rows, nothing_to_draft, splice_chains
 from specdecode.core.batch import Batch
+from specdecode.logits_process import row_states
 from specdecode.sampling import argmax
 
 
@@ -125,7 +126,8 @@ class DFlashDrafter:
         else:  # a copying row draws from scratch: its own stream is for its own drafts
             drafting = model_rows(found, self.ctx.device) if self.lookup is not None else None
             V = self.ctx.target.config.vocab_size
-            tokens, q = head.sample(logits, batch, V, 0, drafting)  # [B, γ], [B, γ, V]
+            states = row_states(batch.seqs, self.ctx.target.config.eos_token_ids)  # q processed as p is
+            tokens, q = head.sample(logits, batch, V, 0, drafting, states)  # [B, γ], [B, γ, V]
         confidence = None
         if self.threshold > 0 or self.report_confidence:
             own = head.own_probability(logits, tokens, q, batch)  # [B, γ]

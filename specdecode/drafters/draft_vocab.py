@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from specdecode.config import SpecDecodeError
 from specdecode.model.transformer import Transformer
+from specdecode.logits_process import process_logits
 from specdecode.sampling import logits_to_probs, sample
 
 if TYPE_CHECKING:
@@ -77,21 +78,47 @@ class DraftVocabHead(nn.Module):
         return self.linear(x.to(w.dtype) if w.is_floating_point() else x)
 
     def sample(
-        self, logits: Tensor, batch: Batch, vocab_size: int, start: int = 0, drafting: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
+        self, logits: Tensor, batch: Batch, vocab_size: int, start: int = 0, drafting: Tensor | None = None,
+        states: list | None = None, prior: list[list[int]] | None = None,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
         """Draft tokens [B, T] sampled from ``logits`` [B, T, Vd] (draft positions start .. start+T-1)
         under the rows' temperature, top-k and top-p, and their q [B, T, V] (0 outside the draft
         vocabulary). Computed over the draft vocabulary and then scattered: the same distribution
         as filtering the full logits (-inf outside; ``vocab_ids`` are sorted, so argmax ties break
         alike), at a sixth of the cost of the softmax and of the random draws. Rows past their
-        draft limit, or not ``drafting`` [B], draw from scratch (`Batch.draft_generators`)."""
-        q = logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p)  # [B, T, Vd]
-        draws = [sample(q[:, k], batch.draft_generators(start + k, drafting)) for k in range(q.shape[1])]
+        draft limit, or not ``drafting`` [B], draw from scratch (`Batch.draft_generators`).
+        With ``states`` (logits_process.row_states), each position's logits are first processed
+        as plain decoding processes p (penalties, masks, grammar), seeing ``prior`` [B] (the
+        row's drafts before ``start``) and the tokens drawn before it: likelier drafts."""
+        if states is not None:
+            q, draws = self._processed_q(logits, batch, vocab_size, start, drafting, states, prior)
+        else:
+            q = logits_to_probs(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p)  # [B, T, Vd]
+            draws = [sample(q[:, k], batch.draft_generators(start + k, drafting)) for k in range(q.shape[1])]
         tokens = self.vocab_ids[torch.stack(draws, dim=1)]
         if self.size == vocab_size:  # the whole vocabulary: vocab_ids, kept sorted by prepare, is every id in order
             return tokens, q
         full = q.new_zeros((*q.shape[:-1], vocab_size))
         return tokens, full.scatter_(-1, self.vocab_ids.expand(*q.shape[:-1], -1), q)  # [B, T], [B, T, V]
+
+    def _processed_q(self, logits: Tensor, batch: Batch, vocab_size: int, start: int, drafting: Tensor | None,
+                     states: list, prior: list[list[int]] | None) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
+        """q [B, T, Vd] and the draws [T of [B]], position by position: each position's logits
+        processed over the full vocabulary with the drafts before it, then drawn as `sample` draws."""
+        B, T, _ = logits.shape
+        ids = self.vocab_ids
+        qs: list[Tensor] = []
+        draws: list[Tensor] = []
+        for k in range(T):
+            full = logits.new_full((B, vocab_size), float("-inf"), dtype=torch.float32)
+            full[:, ids] = logits[:, k].float()
+            drawn = torch.stack([ids[d] for d in draws], dim=1).tolist() if draws else [[] for _ in range(B)]
+            prefixes = [list(prior[b] if prior else []) + drawn[b] for b in range(B)]
+            x = process_logits(full, range(B), prefixes, states)[:, ids]  # [B, Vd]
+            q_k = logits_to_probs(x[:, None], batch.temperature, batch.top_k, batch.top_p, batch.min_p)[:, 0]
+            draws.append(sample(q_k, batch.draft_generators(start + k, drafting)))
+            qs.append(q_k)
+        return torch.stack(qs, dim=1), draws
 
     def own_probability(self, logits: Tensor, tokens: Tensor, q: Tensor | None, batch: Batch) -> Tensor:
         """[B, T] the draft's probability of its tokens [B, T] (logits [B, T, Vd]; q [B, T, V] or

@@ -50,6 +50,7 @@ from specdecode.drafters.lookup import (
     trees_with_lookup,
 )
 from specdecode.core.batch import Batch, Sequence, pad_right
+from specdecode.logits_process import row_states
 from specdecode.sampling import argmax
 from specdecode.tree import check_node_budget
 
@@ -88,6 +89,7 @@ class EagleDrafter:
         self.net: FeatureNet = load_net(self.Net, path, ctx.target.model, ctx.dtype, ctx.device, ctx.quantization)
         self.hidden_layers: tuple[int, ...] = self.net.hidden_layers
         self.vocab_size = ctx.target.config.vocab_size
+        self.eos_ids = ctx.target.config.eos_token_ids
         self.device = ctx.device
         self.gamma = spec.num_speculative_tokens
         self.topk: int = spec.options.topk
@@ -163,6 +165,7 @@ class EagleDrafter:
     def _chain(self, batch: Batch, logits: torch.Tensor, out: torch.Tensor, depth: int, alive: torch.Tensor) -> Draft:
         """The net's chains, ``depth`` long, for the rows ``alive`` [B] (the others' are -1)."""
         drafts, qs, confs = [], [], []
+        states = row_states(batch.seqs, self.eos_ids)  # q processed as p is (penalties, masks, grammar)
         head_confidence = self.report_confidence and self.net.confidence is not None
         own_confidence = self.report_confidence and self.net.confidence is None  # the draft probability instead
         stoppable = self.threshold > 0 or self.lookup is not None  # else every row drafts on: no device syncs
@@ -174,7 +177,8 @@ class EagleDrafter:
                 token = self.net.head.vocab_ids[argmax(logits)]
             else:  # a stopped (or lookup) row's draws are scratch: its own stream is for its own drafts
                 drafting = alive if stoppable else None
-                token, q = self.net.head.sample(logits[:, None], batch, self.vocab_size, k, drafting)
+                prior = [[t for t in row if t >= 0] for row in torch.stack(drafts, 1).tolist()] if drafts else None
+                token, q = self.net.head.sample(logits[:, None], batch, self.vocab_size, k, drafting, states, prior)
                 token, q = token[:, 0], q[:, 0]  # [B], [B, V]
                 qs.append(q)
             token = torch.where(alive, token, -1)

@@ -49,6 +49,7 @@ from specdecode.drafters.lookup import (
 )
 from specdecode.core.batch import Batch
 from specdecode.model.transformer import Transformer
+from specdecode.logits_process import row_states
 from specdecode.sampling import argmax
 from specdecode.tree import MAX_TREE_NODES, TreeBatch, TreeShape, parse_token_tree
 
@@ -201,6 +202,7 @@ class MedusaDrafter:
         opts: MedusaOptions = spec.options
         path = resolve_weights("medusa", opts.model, ctx.target)
         self.target: Transformer = ctx.target.model
+        self.eos_ids = ctx.target.config.eos_token_ids
         self.net: MedusaNet = load_net(MedusaNet, path, self.target, ctx.dtype, ctx.device, ctx.quantization)
         gamma = spec.num_speculative_tokens
         tree = opts.speculative_token_tree
@@ -245,7 +247,8 @@ class MedusaDrafter:
         else:  # a copying row draws from scratch: its own stream is for its own drafts
             drafting = model_rows(found, self.device) if self.lookup is not None else None
             V = self.target.config.vocab_size
-            tokens, q = self.net.head.sample(logits, batch, V, 0, drafting)  # [B, K], [B, K, V]
+            states = row_states(batch.seqs, self.eos_ids)  # q processed as p is (penalties, masks, grammar)
+            tokens, q = self.net.head.sample(logits, batch, V, 0, drafting, states)  # [B, K], [B, K, V]
             draft = Draft(tokens=tokens, q=q)
         return draft if self.lookup is None else splice_chains(draft, found, matched)
 
