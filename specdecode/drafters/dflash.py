@@ -41,7 +41,6 @@ from specdecode.drafters.learned import load_net, resolve_weights
 from specdecode.drafters.lookup import LookupKeys, copies_only, look_up, model_rows, nothing_to_draft, splice_chains
 from specdecode.core.batch import Batch
 from specdecode.logits_process import row_states
-from specdecode.sampling import argmax
 
 
 @dataclass(frozen=True)
@@ -121,12 +120,12 @@ class DFlashDrafter:
         logits = self.net.block_logits(roots, self.cache, logits_at=at)  # [B, γ, Vd] over the draft vocabulary
         head = self.net.head
         q = None
+        V = self.ctx.target.config.vocab_size
+        states = row_states(batch.seqs, self.ctx.target.config.eos_token_ids)  # drafts processed as p is
         if batch.all_greedy:  # one-hot q: the verifier needs no distribution
-            tokens = head.vocab_ids[argmax(logits)]
+            tokens = head.greedy(logits, V, states)
         else:  # a copying row draws from scratch: its own stream is for its own drafts
             drafting = model_rows(found, self.ctx.device) if self.lookup is not None else None
-            V = self.ctx.target.config.vocab_size
-            states = row_states(batch.seqs, self.ctx.target.config.eos_token_ids)  # q processed as p is
             tokens, q = head.sample(logits, batch, V, 0, drafting, states)  # [B, γ], [B, γ, V]
         confidence = None
         if self.threshold > 0 or self.report_confidence:

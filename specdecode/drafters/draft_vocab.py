@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from specdecode.config import SpecDecodeError
 from specdecode.model.transformer import Transformer
 from specdecode.logits_process import process_logits
-from specdecode.sampling import logits_to_probs, sample
+from specdecode.sampling import argmax, logits_to_probs, sample
 
 if TYPE_CHECKING:
     from specdecode.core.batch import Batch
@@ -100,6 +100,24 @@ class DraftVocabHead(nn.Module):
             return tokens, q
         full = q.new_zeros((*q.shape[:-1], vocab_size))
         return tokens, full.scatter_(-1, self.vocab_ids.expand(*q.shape[:-1], -1), q)  # [B, T], [B, T, V]
+
+    def greedy(self, logits: Tensor, vocab_size: int, states: list | None, prior: list[list[int]] | None = None) -> Tensor:
+        """Greedy draft tokens [B, T] from ``logits`` [B, T, Vd]: the argmax, or with ``states``
+        the argmax of each position's logits processed as plain decoding processes p (over the
+        full vocabulary, with ``prior`` and the tokens chosen before it)."""
+        if states is None:
+            return self.vocab_ids[argmax(logits)]
+        B, T, _ = logits.shape
+        ids = self.vocab_ids
+        chosen: list[list[int]] = [list(prior[b]) if prior else [] for b in range(B)]
+        tokens = []
+        for k in range(T):
+            full = logits.new_full((B, vocab_size), float("-inf"), dtype=torch.float32)
+            full[:, ids] = logits[:, k].float()
+            token = ids[argmax(process_logits(full, range(B), chosen, states)[:, ids])]  # [B]
+            tokens.append(token)
+            chosen = [c + [t] for c, t in zip(chosen, token.tolist())]
+        return torch.stack(tokens, dim=1)
 
     def _processed_q(self, logits: Tensor, batch: Batch, vocab_size: int, start: int, drafting: Tensor | None,
                      states: list, prior: list[list[int]] | None) -> tuple[Tensor, list[Tensor]]:  # fmt: skip

@@ -51,7 +51,6 @@ from specdecode.drafters.lookup import (
 )
 from specdecode.core.batch import Batch, Sequence, pad_right
 from specdecode.logits_process import row_states
-from specdecode.sampling import argmax
 from specdecode.tree import check_node_budget
 
 
@@ -173,11 +172,11 @@ class EagleDrafter:
             if head_confidence:  # from the feature that gives d_k's logits
                 confs.append(torch.sigmoid(self.net.confidence(out).float())[:, 0])
             q = None
+            prior = [[t for t in row if t >= 0] for row in torch.stack(drafts, 1).tolist()] if drafts and states else None
             if batch.all_greedy:  # one-hot q: the verifier needs no distribution
-                token = self.net.head.vocab_ids[argmax(logits)]
+                token = self.net.head.greedy(logits[:, None], self.vocab_size, states, prior)[:, 0]
             else:  # a stopped (or lookup) row's draws are scratch: its own stream is for its own drafts
                 drafting = alive if stoppable else None
-                prior = [[t for t in row if t >= 0] for row in torch.stack(drafts, 1).tolist()] if drafts else None
                 token, q = self.net.head.sample(logits[:, None], batch, self.vocab_size, k, drafting, states, prior)
                 token, q = token[:, 0], q[:, 0]  # [B], [B, V]
                 qs.append(q)

@@ -241,13 +241,13 @@ class MedusaDrafter:
         logits = self.net.logits(self.net(self.last, K))  # [B, K, Vd]: head k at index k - 1
         if self.tree is not None:  # a lookup row's tree is its chain
             return trees_with_lookup(lambda _: self._fill_tree(batch, logits), batch, roots, K, found, self.device)
+        V = self.target.config.vocab_size
+        states = row_states(batch.seqs, self.eos_ids)  # drafts processed as p is (penalties, masks, grammar)
         if batch.all_greedy or self.typical is not None:
-            tokens = self.net.head.vocab_ids[argmax(logits)]  # [B, K], q one-hot
+            tokens = self.net.head.greedy(logits, V, states)  # [B, K], q one-hot
             draft = Draft(tokens=tokens, typical=self.typical)
         else:  # a copying row draws from scratch: its own stream is for its own drafts
             drafting = model_rows(found, self.device) if self.lookup is not None else None
-            V = self.target.config.vocab_size
-            states = row_states(batch.seqs, self.eos_ids)  # q processed as p is (penalties, masks, grammar)
             tokens, q = self.net.head.sample(logits, batch, V, 0, drafting, states)  # [B, K], [B, K, V]
             draft = Draft(tokens=tokens, q=q)
         return draft if self.lookup is None else splice_chains(draft, found, matched)
