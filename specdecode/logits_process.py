@@ -2,16 +2,17 @@
 token masks, bias and penalties, given the tokens before that position.
 
 Owns: `process_logits`, applied to every position of a verify pass (each under its row's
-settings and its own context: the committed tokens plus the draft tokens on its path) and
-to the first token after a prompt; the per-request token-id forms of `SamplingParams`'
-strings (`bad_words_ids`). The same function serves plain decoding (a pass of one
-position, no draft prefix), so speculative and plain decoding see the same p.
+settings and its own context: the committed tokens plus the draft tokens on its path), to
+the first token after a prompt and to drafters' own logits; each row's state for it
+(`row_states`); the per-request token-id forms of `SamplingParams`' strings
+(`bad_words_ids`). The same function serves plain decoding (a pass of one position, no
+draft prefix), so speculative and plain decoding see the same p.
 Does not own: temperature, min-p, top-k and top-p (sampling.py), or which positions a
 pass holds (engine/step.py).
 
-Order, as vLLM's sampler: the structured output's grammar, allowed_token_ids, bad_words, min_tokens (EOS and stop token
-ids held back), logit_bias, then repetition, frequency and presence penalties (over the
-output; repetition over the prompt too). Masked tokens get -inf.
+Order, as vLLM's sampler: the structured output's grammar, allowed_token_ids, bad_words,
+min_tokens (EOS and stop token ids held back), logit_bias, then repetition, frequency and
+presence penalties (over the output; repetition over the prompt too). Masked tokens get -inf.
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ def _penalize(x: Tensor, st: RowState, prefixes: list[Sequence[int]]) -> Tensor:
     counts = torch.bincount(output, minlength=V)[:V].to(x.dtype).expand(n, V).clone()  # [n, V]
     for j, pre in enumerate(prefixes):
         if pre:
-            counts[j].index_add_(0, torch.tensor(list(pre), device=x.device), torch.ones(len(pre), dtype=x.dtype, device=x.device))
+            ids = torch.tensor(list(pre), device=x.device)
+            counts[j].index_add_(0, ids, torch.ones(len(pre), dtype=x.dtype, device=x.device))
     if sp.repetition_penalty != 1.0:
         seen = counts > 0
         prompt = torch.tensor(list(st.prompt), dtype=torch.long, device=x.device)

@@ -164,12 +164,13 @@ class DraftModelDrafter:
         copies, copied = pad_right([f[: depth - 1] for f in found], self.ctx.device) if any(found) else (None, None)
         for k in range(depth):
             if states is not None:
-                prefixes = [[t for t in row if t >= 0] for row in torch.stack(drafts, dim=1).tolist()] if drafts else [[]] * len(batch)
-                logits = process_logits(logits, range(len(batch)), prefixes, states)
+                so_far = torch.stack(drafts, dim=1).tolist() if drafts else [[]] * len(batch)
+                logits = process_logits(logits, range(len(batch)), [[t for t in r if t >= 0] for r in so_far], states)
             if batch.all_greedy:  # one-hot q: the verifier needs no distribution
                 token = argmax(logits)
             else:  # a lookup row's draws are scratch: its own stream is for its own drafts
-                q = logits_to_probs(logits[:, None], batch.temperature, batch.top_k, batch.top_p, batch.min_p)[:, 0]  # [B, V]
+                q = logits_to_probs(logits[:, None], batch.temperature, batch.top_k, batch.top_p, batch.min_p)
+                q = q[:, 0]  # [B, V]
                 token = sample(q, batch.draft_generators(k, alive if self.lookup is not None else None))
                 qs.append(q)
             drafts.append(torch.where(alive, token, -1))
