@@ -16,7 +16,7 @@ the cut after the first unsure one (`stop_after_unsure`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import Tensor, nn
@@ -101,42 +101,46 @@ class DraftVocabHead(nn.Module):
         full = q.new_zeros((*q.shape[:-1], vocab_size))
         return tokens, full.scatter_(-1, self.vocab_ids.expand(*q.shape[:-1], -1), q)  # [B, T], [B, T, V]
 
-    def greedy(self, logits: Tensor, vocab_size: int, states: list | None, prior: list[list[int]] | None = None) -> Tensor:
+    def greedy(
+        self, logits: Tensor, vocab_size: int, states: list | None, prior: list[list[int]] | None = None
+    ) -> Tensor:
         """Greedy draft tokens [B, T] from ``logits`` [B, T, Vd]: the argmax, or with ``states``
         the argmax of each position's logits processed as plain decoding processes p (over the
         full vocabulary, with ``prior`` and the tokens chosen before it)."""
         if states is None:
             return self.vocab_ids[argmax(logits)]
-        B, T, _ = logits.shape
-        ids = self.vocab_ids
-        chosen: list[list[int]] = [list(prior[b]) if prior else [] for b in range(B)]
-        tokens = []
-        for k in range(T):
-            full = logits.new_full((B, vocab_size), float("-inf"), dtype=torch.float32)
-            full[:, ids] = logits[:, k].float()
-            token = ids[argmax(process_logits(full, range(B), chosen, states)[:, ids])]  # [B]
-            tokens.append(token)
-            chosen = [c + [t] for c, t in zip(chosen, token.tolist())]
-        return torch.stack(tokens, dim=1)
+        draws = self._by_position(logits, vocab_size, states, prior, lambda k, x: argmax(x))
+        return self.vocab_ids[torch.stack(draws, dim=1)]
 
     def _processed_q(self, logits: Tensor, batch: Batch, vocab_size: int, start: int, drafting: Tensor | None,
                      states: list, prior: list[list[int]] | None) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
-        """q [B, T, Vd] and the draws [T of [B]], position by position: each position's logits
-        processed over the full vocabulary with the drafts before it, then drawn as `sample` draws."""
+        """q [B, T, Vd] and the draws [T of [B]], position by position, drawn as `sample` draws."""
+        qs: list[Tensor] = []
+
+        def draw(k: int, x: Tensor) -> Tensor:
+            q_k = logits_to_probs(x[:, None], batch.temperature, batch.top_k, batch.top_p, batch.min_p)[:, 0]
+            qs.append(q_k)
+            return sample(q_k, batch.draft_generators(start + k, drafting))
+
+        draws = self._by_position(logits, vocab_size, states, prior, draw)
+        return torch.stack(qs, dim=1), draws
+
+    def _by_position(self, logits: Tensor, vocab_size: int, states: list, prior: list[list[int]] | None,
+                     pick: Callable[[int, Tensor], Tensor]) -> list[Tensor]:  # fmt: skip
+        """Position k's logits [B, Vd] processed over the full vocabulary (logits_process), seeing
+        ``prior`` and the tokens picked before k; ``pick(k, x)`` chooses from the processed x
+        [B, Vd] an index into the draft vocabulary per row. Returns the indices [T of [B]]."""
         B, T, _ = logits.shape
         ids = self.vocab_ids
-        qs: list[Tensor] = []
+        chosen = [list(prior[b]) if prior else [] for b in range(B)]
         draws: list[Tensor] = []
         for k in range(T):
             full = logits.new_full((B, vocab_size), float("-inf"), dtype=torch.float32)
             full[:, ids] = logits[:, k].float()
-            drawn = torch.stack([ids[d] for d in draws], dim=1).tolist() if draws else [[] for _ in range(B)]
-            prefixes = [list(prior[b] if prior else []) + drawn[b] for b in range(B)]
-            x = process_logits(full, range(B), prefixes, states)[:, ids]  # [B, Vd]
-            q_k = logits_to_probs(x[:, None], batch.temperature, batch.top_k, batch.top_p, batch.min_p)[:, 0]
-            draws.append(sample(q_k, batch.draft_generators(start + k, drafting)))
-            qs.append(q_k)
-        return torch.stack(qs, dim=1), draws
+            draw = pick(k, process_logits(full, range(B), chosen, states)[:, ids])  # [B]
+            draws.append(draw)
+            chosen = [c + [t] for c, t in zip(chosen, ids[draw].tolist())]
+        return draws
 
     def own_probability(self, logits: Tensor, tokens: Tensor, q: Tensor | None, batch: Batch) -> Tensor:
         """[B, T] the draft's probability of its tokens [B, T] (logits [B, T, Vd]; q [B, T, V] or
