@@ -336,8 +336,11 @@ class PagedKVCache(KVCache):
         return plan
 
 
-def new_paged_cache(model: Transformer, num_blocks: int, block_size: int) -> PagedKVCache:
-    """A `PagedKVCache` for ``model``: its layers, kv heads, head size, activation dtype and device."""
+def new_paged_cache(
+    model: Transformer, num_blocks: int, block_size: int, cls: type[PagedKVCache] | None = None
+) -> PagedKVCache:
+    """A `PagedKVCache` (or subclass ``cls``) for ``model``: its layers, kv heads, head size,
+    activation dtype and device."""
     c = model.config
     w = model.embed.weight
-    return PagedKVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size, w.dtype, w.device)
+    return (cls or PagedKVCache)(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size, w.dtype, w.device)
