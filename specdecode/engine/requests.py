@@ -40,6 +40,8 @@ class EngineStats:
     num_preempted_total: int
     kv_blocks_used: int
     kv_blocks_total: int
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of them, found cached
 
 
 @dataclass(eq=False)  # a request is itself: queues find and remove it by identity

@@ -42,6 +42,7 @@ from specdecode.engine.step import Engine
 from specdecode.model.cpu_block import MAX_POSITIONS
 from specdecode.model.loader import LoadedModel
 from specdecode.paged_cache import PagedKVCache, new_paged_cache
+from specdecode.prefix_cache import PrefixCachingKVCache
 
 DEFAULT_KV_BYTES = 256 << 20  # KV pool size when num_blocks is not given (at least one full sequence)
 
@@ -64,6 +65,7 @@ class ServingEngine(Engine):
         batch_invariant: bool | None = None,
         drafter: Drafter | None = None,
         budget: BudgetPolicy | None = None,
+        enable_prefix_caching: bool = True,
     ) -> None:
         super().__init__(target, spec, max_model_len, drafter, quantization, batch_invariant)
         if max_num_seqs < 1 or block_size < 1 or max_num_batched_tokens < 1 or max_long_prefills < 1:
@@ -89,7 +91,9 @@ class ServingEngine(Engine):
                 f"{num_blocks} KV blocks of {block_size} cannot hold one sequence of max_model_len "
                 f"{max_model_len} (+{self.round_room} for drafts): need {per_seq}"
             )
-        self.cache: PagedKVCache = new_paged_cache(self.model, num_blocks, block_size)
+        self.prefix_caching = enable_prefix_caching
+        cache_cls = PrefixCachingKVCache if enable_prefix_caching else PagedKVCache
+        self.cache: PagedKVCache = new_paged_cache(self.model, num_blocks, block_size, cls=cache_cls)
         self.budget = budget or self._default_budget()
         self._shadows = True  # whether this drafter's proposals give shadow rounds (chains do)
         self.batch = Batch([], capacity=max_model_len, device=self.device)  # the decoding rows
@@ -181,10 +185,11 @@ class ServingEngine(Engine):
         return bool(self.waiting or self.prefilling or self.running)
 
     def stats(self) -> EngineStats:
-        pool = self.cache.pool
+        pool, cache = self.cache.pool, self.cache
         return EngineStats(
-            len(self.running), len(self.waiting), len(self.prefilling), self.num_preempted, pool.num_used, pool.num_blocks
-        )
+            len(self.running), len(self.waiting), len(self.prefilling), self.num_preempted, pool.num_used,
+            pool.num_blocks, getattr(cache, "queries", 0), getattr(cache, "hits", 0),
+        )  # fmt: skip
 
     def _find(self, request_id: str) -> Request | None:
         if request_id in self.running:
@@ -239,14 +244,16 @@ class ServingEngine(Engine):
         budget = max(self.cache.block_size, self.max_num_batched_tokens - decode)
         done, last_logits, long = [], [], 0
         for req in sorted(self.prefilling, key=lambda r: r.prefill_target - r.cached):  # stable: oldest first on ties
+            if budget <= 0:
+                break
+            if req.cached == 0:
+                self._match_prefix(req)
             left = req.prefill_target - req.cached
             if left > self.max_num_batched_tokens:
                 long += 1
                 if long > self.max_long_prefills:
                     continue
             n = min(left, budget)
-            if n <= 0:
-                break
             budget -= n
             self.cache.set_batch([req.request_id])
             end = req.cached + n
@@ -265,10 +272,38 @@ class ServingEngine(Engine):
                 req.cached += m
                 if hidden is not None:
                     req.features.append(hidden[0])
+                self._publish(req, prefill=True)
             if req.cached == req.prefill_target:
                 done.append(req)
                 last_logits.append(logits[0, 0])
         return self._join(done, torch.stack(last_logits)) if done else []
+
+    def _match_prefix(self, req: Request) -> int:
+        """Start a request that has computed nothing from the longest cached run of its tokens'
+        full blocks (all but the last token: its logits are needed). Not where its prompt's
+        logprobs are asked for, which need every position's logits. Where the drafter reads
+        the target's features, only blocks that kept theirs count; they become the request's."""
+        if not self.prefix_caching or processing.wants_prompt_logprobs(req.seq, 0):
+            return 0
+        usable = (lambda extra: extra is not None) if self.hidden_layers else None
+        tokens = req.seq.token_ids[: req.prefill_target]
+        hit = self.cache.match_prefix(req.request_id, tokens, req.prefill_target - 1, usable)
+        if hit and self.hidden_layers:
+            blocks = self.cache.block_table(req.request_id)
+            req.features = [torch.cat([self.cache.pool.extra(b) for b in blocks])]
+        req.cached = hit
+        return hit
+
+    def _publish(self, req: Request, prefill: bool = False) -> None:
+        """Cache the request's full committed blocks; a prefill's keep its drafter features."""
+        if not self.prefix_caching:
+            return
+        extra = None
+        if prefill and self.hidden_layers:
+            features = req.features = [torch.cat(req.features)] if len(req.features) > 1 else req.features
+            bs = self.cache.block_size
+            extra = lambda i: features[0][i * bs : (i + 1) * bs].clone()  # noqa: E731
+        self.cache.publish(req.request_id, req.seq.token_ids, extra)
 
     def _join(self, reqs: list[Request], logits: torch.Tensor) -> list[RequestEvent]:
         """Prefill done: fresh requests sample their first token; all join the decode batch."""
@@ -353,6 +388,8 @@ class ServingEngine(Engine):
             self.drafter.on_verified(self.batch, v.num_accepted, v.aux_logits, v.hidden)
         self.budget.observe(reqs, v.num_accepted, v.num_draft, seconds, draft_seconds, depth, shadow, v.num_positions)
         events = [self._event(self.running[e.request_id], e.new_token_ids) for e in step_events]
+        for req in reqs:
+            self._publish(req)
         self._remove_running([r.request_id for r in reqs if r.seq.finish_reason is not None])
         return events
 

@@ -89,6 +89,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="the most max_tokens a request may ask for, and the default (default: the context)")
     s.add_argument("--max-request-bytes", type=int, default=8 << 20, help="request body limit (default: 8 MiB)")
     s.add_argument("--max-stop", type=int, default=4, help="stop strings a request may send (default: 4, OpenAI's)")
+    s.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="recompute every prompt (default: full blocks of earlier prompts and outputs are reused)")
     _add_compile(s)
     s.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -332,7 +334,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     run_server(model=args.model, speculative_config=args.speculative_config, host=args.host, port=args.port,
                max_num_seqs=args.max_num_seqs, api_key=args.api_key, dtype=args.dtype, device=args.device,
                quantization=args.quantization, max_model_len=args.max_model_len, log_level=args.log_level,
-               compile=_compile(args), limits=ServerLimits(max_body_bytes=args.max_request_bytes,
+               compile=_compile(args), enable_prefix_caching=args.prefix_caching, limits=ServerLimits(max_body_bytes=args.max_request_bytes,
                                                            max_stop=args.max_stop, max_tokens_limit=args.max_tokens_limit))  # fmt: skip
     return 0
 

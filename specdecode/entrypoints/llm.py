@@ -145,6 +145,9 @@ class LLM:
     serve the longer ones. ``num_blocks`` sizes each engine's paged KV
     pool in blocks of 16 tokens (vLLM's ``num_gpu_blocks_override``; default: 256 MiB, at
     least one full sequence): raise it to keep many long sequences resident.
+    ``enable_prefix_caching`` (vLLM's name, on by default) keeps the full blocks of earlier
+    prompts and outputs, so a prompt that starts the same way (a chat's next turn, a shared
+    system prompt, the ``n`` samples of one prompt) computes only what is new.
     """
 
     def __init__(
@@ -159,6 +162,7 @@ class LLM:
         max_num_seqs: int = 16,
         num_blocks: int | None = None,
         compile: bool | str = False,
+        enable_prefix_caching: bool = True,
     ) -> None:
         from specdecode.model.compiled import compile_target, parse_compile
         from specdecode.model.loader import load_model
@@ -184,7 +188,7 @@ class LLM:
         self.tokenizer = self.target.tokenizer
         self.spec = spec
         engine_args = dict(max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, num_blocks=num_blocks,
-                           batch_invariant=batch_invariant)  # fmt: skip
+                           batch_invariant=batch_invariant, enable_prefix_caching=enable_prefix_caching)  # fmt: skip
         self.compile_mode = None
         if compile_mode is not None:  # warmed up on throwaway engines, so no dummy request leaves state behind
             self.compile_mode = compile_target(self.target.model, compile_mode, lambda: self._build_engines(

@@ -34,6 +34,7 @@ def run_server(
     compile: bool | str = False,
     limits: ServerLimits | None = None,
     keep_alive_s: int = 5,
+    enable_prefix_caching: bool = True,
 ) -> None:
     """Load the model, build the engine and serve until SIGTERM / SIGINT (then drain).
     ``compile`` as for `LLM`: the target's blocks compiled and warmed up before the port opens.
@@ -54,7 +55,8 @@ def run_server(
     max_model_len = max_model_len or context
 
     def new_engine() -> ServingEngine:
-        return ServingEngine(target, spec, max_model_len=max_model_len, max_num_seqs=max_num_seqs, quantization=quantization)
+        return ServingEngine(target, spec, max_model_len=max_model_len, max_num_seqs=max_num_seqs, quantization=quantization,
+                             enable_prefix_caching=enable_prefix_caching)
 
     if compile_mode is not None:
         compile_target(target.model, compile_mode, lambda: [new_engine()])
@@ -78,7 +80,7 @@ def loaded_line(engine: Any, quantization: str | None) -> str:
     return (f"specdecode: model {target.name} ({target.config.num_layers} layers, {engine.model.embed.weight.dtype}, "
             f"{engine.device}); weights {target.quantization or quantization or 'as stored'}; kernels "
             f"{describe_kernels(engine.model)}; batch-invariant passes {'on' if engine.batch_invariant else 'off'}; "
-            f"speculative method {method}")  # fmt: skip
+            f"speculative method {method}; prefix caching {'on' if getattr(engine, 'prefix_caching', False) else 'off'}")  # fmt: skip
 
 
 class DrainingServer(uvicorn.Server):
