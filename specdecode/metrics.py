@@ -49,6 +49,8 @@ class ServerMetrics:
         self.lossy_requests = counter("specdecode:lossy_requests",
                                       "Requests decoded with a lossy opt-in (typical acceptance).")  # fmt: skip
         self.preemptions = counter("vllm:num_preemptions", "Requests preempted (to be recomputed) for lack of KV blocks.")
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self._success = Counter("vllm:request_success", "Finished requests, by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)  # fmt: skip
         self.e2e_latency = Histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to last token.",
@@ -63,7 +65,7 @@ class ServerMetrics:
         self.tokens_per_s = gauge("specdecode:generation_tokens_per_second",
                                   f"Generated tokens per second over the last ~{RATE_WINDOW_S:g} s.")  # fmt: skip
         self.model_name = model_name
-        self._last_preempted = 0
+        self._last_preempted = self._last_queries = self._last_hits = 0
         self._rate_start, self._rate_tokens = time.monotonic(), 0
 
     # -- engine thread --------------------------------------------------------------------
@@ -93,6 +95,11 @@ class ServerMetrics:
         if stats.num_preempted_total > self._last_preempted:
             self.preemptions.inc(stats.num_preempted_total - self._last_preempted)
             self._last_preempted = stats.num_preempted_total
+        queries, hits = getattr(stats, "prefix_cache_queries", 0), getattr(stats, "prefix_cache_hits", 0)
+        if queries > self._last_queries:
+            self.prefix_queries.inc(queries - self._last_queries)
+            self.prefix_hits.inc(hits - self._last_hits)
+            self._last_queries, self._last_hits = queries, hits
         self._rate_tokens += new_tokens
         now = time.monotonic()
         if now - self._rate_start >= RATE_WINDOW_S:

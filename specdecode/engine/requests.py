@@ -1,7 +1,8 @@
 """The records the serving engine keeps and reports: a request in its queues, what a step
-added to one request, and the engine's counts.
+added to one request, and the engine's counts; and the check a prompt passes to be queued.
 
-Owns: data only; engine/serving.py moves requests between its queues and makes the events.
+Owns: data, and `check_prompt` / `parse_override`; engine/serving.py moves requests between its queues and
+makes the events.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdecode.config import SamplingParams, SpecDecodeError, is_int
 from specdecode.core.batch import Sequence, SpecStats
 from specdecode.sampling import Logprob
 
@@ -30,6 +32,7 @@ class RequestEvent:
     at: float = field(default_factory=time.perf_counter)
     logprobs: list[Logprob] | None = None  # one per new token, where the request asks for logprobs
     prompt_logprobs: list[Logprob | None] | None = None  # on a request's first event, where it asks: one per prompt token
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when it was first prefilled
 
 
 @dataclass
@@ -52,6 +55,7 @@ class Request:
     arrival: int
     cached: int = 0  # tokens whose K/V are in the target cache (prefill progress)
     features: list[torch.Tensor] = field(default_factory=list)  # prefill chunks' features, for the drafter
+    num_cached_tokens: int | None = None  # prompt tokens its first prefill found in the prefix cache
 
     @property
     def resumed(self) -> bool:
@@ -61,3 +65,33 @@ class Request:
     @property
     def prefill_target(self) -> int:
         return len(self.seq.token_ids) - (1 if self.resumed else 0)
+
+
+def check_prompt(prompt_ids: list[int], params: SamplingParams, vocab: int, max_model_len: int) -> None:
+    """Raise `SpecDecodeError` (one line) for a prompt the engine cannot take."""
+    if not prompt_ids:
+        raise SpecDecodeError("prompt is empty")
+    if any(not is_int(t) or not 0 <= t < vocab for t in prompt_ids):
+        raise SpecDecodeError(f"prompt token ids must be integers in [0, {vocab})")
+    room = max_model_len - len(prompt_ids)
+    if room < 1:
+        raise SpecDecodeError(f"prompt has {len(prompt_ids)} tokens but the context is {max_model_len}; shorten the prompt")
+    if params.max_tokens > room:
+        raise SpecDecodeError(
+            f"max_tokens={params.max_tokens} is beyond the context: the prompt has {len(prompt_ids)} of "
+            f"{max_model_len} tokens, so at most {room} can be generated"
+        )
+
+
+def parse_override(override: dict | None, gamma: int) -> int:
+    """The γ a request asks for, within the engine's ``gamma``."""
+    if override is None:
+        return gamma
+    if not isinstance(override, dict) or set(override) - {"num_speculative_tokens"}:
+        raise SpecDecodeError(
+            f"a per-request speculative override takes only num_speculative_tokens, got {override!r}"
+        )
+    k = override.get("num_speculative_tokens", gamma)
+    if not is_int(k) or not 0 <= k <= gamma:
+        raise SpecDecodeError(f"num_speculative_tokens override must be an integer in [0, {gamma}], got {k!r}")
+    return k

@@ -15,6 +15,9 @@ One step::
     one speculative round over the decode batch: propose → per-row budgets → one target
         pass → verify → commit (rejected slots' blocks go back to the pool)
 
+With prefix caching (on by default), a request starts from the longest run of full blocks
+that earlier requests computed for the same tokens (engine/prefix.py).
+
 When the pool runs dry the newest running request is preempted: its blocks are freed
 and it waits at the head of the queue to be recomputed from its tokens (vLLM's policy).
 Nothing is failed for lack of blocks; a request that could never fit is refused at
@@ -29,15 +32,15 @@ from collections import deque
 import torch
 
 from specdecode.block_pool import OutOfBlocks
-from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError, is_int
+from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Draft, Drafter
 from specdecode.engine.acceptance import NOT_SHADOWED
 from specdecode.engine.adaptive import AdaptiveBudget
 from specdecode.core.batch import Batch
-from specdecode.engine import processing
+from specdecode.engine import prefix, processing
 from specdecode.engine.budget import BudgetPolicy, FixedBudget, apply_budgets
 from specdecode.engine.cost import VerifyCost, clock, measure_attention_cost
-from specdecode.engine.requests import EngineStats, Request, RequestEvent
+from specdecode.engine.requests import EngineStats, Request, RequestEvent, check_prompt, parse_override
 from specdecode.engine.step import Engine
 from specdecode.model.cpu_block import MAX_POSITIONS
 from specdecode.model.loader import LoadedModel
@@ -124,37 +127,12 @@ class ServingEngine(Engine):
         if self._find(request_id) is not None:
             raise SpecDecodeError(f"request id {request_id!r} is already in use")
         vocab = self.target.config.vocab_size
-        if not prompt_ids:
-            raise SpecDecodeError("prompt is empty")
-        if any(not is_int(t) or not 0 <= t < vocab for t in prompt_ids):
-            raise SpecDecodeError(f"prompt token ids must be integers in [0, {vocab})")
-        room = self.max_model_len - len(prompt_ids)
-        if room < 1:
-            raise SpecDecodeError(
-                f"prompt has {len(prompt_ids)} tokens but the context is {self.max_model_len}; shorten the prompt"
-            )
-        if params.max_tokens > room:
-            raise SpecDecodeError(
-                f"max_tokens={params.max_tokens} is beyond the context: the prompt has {len(prompt_ids)} of "
-                f"{self.max_model_len} tokens, so at most {room} can be generated"
-            )
-        gamma = self._parse_override(spec_override)
+        check_prompt(prompt_ids, params, vocab, self.max_model_len)
+        gamma = parse_override(spec_override, self.gamma)
         seq = Batch.new_sequence(request_id, prompt_ids, params, self.device)
         processing.setup_sequence(seq, self.tokenizer, vocab, self.eos_ids)
         self.budget.forget(request_id)  # an id an ended request had: nothing of it carries over
         self.waiting.append(Request(request_id, seq, gamma, next(self._arrivals)))
-
-    def _parse_override(self, override: dict | None) -> int:
-        if override is None:
-            return self.gamma
-        if not isinstance(override, dict) or set(override) - {"num_speculative_tokens"}:
-            raise SpecDecodeError(
-                f"a per-request speculative override takes only num_speculative_tokens, got {override!r}"
-            )
-        k = override.get("num_speculative_tokens", self.gamma)
-        if not is_int(k) or not 0 <= k <= self.gamma:
-            raise SpecDecodeError(f"num_speculative_tokens override must be an integer in [0, {self.gamma}], got {k!r}")
-        return k
 
     def abort(self, request_id: str) -> None:
         """Cancel a request wherever it is; its blocks go back at once. Unknown ids are ignored."""
@@ -246,8 +224,8 @@ class ServingEngine(Engine):
         for req in sorted(self.prefilling, key=lambda r: r.prefill_target - r.cached):  # stable: oldest first on ties
             if budget <= 0:
                 break
-            if req.cached == 0:
-                self._match_prefix(req)
+            if req.cached == 0 and self.prefix_caching:
+                prefix.match(self.cache, req, bool(self.hidden_layers))
             left = req.prefill_target - req.cached
             if left > self.max_num_batched_tokens:
                 long += 1
@@ -272,38 +250,12 @@ class ServingEngine(Engine):
                 req.cached += m
                 if hidden is not None:
                     req.features.append(hidden[0])
-                self._publish(req, prefill=True)
+                if self.prefix_caching:
+                    prefix.publish(self.cache, req, prefill=bool(self.hidden_layers))
             if req.cached == req.prefill_target:
                 done.append(req)
                 last_logits.append(logits[0, 0])
         return self._join(done, torch.stack(last_logits)) if done else []
-
-    def _match_prefix(self, req: Request) -> int:
-        """Start a request that has computed nothing from the longest cached run of its tokens'
-        full blocks (all but the last token: its logits are needed). Not where its prompt's
-        logprobs are asked for, which need every position's logits. Where the drafter reads
-        the target's features, only blocks that kept theirs count; they become the request's."""
-        if not self.prefix_caching or processing.wants_prompt_logprobs(req.seq, 0):
-            return 0
-        usable = (lambda extra: extra is not None) if self.hidden_layers else None
-        tokens = req.seq.token_ids[: req.prefill_target]
-        hit = self.cache.match_prefix(req.request_id, tokens, req.prefill_target - 1, usable)
-        if hit and self.hidden_layers:
-            blocks = self.cache.block_table(req.request_id)
-            req.features = [torch.cat([self.cache.pool.extra(b) for b in blocks])]
-        req.cached = hit
-        return hit
-
-    def _publish(self, req: Request, prefill: bool = False) -> None:
-        """Cache the request's full committed blocks; a prefill's keep its drafter features."""
-        if not self.prefix_caching:
-            return
-        extra = None
-        if prefill and self.hidden_layers:
-            features = req.features = [torch.cat(req.features)] if len(req.features) > 1 else req.features
-            bs = self.cache.block_size
-            extra = lambda i: features[0][i * bs : (i + 1) * bs].clone()  # noqa: E731
-        self.cache.publish(req.request_id, req.seq.token_ids, extra)
 
     def _join(self, reqs: list[Request], logits: torch.Tensor) -> list[RequestEvent]:
         """Prefill done: fresh requests sample their first token; all join the decode batch."""
@@ -388,8 +340,8 @@ class ServingEngine(Engine):
             self.drafter.on_verified(self.batch, v.num_accepted, v.aux_logits, v.hidden)
         self.budget.observe(reqs, v.num_accepted, v.num_draft, seconds, draft_seconds, depth, shadow, v.num_positions)
         events = [self._event(self.running[e.request_id], e.new_token_ids) for e in step_events]
-        for req in reqs:
-            self._publish(req)
+        for req in reqs if self.prefix_caching else ():
+            prefix.publish(self.cache, req)
         self._remove_running([r.request_id for r in reqs if r.seq.finish_reason is not None])
         return events
 
@@ -445,4 +397,5 @@ class ServingEngine(Engine):
         return RequestEvent(  # the stats as of this event: a prefill's event comes before its step's decode round
             req.request_id, new, seq.finish_reason, seq.stats.snapshot(), seq.num_prompt,
             len(seq.token_ids) - seq.num_prompt, logprobs=logprobs, prompt_logprobs=prompt,
+            num_cached_tokens=req.num_cached_tokens or 0,
         )  # fmt: skip

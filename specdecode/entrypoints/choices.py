@@ -134,8 +134,8 @@ def _finite(x: float) -> float:
 
 
 def request_usage(choices: Sequence[Choice], prompt_tokens: Sequence[int]) -> dict[str, Any]:
-    """Usage over every choice: each prompt counted once (OpenAI's n), the completions and the
-    speculation counters summed."""
+    """Usage over every choice: each prompt counted once (OpenAI's n; cached as far as all its
+    choices found it cached), the completions and the speculation counters summed."""
     total = SpecStats()
     for c in choices:
         s = c.last.stats
@@ -149,4 +149,6 @@ def request_usage(choices: Sequence[Choice], prompt_tokens: Sequence[int]) -> di
         for i, n in enumerate(s.accepted_per_position):
             per[i] += n
     outputs = sum(c.last.num_output_tokens for c in choices)
-    return usage(dataclasses.replace(total), sum(prompt_tokens), outputs)
+    n = max(1, len(choices) // max(1, len(prompt_tokens)))  # choices are ordered prompt × n + sample
+    cached = sum(min(c.last.num_cached_tokens for c in choices[i : i + n]) for i in range(0, len(choices), n))
+    return usage(dataclasses.replace(total), sum(prompt_tokens), outputs, cached)

@@ -351,14 +351,16 @@ def validation_error(errors: Any) -> APIError:
     return bad_request(f"{where}: {err.get('msg')}" if where else str(err.get("msg")), param)
 
 
-def usage(stats: SpecStats, num_prompt_tokens: int, num_output_tokens: int) -> dict[str, Any]:
-    """OpenAI's usage plus speculation: α (accepted / reached draft tokens), vLLM's draft
-    acceptance rate (accepted / drafted) and τ (1 + accepted / rounds)."""
+def usage(stats: SpecStats, num_prompt_tokens: int, num_output_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage (with the prompt tokens the prefix cache held) plus speculation: α
+    (accepted / reached draft tokens), vLLM's draft acceptance rate (accepted / drafted) and
+    τ (1 + accepted / rounds)."""
     m = RequestMetrics(**dataclasses.asdict(stats))
     return {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_output_tokens,
         "total_tokens": num_prompt_tokens + num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
         "acceptance_rate": m.acceptance_rate,
         "draft_acceptance_rate": m.draft_acceptance_rate,
         "mean_accepted_length": m.mean_accepted_length,

@@ -5,6 +5,9 @@ a tree where it drafts trees, gets these checks by being registered (tiny fp32 m
 - under continuous batching with joins, preemption and an abort, every finished request's
   output equals plain greedy alone, and no KV block is left held;
 - a seeded sampled request gives the same tokens alone and beside other requests;
+- with prefix caching, a multi-turn conversation and requests sharing a system prompt, at
+  batch 1 and under continuous batching with preemption, give plain greedy's output without
+  the cache, and a seeded sample is the same whether its prompt hit the cache or not;
 - the sampled joint distribution of the first tokens is the target's (exact enumeration);
 - with every sampling feature (penalties, logit_bias, min_p, min_tokens, stop_token_ids,
   allowed_token_ids, logprobs), alone and combined: greedy output and logprobs equal plain
@@ -118,6 +121,56 @@ def test_serving_with_joins_preemption_and_aborts(target, specs, method, variant
     assert [outputs[str(i)] for i in range(len(prompts)) if i != 2] == [w for i, w in enumerate(want) if i != 2]
     assert engine.stats().num_preempted_total > 0
     assert engine.stats().kv_blocks_used == 0
+
+
+SYSTEM = [3, 14, 15, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9]  # a shared system prompt: three blocks of 4 and one token
+
+
+def run_requests(engine: ServingEngine, requests: dict[str, tuple[list[int], SamplingParams]],
+                 accepted: dict[str, int] | None = None) -> dict[str, list[int]]:  # fmt: skip
+    """Each request's output tokens; ``accepted`` gets each one's accepted draft tokens."""
+    out: dict[str, list[int]] = {rid: [] for rid in requests}
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    for _ in range(2000):
+        if not engine.has_unfinished():
+            return out
+        for e in engine.step():
+            out[e.request_id] += e.new_token_ids
+            if accepted is not None:
+                accepted[e.request_id] = e.stats.num_accepted_tokens
+    raise AssertionError("the engine did not finish")
+
+
+@pytest.mark.parametrize("method,variant", cases())
+def test_prefix_caching_keeps_outputs(target, specs, method, variant):
+    _, _, plain = target
+    spec = parse_spec(specs(method, variant))
+    reference = ServingEngine(plain.target, None, max_model_len=64, enable_prefix_caching=False)
+    probe = ServingEngine(plain.target, spec, max_model_len=64, block_size=4)
+    per_seq = -(-(64 + probe.round_room) // 4)
+    engine = ServingEngine(plain.target, spec, max_model_len=64, max_num_seqs=4, block_size=4, num_blocks=per_seq + 2)
+    uncached = ServingEngine(plain.target, spec, max_model_len=64, block_size=4, enable_prefix_caching=False)
+    prompt, accepted, accepted_uncached = SYSTEM + [21], {}, {}
+    for turn in range(3):  # batch 1: each turn's prompt is the last one, its answer and a new question
+        got = run_requests(engine, {f"t{turn}": (prompt, greedy(8))}, accepted)[f"t{turn}"]
+        assert got == run_requests(reference, {"r": (prompt, greedy(8))})["r"], (method, variant, turn)
+        run_requests(uncached, {f"t{turn}": (prompt, greedy(8))}, accepted_uncached)
+        prompt = prompt + got + [22 + turn]
+    assert accepted == accepted_uncached, "a drafter drafted otherwise from a cached prompt (its features?)"
+    hits = engine.stats().prefix_cache_hits
+    assert hits >= 2 * len(SYSTEM) // 4 * 4, "later turns did not reuse the earlier ones"
+    shared = {f"s{i}": (SYSTEM + [30 + i], greedy(24 + 6 * i)) for i in range(4)}  # batched, preempted
+    got = run_requests(engine, shared)
+    want = {rid: run_requests(reference, {rid: r})[rid] for rid, r in shared.items()}
+    assert got == want, (method, variant)
+    stats = engine.stats()
+    assert stats.num_preempted_total > 0 and stats.prefix_cache_hits > hits and stats.kv_blocks_used == 0
+    if not getattr(engine.drafter, "learns_from_other_requests", False):
+        sampled = {"x": (SYSTEM + [40], SamplingParams(temperature=0.9, max_tokens=10, seed=5, ignore_eos=True))}
+        before = engine.stats().prefix_cache_hits
+        assert run_requests(engine, sampled) == run_requests(uncached, sampled)
+        assert engine.stats().prefix_cache_hits > before
 
 
 @pytest.mark.parametrize("method,variant", cases())

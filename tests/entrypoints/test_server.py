@@ -134,6 +134,21 @@ def test_models_health_and_metrics(client):
     assert sum(per_pos) == value("vllm:spec_decode_num_accepted_tokens_total")
 
 
+def test_prefix_cache_metrics(client):
+    """A prompt sent twice is found in the prefix cache the second time (blocks of 16 tokens):
+    in the usage (OpenAI's cached_tokens) and in vLLM's counters."""
+    value = lambda text, n: float(re.search(rf"^{re.escape(n)}{{[^}}]*}} (\S+)$", text, re.M).group(1))
+    before = client.get("/metrics").text
+    prompt = {"prompt": "the same long prompt, sent twice: " * 3, "max_tokens": 2}
+    first, second = (client.post("/v1/completions", json=prompt).json()["usage"] for _ in range(2))
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert 16 <= second["prompt_tokens_details"]["cached_tokens"] < second["prompt_tokens"]
+    after = client.get("/metrics").text
+    hits = value(after, "vllm:prefix_cache_hits_total") - value(before, "vllm:prefix_cache_hits_total")
+    queries = value(after, "vllm:prefix_cache_queries_total") - value(before, "vllm:prefix_cache_queries_total")
+    assert 16 <= hits < queries
+
+
 def test_speculative_override_per_request(client):
     off = client.post("/v1/completions", json={"prompt": "abcabc", "max_tokens": 8, "ignore_eos": True,
                                                "speculative_config": {"num_speculative_tokens": 0}}).json()  # fmt: skip
