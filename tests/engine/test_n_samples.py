@@ -40,3 +40,12 @@ def test_samples_are_reproducible_and_the_first_is_the_seeds_own(llm):
     alone = llm.generate([SAMPLING_PROMPT], SamplingParams(temperature=1.0, max_tokens=6, seed=42, ignore_eos=True))[0]
     assert a.outputs[0].token_ids == alone.token_ids == a.token_ids
     assert [c.index for c in a.outputs] == [0, 1, 2]
+
+
+def test_samples_share_the_prompts_prefill(tmp_path):
+    """The n samples' prompt is computed once: the others find its full blocks cached."""
+    llm = LLM(model=str(sampling_target(tmp_path / "target")), dtype="float32", device="cpu")
+    prompt = (SAMPLING_PROMPT * 20)[:40]  # two full blocks of 16 and 8 tokens
+    llm.generate([prompt], SamplingParams(temperature=1.0, max_tokens=4, n=3, seed=1, ignore_eos=True))
+    stats = llm.engine.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (3 * 40, 2 * 32)
