@@ -311,6 +311,18 @@ class SpecConfig:
         return out
 
 
+@dataclass(frozen=True)
+class AutoSpec:
+    """``speculative_config`` "auto" (the default): the method is chosen when the target is
+    loaded, from what it has (drafters/auto.py). ``model``: a draft model folder to use."""
+
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise SpecDecodeError(f"auto's model must be a draft model folder, got {self.model!r}")
+
+
 def parse_options(options_cls: type, raw: Mapping[str, Any], owner: str) -> Any:
     """Build a frozen options dataclass from a dict, rejecting unknown keys by name."""
     names = [f.name for f in dataclasses.fields(options_cls)]

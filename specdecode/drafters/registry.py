@@ -13,10 +13,11 @@ import dataclasses
 import importlib
 import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from specdecode.config import (
-    AUTO_MAX_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS, BudgetOptions, SpecConfig, SpecDecodeError, is_int,
+    AUTO_MAX_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS, AutoSpec, BudgetOptions, SpecConfig, SpecDecodeError, is_int,
     parse_options,
 )  # fmt: skip
 
@@ -43,7 +44,7 @@ def method_names() -> list[str]:
 
 def drafter_class(method: object) -> type[Drafter]:
     if not isinstance(method, str) or method not in _METHODS:
-        raise SpecDecodeError(f"unknown speculative method {method!r}; valid: {', '.join(method_names())}")
+        raise SpecDecodeError(f"unknown speculative method {method!r}; valid: {', '.join(method_names())}, or auto")
     module, name = _METHODS[method].split(":")
     return getattr(importlib.import_module(module), name)
 
@@ -52,17 +53,27 @@ def create_drafter(spec: SpecConfig, ctx: DrafterContext) -> Drafter:
     return drafter_class(spec.method)(spec, ctx)
 
 
-def parse_spec(value: "str | Mapping[str, Any] | SpecConfig | None") -> "SpecConfig | None":
+def parse_spec(value: "str | Mapping[str, Any] | SpecConfig | AutoSpec | None") -> "SpecConfig | AutoSpec | None":
     """Parse a JSON string or dict as given on the CLI / API, or check a `SpecConfig`.
-    ``None`` means no speculation."""
-    if value is None:
-        return None
+    ``None`` (or "none") means no speculation; "auto" (or ``{"method": "auto"}``, with an
+    optional draft ``model``) an `AutoSpec`, resolved once the target is loaded (auto.py)."""
+    if value is None or isinstance(value, AutoSpec):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("none", "auto"):
+        return AutoSpec() if value.strip().lower() == "auto" else None
     if isinstance(value, SpecConfig):  # built by hand (it is exported): validated as its dict would be
         if value.options is not None and not dataclasses.is_dataclass(value.options):
             raise SpecDecodeError(
                 "SpecConfig options must be the method's Options dataclass; or pass a dict to parse_spec"
             )
         value = value.to_dict()
+    if isinstance(value, str) and value.startswith("@"):  # a file holding the JSON (what `specdecode tune` writes)
+        try:
+            value = Path(value[1:]).expanduser().read_text()
+        except OSError as e:
+            raise SpecDecodeError(f"cannot read the speculative config file {value[1:]!r}: {e.strerror or e}") from None
+        if value.strip().lower() in ("none", "auto"):
+            return parse_spec(value.strip())
     if isinstance(value, str):
         if not value.strip():
             return None
@@ -75,7 +86,12 @@ def parse_spec(value: "str | Mapping[str, Any] | SpecConfig | None") -> "SpecCon
     raw = dict(value)
     method = raw.pop("method", None)
     if method is None:
-        raise SpecDecodeError(f"speculative config needs a \"method\"; valid: {', '.join(method_names())}")
+        raise SpecDecodeError(f"speculative config needs a \"method\"; valid: {', '.join(method_names())}, or auto")
+    if method == "auto":
+        if set(raw) - {"model"}:
+            raise SpecDecodeError(f"unknown key(s) {', '.join(sorted(set(raw) - {'model'}))} for method 'auto'; "
+                                  "valid keys: method, model (a draft model folder)")  # fmt: skip
+        return AutoSpec(**raw)
     cls = drafter_class(method)  # raises with the valid names
     gamma = raw.pop("num_speculative_tokens", cls.default_num_speculative_tokens)
     fixed_given = raw.get("verify_budget") == "fixed"

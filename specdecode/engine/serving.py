@@ -32,7 +32,7 @@ from collections import deque
 import torch
 
 from specdecode.block_pool import OutOfBlocks
-from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError
+from specdecode.config import AutoSpec, SamplingParams, SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Draft, Drafter
 from specdecode.engine.acceptance import NOT_SHADOWED
 from specdecode.engine.adaptive import AdaptiveBudget
@@ -56,7 +56,7 @@ class ServingEngine(Engine):
     def __init__(
         self,
         target: LoadedModel,
-        spec: SpecConfig | None,
+        spec: SpecConfig | AutoSpec | None,
         *,
         max_model_len: int,
         max_num_seqs: int = 8,
@@ -221,7 +221,7 @@ class ServingEngine(Engine):
         decode = sum(1 + req.gamma for req in self.running.values())
         budget = max(self.cache.block_size, self.max_num_batched_tokens - decode)
         done, last_logits, long = [], [], 0
-        for req in sorted(self.prefilling, key=lambda r: r.prefill_target - r.cached):  # stable: oldest first on ties
+        for req in self._prefill_order():
             if budget <= 0:
                 break
             if req.cached == 0 and self.prefix_caching:
@@ -256,6 +256,10 @@ class ServingEngine(Engine):
                 done.append(req)
                 last_logits.append(logits[0, 0])
         return self._join(done, torch.stack(last_logits)) if done else []
+
+    def _prefill_order(self) -> list[Request]:
+        """Fewest prompt tokens left first (stable: oldest first on ties)."""
+        return sorted(self.prefilling, key=lambda r: r.prefill_target - r.cached)
 
     def _join(self, reqs: list[Request], logits: torch.Tensor) -> list[RequestEvent]:
         """Prefill done: fresh requests sample their first token; all join the decode batch."""

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.config import SpecConfig, SpecDecodeError
+from specdecode.config import AutoSpec, SpecConfig, SpecDecodeError
+from specdecode.drafters.auto import resolve_auto
 from specdecode.drafters.base import Draft, Drafter, DrafterContext
 from specdecode.drafters.registry import create_drafter
 from specdecode.core.batch import Batch, Sequence, SpecStats
@@ -67,7 +68,7 @@ class Engine:
     def __init__(
         self,
         target: LoadedModel,
-        spec: SpecConfig | None,
+        spec: SpecConfig | AutoSpec | None,
         max_model_len: int,
         drafter: Drafter | None = None,
         quantization: str | None = None,
@@ -83,6 +84,9 @@ class Engine:
             raise ValueError("a custom drafter needs a SpecConfig for its num_speculative_tokens")
         self.target = target
         self.model = target.model
+        self.auto_choice: str | None = None  # what "auto" chose, and why
+        if isinstance(spec, AutoSpec):
+            spec, self.auto_choice = resolve_auto(spec, target)
         self.spec = spec
         param = self.model.embed.weight  # the activation dtype (linears may hold quantized weights)
         if batch_invariant is None:

@@ -29,11 +29,17 @@ QUANTIZATION_HELP = (
 )
 
 
+SPEC_HELP = (
+    "auto (the default: a method chosen from what the model has; the stats line says which), none (plain "
+    'decoding), JSON such as \'{"method": "ngram", "num_speculative_tokens": 4}\', or @file.json'
+)
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="generate text, optionally with speculative decoding")
     g.add_argument("prompt", help="the prompt text")
     g.add_argument("--model", default=None, help="HF folder, .gguf file or alias (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--speculative-config", default=None, help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    g.add_argument("--speculative-config", default="auto", help=SPEC_HELP)
     add_sampling_flags(g)
     g.add_argument("--dtype", default="auto", help="auto (bfloat16), float32, bfloat16, float16 (quantized weights, "
                    "e.g. the default GGUF blocks, still multiply in bfloat16; --quantization none for float32 math)")
@@ -75,7 +81,7 @@ def _add_theory(sub: argparse._SubParsersAction) -> None:
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)")
     s.add_argument("--model", default=None, help="HF folder, .gguf file or alias (default: SmolLM2-135M-Instruct)")
-    s.add_argument("--speculative-config", default=None, help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    s.add_argument("--speculative-config", default="auto", help=SPEC_HELP)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=8000, help="(default: 8000)")
     s.add_argument("--max-num-seqs", type=int, default=8,
@@ -252,7 +258,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "token_ids": out.token_ids,
         "finish_reason": out.finish_reason,
         "logprobs": logprobs_json(out.logprobs, llm.decode),
-        "speculative_config": spec.to_dict() if spec else None,
+        "speculative_config": llm.spec.to_dict() if llm.spec else None,
+        "auto": llm.auto_choice,
         "kernels": llm.kernels,
         "batch_invariant": llm.engine.batch_invariant,
         "compile": llm.compile_mode,
@@ -275,13 +282,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        _print_stats(result, spec is not None)
+        _print_stats(result, llm.spec is not None)
     return 0
 
 
 def _print_stats(r: dict[str, Any], speculative: bool) -> None:
     m = r["metrics"]
     lines = ["", "---"]
+    if r.get("auto"):
+        lines.append(r["auto"])
     if speculative:
         drafts = max(m["num_drafts"], 1)
         by_pos = ", ".join(f"{n / drafts:.2f}" for n in m["accepted_per_position"]) or "-"

@@ -122,8 +122,10 @@ class LLM:
     """Load a target (and drafter) once; generate for batches of prompts.
 
     ``model=None`` is the default model (SmolLM2-135M-Instruct). ``speculative_config``
-    is a dict or JSON string such as ``{"method": "ngram", "num_speculative_tokens": 4}``;
-    ``None`` decodes plainly through the same engine. ``dtype`` is the activation dtype;
+    is "auto" (the default: a method chosen from what the target has, drafters/auto.py;
+    ``llm.auto_choice`` says which and ``llm.spec`` holds it), a dict or JSON string such as
+    ``{"method": "ngram", "num_speculative_tokens": 4}``, "@file.json", or ``None`` / "none"
+    (plain decoding through the same engine). ``dtype`` is the activation dtype;
     ``quantization`` ("auto", "none", "int8", "int4", "int4-g64", "gguf", ...) picks the
     weight format of the linears, for the target and a draft model alike; ``llm.kernels``
     says which run. The default "auto" keeps a GGUF's own blocks where our CPU kernel runs
@@ -153,7 +155,7 @@ class LLM:
     def __init__(
         self,
         model: str | None = None,
-        speculative_config: "str | Mapping[str, Any] | SpecConfig | None" = None,
+        speculative_config: "str | Mapping[str, Any] | SpecConfig | None" = "auto",
         dtype: str = "auto",
         device: str = "auto",
         max_model_len: int | None = None,
@@ -194,6 +196,7 @@ class LLM:
             self.compile_mode = compile_target(self.target.model, compile_mode, lambda: self._build_engines(
                 spec, quantization, engine_args))  # fmt: skip
         self.engine, self._plain = self._build_engines(spec, quantization, engine_args)
+        self.spec, self.auto_choice = self.engine.spec, self.engine.auto_choice  # what "auto" resolved to
         self._open_call = False  # a generate / stream call is stepping the engines (they are shared)
 
     def _build_engines(

@@ -21,7 +21,7 @@ from specdecode.entrypoints.server import ServerLimits, create_app
 
 def run_server(
     model: str | None = None,
-    speculative_config: Any = None,
+    speculative_config: Any = "auto",
     host: str = "127.0.0.1",
     port: int = 8000,
     max_num_seqs: int = 8,
@@ -77,6 +77,8 @@ def loaded_line(engine: Any, quantization: str | None) -> str:
 
     target, spec = engine.target, engine.spec
     method = "none (plain decoding)" if spec is None else f"{spec.method}, num_speculative_tokens {spec.num_speculative_tokens}"
+    if getattr(engine, "auto_choice", None):
+        method = engine.auto_choice
     return (f"specdecode: model {target.name} ({target.config.num_layers} layers, {engine.model.embed.weight.dtype}, "
             f"{engine.device}); weights {target.quantization or quantization or 'as stored'}; kernels "
             f"{describe_kernels(engine.model)}; batch-invariant passes {'on' if engine.batch_invariant else 'off'}; "

@@ -71,7 +71,7 @@ def target(tmp_path_factory):
     root = tmp_path_factory.mktemp("conformance")
     arch = TARGET["arch"]
     path = str(make_tiny_checkpoint(root / "target", arch, **{k: v for k, v in TARGET.items() if k != "arch"}))
-    return root, path, LLM(model=path, dtype="float32", device="cpu")
+    return root, path, LLM(model=path, dtype="float32", device="cpu", speculative_config=None)
 
 
 @pytest.fixture(scope="module")

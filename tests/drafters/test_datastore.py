@@ -187,7 +187,7 @@ def setup(tmp_path_factory):
               "medusa": str(trained_folder(MedusaNet, model, root / "medusa", draft_vocab=0)),
               "dflash": str(trained_folder(DFlashNet, model, root / "dflash", steps=30, num_layers=1, block_size=4,
                                            draft_vocab=0))}  # fmt: skip
-    plain = LLM(model=str(target), dtype="float32", device="cpu")
+    plain = LLM(model=str(target), dtype="float32", device="cpu", speculative_config=None)
     others = [[5, 9], [7, 1, 2], [3, 3, 8], [12, 4], [6]]
     answers = [p + o.token_ids for p, o in zip(others, plain.generate(others, greedy(30)))]
     build_datastore(answers).save(root / "store", target_fingerprint(model))

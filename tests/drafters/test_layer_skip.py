@@ -17,7 +17,7 @@ PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4, 4, 6], [11], [2, 3, 2, 3, 2, 3, 2, 3, 2]]
 @pytest.mark.parametrize("shape", [{}, {"exit_layer": 2, "topk": 2}])
 def test_greedy_equals_plain(tmp_path, arch, shape):
     path = str(make_tiny_checkpoint(tmp_path / arch, arch, seed=0))
-    plain = LLM(model=path, dtype="float32", device="cpu")
+    plain = LLM(model=path, dtype="float32", device="cpu", speculative_config=None)
     spec = {"method": "layer_skip", "num_speculative_tokens": 3, **shape}
     llm = LLM(model=path, speculative_config=spec, dtype="float32", device="cpu")
     out = assert_greedy_matches_plain(llm, plain, PROMPTS, 25, (arch, shape))

@@ -50,7 +50,7 @@ def setup(tmp_path_factory):
               "medusa": str(trained_folder(MedusaNet, model, root / "medusa", draft_vocab=0)),
               "dflash": str(trained_folder(DFlashNet, model, root / "dflash", steps=30, num_layers=1, block_size=4,
                                            draft_vocab=0))}  # fmt: skip
-    return str(target), models, LLM(model=str(target), dtype="float32", device="cpu")
+    return str(target), models, LLM(model=str(target), dtype="float32", device="cpu", speculative_config=None)
 
 
 def count_sources(drafter, monkeypatch) -> dict[str, int]:

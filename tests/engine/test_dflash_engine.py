@@ -44,7 +44,7 @@ def dflash(net: str, gamma: int, threshold: float = 0.0) -> dict:
 @pytest.mark.parametrize("arch,gamma", [("llama", 4), ("llama", 8), ("qwen2", 8), ("gemma3", 4)])
 def test_greedy_equals_plain(ckpts, arch, gamma):
     target, net = ckpts[arch]
-    plain = LLM(model=target, dtype="float32", device="cpu")
+    plain = LLM(model=target, dtype="float32", device="cpu", speculative_config=None)
     llm = LLM(model=target, speculative_config=dflash(net, gamma), dtype="float32", device="cpu")
     for max_tokens in (1, 17, 40):
         batch = assert_greedy_matches_plain(llm, plain, PROMPTS, max_tokens, (arch, gamma))
@@ -57,7 +57,7 @@ def test_confidence_threshold_cuts_blocks_and_stays_exact(ckpts):
     """A block is cut after its first token the net is unsure of: greedy still equals plain
     greedy at batch 1 and 4, and fewer positions are verified, never none."""
     target, net = ckpts["llama"]
-    plain = LLM(model=target, dtype="float32", device="cpu")
+    plain = LLM(model=target, dtype="float32", device="cpu", speculative_config=None)
     llm = LLM(model=target, speculative_config=dflash(net, 8, threshold=0.5), dtype="float32", device="cpu")
     out = assert_greedy_matches_plain(llm, plain, PROMPTS, 30, "dflash, confidence_threshold 0.5")
     drafted, rounds = sum(o.metrics.num_draft_tokens for o in out), sum(o.metrics.num_drafts for o in out)
@@ -68,7 +68,7 @@ def test_adaptive_budget_plans_on_the_blocks_draft_probabilities(ckpts, monkeypa
     """Under an adaptive budget each block reports its tokens' draft probabilities (at least
     1/V: greedy takes the top one) as confidences, and greedy stays exact."""
     target, net = ckpts["llama"]
-    plain = LLM(model=target, dtype="float32", device="cpu")
+    plain = LLM(model=target, dtype="float32", device="cpu", speculative_config=None)
     spec = {**dflash(net, 8), "verify_budget": "adaptive"}
     llm = LLM(model=target, speculative_config=spec, dtype="float32", device="cpu")
     seen, budgets = [], llm.engine.budget.budgets
@@ -161,7 +161,7 @@ def run_staggered(engine: ServingEngine, prompts: list[list[int]], params: list[
 @pytest.mark.parametrize("num_blocks", [None, 20])  # 20 blocks of 4: requests take turns, preempted and recomputed
 def test_served_concurrently_equals_alone(ckpts, num_blocks):
     target_path, net = ckpts["llama"]
-    plain = LLM(model=target_path, dtype="float32", device="cpu")
+    plain = LLM(model=target_path, dtype="float32", device="cpu", speculative_config=None)
     prompts = PROMPTS + [[4, 4, 4, 4], [9, 8, 7, 6, 5, 4, 3]]
     max_tokens = [20, 7, 33, 25, 12, 18]
     alone = [plain.generate([p], greedy(m))[0].token_ids for p, m in zip(prompts, max_tokens)]

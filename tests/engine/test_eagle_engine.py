@@ -35,7 +35,7 @@ def setup(tmp_path_factory):
     target = str(make_tiny_checkpoint(root / "target", "llama", seed=0))
     model = load_model(target, dtype=torch.float32, device="cpu").model
     nets = {m: str(trained_folder(cls, model, root / m, draft_vocab=0)) for m, cls in NETS.items()}
-    return target, nets, LLM(model=target, dtype="float32", device="cpu")
+    return target, nets, LLM(model=target, dtype="float32", device="cpu", speculative_config=None)
 
 
 @pytest.mark.parametrize("method", list(NETS))
@@ -128,7 +128,7 @@ def test_drafter_nets_run_the_targets_quantized_kernels(setup):
     kw = dict(dtype="bfloat16", device="cpu", quantization="int4", batch_invariant=True)
     llm = LLM(model=target, speculative_config={"method": "eagle", "model": nets["eagle"]}, **kw)
     assert isinstance(llm.engine.drafter.net.fc, Int4Linear)
-    assert_greedy_matches_plain(llm, LLM(model=target, **kw), PROMPTS, 24, "eagle int4")
+    assert_greedy_matches_plain(llm, LLM(model=target, speculative_config=None, **kw), PROMPTS, 24, "eagle int4")
 
 
 def test_confidence_head_feeds_the_adaptive_budget_and_stays_lossless(setup, tmp_path, monkeypatch, virtual_clock):

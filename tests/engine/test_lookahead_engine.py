@@ -43,7 +43,7 @@ def target(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain(target):
-    return LLM(model=target, dtype="float32", device="cpu")
+    return LLM(model=target, dtype="float32", device="cpu", speculative_config=None)
 
 
 def test_window_logits_equal_plain_sequences(target):
@@ -90,7 +90,7 @@ def test_greedy_stops_at_eos_like_plain(plain, tmp_path):
     eos = ref[1].token_ids[7]  # a token plain greedy emits mid-way, so EOS lands inside a round
     path = str(make_tiny_checkpoint(tmp_path / "eos", "llama", seed=0, eos_token_id=eos))
     params = SamplingParams(temperature=0.0, max_tokens=30)
-    want = LLM(model=path, dtype="float32", device="cpu").generate(PROMPTS, params)
+    want = LLM(model=path, dtype="float32", device="cpu", speculative_config=None).generate(PROMPTS, params)
     got = lookahead(path).generate(PROMPTS, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.finish_reason for o in got] == [o.finish_reason for o in want]

@@ -62,7 +62,7 @@ def spec_configs(ckpts):
 
 @pytest.fixture(scope="module")
 def plain(ckpts):
-    return LLM(model=ckpts["target"], dtype="float32", device="cpu")
+    return LLM(model=ckpts["target"], dtype="float32", device="cpu", speculative_config=None)
 
 
 @pytest.mark.parametrize(
@@ -99,7 +99,7 @@ def test_greedy_stops_at_eos_like_plain(ckpts, plain, tmp_path, name):
     ref = plain.generate(PROMPTS, greedy(30))
     eos = ref[1].token_ids[7]
     path = make_tiny_checkpoint(tmp_path / "eos", eos_token_id=eos, **TARGET)
-    base = LLM(model=str(path), dtype="float32", device="cpu")
+    base = LLM(model=str(path), dtype="float32", device="cpu", speculative_config=None)
     spec = dict(spec_configs(ckpts)[name])
     llm = LLM(model=str(path), speculative_config=spec, dtype="float32", device="cpu")
     params = SamplingParams(temperature=0.0, max_tokens=30)
@@ -140,7 +140,7 @@ def test_sampled_joint_distribution_matches_target(tmp_path, method, temperature
     assert sum(o.metrics.num_accepted_tokens for o in outs) < sum(o.metrics.num_draft_tokens for o in outs)
     # Power check: had the samples come from the draft's own distribution (drafts returned
     # unverified), the same test would reject them.
-    draft_llm = LLM(model=str(draft), dtype="float32", device="cpu")
+    draft_llm = LLM(model=str(draft), dtype="float32", device="cpu", speculative_config=None)
     test = joint_chisquare([o.token_ids for o in outs], exact_joint(llm, SAMPLING_PROMPT, n, temperature, top_k, top_p),
                            SAMPLING_VOCAB, n)  # fmt: skip
     assert test.pvalue_if(exact_joint(draft_llm, SAMPLING_PROMPT, n, temperature, top_k, top_p)) < 1e-3
@@ -164,7 +164,7 @@ def test_batch_invariant_int4_greedy_is_exact(ckpts, name, quant):
     if cpu_lib() is None:
         pytest.skip("needs our int4 kernel (AVX512-BF16 or AVX2, and a C compiler)")
     kw = dict(dtype="bfloat16", device="cpu", quantization=quant, batch_invariant=True)
-    plain = LLM(model=ckpts["target"], **kw)
+    plain = LLM(model=ckpts["target"], speculative_config=None, **kw)
     llm = LLM(model=ckpts["target"], speculative_config=spec_configs(ckpts)[name], **kw)
     for max_tokens in (17, 40):
         assert_greedy_matches_plain(llm, plain, PROMPTS, max_tokens, name)

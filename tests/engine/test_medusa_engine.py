@@ -27,7 +27,7 @@ TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0
 
 
 def medusa_folder(target_path, out, seed: int = 0) -> str:
-    target = LLM(model=str(target_path), dtype="float32", device="cpu").target.model
+    target = LLM(model=str(target_path), dtype="float32", device="cpu", speculative_config=None).target.model
     return str(save_net(random_medusa(target, seed=seed), target, out))
 
 
@@ -40,7 +40,7 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain(ckpts):
-    return LLM(model=ckpts["target"], dtype="float32", device="cpu")
+    return LLM(model=ckpts["target"], dtype="float32", device="cpu", speculative_config=None)
 
 
 def specs(ckpts) -> dict[str, dict]:

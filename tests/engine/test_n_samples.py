@@ -44,7 +44,7 @@ def test_samples_are_reproducible_and_the_first_is_the_seeds_own(llm):
 
 def test_samples_share_the_prompts_prefill(tmp_path):
     """The n samples' prompt is computed once: the others find its full blocks cached."""
-    llm = LLM(model=str(sampling_target(tmp_path / "target")), dtype="float32", device="cpu")
+    llm = LLM(model=str(sampling_target(tmp_path / "target")), dtype="float32", device="cpu", speculative_config=None)
     prompt = (SAMPLING_PROMPT * 20)[:40]  # two full blocks of 16 and 8 tokens
     llm.generate([prompt], SamplingParams(temperature=1.0, max_tokens=4, n=3, seed=1, ignore_eos=True))
     stats = llm.engine.stats()

@@ -29,7 +29,7 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain(ckpts):
-    return LLM(model=ckpts["target"], dtype="float32", device="cpu")
+    return LLM(model=ckpts["target"], dtype="float32", device="cpu", speculative_config=None)
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ def target(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain(target):
-    return LLM(model=target, dtype="float32", device="cpu")
+    return LLM(model=target, dtype="float32", device="cpu", speculative_config=None)
 
 
 @pytest.mark.parametrize("options", [{}, {"num_speculative_tokens": 6, "suffix_decoding_max_cached_requests": 2,
@@ -57,7 +57,7 @@ def test_adaptive_budget_when_no_row_finds_a_suffix(tmp_path, virtual_clock):
     path = str(make_tiny_checkpoint(tmp_path / "t", "llama", seed=2, tie_word_embeddings=False))  # varied, no near-ties
     spec = {"method": "suffix", "num_speculative_tokens": 6, "verify_budget": "adaptive"}
     llm = LLM(model=path, speculative_config=spec, dtype="float32", device="cpu")
-    plain = LLM(model=path, dtype="float32", device="cpu")
+    plain = LLM(model=path, dtype="float32", device="cpu", speculative_config=None)
     assert_greedy_matches_plain(llm, plain, [[5, 9, 3], *PROMPTS[1:]], 20, "suffix, adaptive")
 
 

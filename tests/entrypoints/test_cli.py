@@ -138,7 +138,7 @@ def test_draft_with_other_vocabulary_is_refused(capsys, tiny):
 def test_prompt_longer_than_context(capsys, tiny):
     from specdecode import LLM
 
-    ctx = LLM(model=tiny["target"], dtype="float32").max_model_len
+    ctx = LLM(model=tiny["target"], dtype="float32", speculative_config=None).max_model_len
     code, _, err = run(capsys, "generate", "a" * (ctx + 10), "--model", tiny["target"], "--dtype", "float32")
     assert code == 2 and "context" in err
 

@@ -137,9 +137,9 @@ def test_bad_config_fails_before_loading(tmp_path):
     with pytest.raises(SpecDecodeError, match="unknown speculative method 'eagle9'; valid: dflash, draft_model, eagle"):
         LLM(model=str(tmp_path / "missing"), speculative_config={"method": "eagle9"})
     with pytest.raises(SpecDecodeError, match="model path not found"):
-        LLM(model=str(tmp_path / "missing"))
+        LLM(model=str(tmp_path / "missing"), speculative_config=None)
     with pytest.raises(SpecDecodeError, match="model must be a path"):
-        LLM(model="")  # not the current folder
+        LLM(model="", speculative_config=None)  # not the current folder
     for bad in ({"max_num_seqs": "4"}, {"max_model_len": 100.5}, {"num_blocks": 0}, {"max_num_seqs": True}):
         with pytest.raises(SpecDecodeError, match=f"{next(iter(bad))} must be an integer"):
             LLM(model=str(tmp_path / "missing"), **bad)  # checked before the model is looked for
@@ -160,7 +160,7 @@ def test_tree_budget_beyond_context(tmp_path):
                                               "give max_model_len >= 203"):  # fmt: skip
         LLM(model=str(path), speculative_config=spec, dtype="float32", max_model_len=128)
     with pytest.raises(SpecDecodeError, match="give max_model_len >= 3"):  # said 'drafts up to 0 tokens'
-        LLM(model=str(path), dtype="float32", max_model_len=2)
+        LLM(model=str(path), dtype="float32", max_model_len=2, speculative_config=None)
 
 
 def test_default_quantization_keeps_a_gguf_quantized_and_a_dense_draft_follows(tmp_path):
@@ -171,7 +171,7 @@ def test_default_quantization_keeps_a_gguf_quantized_and_a_dense_draft_follows(t
     from tests.tiny import make_tiny_gguf
 
     path, _ = make_tiny_gguf(tmp_path / "t.gguf", "llama", quant="Q8_0")
-    plain = LLM(model=str(path), device="cpu")
+    plain = LLM(model=str(path), device="cpu", speculative_config=None)
     assert plain.target.quantization == ("gguf" if cpu_lib() is not None else None)
     spec = {"method": "draft_model", "model": plain.target.path, "num_speculative_tokens": 3}  # its converted folder
     llm = LLM(model=str(path), device="cpu", speculative_config=spec, quantization="gguf")

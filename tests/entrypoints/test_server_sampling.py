@@ -27,7 +27,7 @@ def client(served):
 
 @pytest.fixture(scope="module")
 def plain(ckpt):
-    return LLM(model=ckpt, dtype="float32", device="cpu", max_model_len=256)
+    return LLM(model=ckpt, dtype="float32", device="cpu", max_model_len=256, speculative_config=None)
 
 
 def streamed_completion(client, **kw) -> dict[int, dict]:

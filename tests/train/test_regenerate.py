@@ -212,7 +212,7 @@ def test_the_user_turn_prefix_starts_every_chat(tmp_path):
     from specdecode.train.regenerate import user_turn_prefix
 
     target = make_tiny_checkpoint(tmp_path / "t", "llama", seed=0)
-    llm = LLM(model=str(target), device="cpu", dtype="float32")
+    llm = LLM(model=str(target), device="cpu", dtype="float32", speculative_config=None)
     prefix = user_turn_prefix(llm)
     for message in ("Hello", "?", "Why is the sea salty?", "  spaced"):
         ids = llm.encode_chat(message)
