@@ -21,6 +21,7 @@ def match(cache: PrefixCachingKVCache, req: Request, features: bool) -> None:
     blocks: all but the last token (its logits are needed). Not where its prompt's logprobs
     are asked for (they need every position's logits). With ``features`` (the drafter reads
     the target's), only blocks that kept theirs count; they become the request's."""
+    req.matched = True
     if processing.wants_prompt_logprobs(req.seq, 0):
         return
     usable = (lambda extra: extra is not None) if features else None

@@ -56,6 +56,7 @@ class Request:
     cached: int = 0  # tokens whose K/V are in the target cache (prefill progress)
     features: list[torch.Tensor] = field(default_factory=list)  # prefill chunks' features, for the drafter
     num_cached_tokens: int | None = None  # prompt tokens its first prefill found in the prefix cache
+    matched: bool = False  # looked up in the prefix cache since it was (re)admitted
 
     @property
     def resumed(self) -> bool:

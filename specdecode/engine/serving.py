@@ -206,7 +206,7 @@ class ServingEngine(Engine):
                 break  # FIFO: later requests wait behind it rather than starve it
             self.waiting.popleft()
             self.cache.add_sequence(req.request_id)
-            req.cached, req.features = 0, []
+            req.cached, req.features, req.matched = 0, [], False
             self.prefilling.append(req)
             owed += need
 
@@ -224,7 +224,7 @@ class ServingEngine(Engine):
         for req in self._prefill_order():
             if budget <= 0:
                 break
-            if req.cached == 0 and self.prefix_caching:
+            if not req.matched and self.prefix_caching:
                 prefix.match(self.cache, req, bool(self.hidden_layers))
             left = req.prefill_target - req.cached
             if left > self.max_num_batched_tokens:

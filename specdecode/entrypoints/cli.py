@@ -1,4 +1,4 @@
-"""The `specdecode` command: `generate`, `theory`, `serve` and `train` (and later `bench`).
+"""The `specdecode` command: `generate`, `theory`, `serve`, `train`, `audit` and `bench`.
 
 Owns: argument parsing, streaming text to the terminal, printing statistics, and the
 error contract: bad input prints one line `error: ...` on stderr and exits with 2.
@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 from specdecode.config import SamplingParams, SpecDecodeError
 from specdecode.drafters.registry import parse_spec
 from specdecode.entrypoints.audit import add_audit_arguments, cmd_audit
+from specdecode.entrypoints.bench import add_bench_arguments, cmd_bench
 from specdecode.entrypoints.sampling_flags import add_sampling_flags, logprobs_json, sampling_params
 
 EXIT_BAD_INPUT = 2
@@ -124,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_train(sub)
     add_audit_arguments(sub.add_parser("audit", help="check that a speculative configuration is lossless on your model"))
+    add_bench_arguments(sub.add_parser("bench", help="measure which speculative configuration helps, by kind of prompt"))
     return parser
 
 
@@ -357,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_serve(args)
         if args.command == "audit":
             return cmd_audit(args)
+        if args.command == "bench":
+            return cmd_bench(args)
         if args.command == "train":
             from specdecode.train.trainer import cmd_train
 
