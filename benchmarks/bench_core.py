@@ -30,7 +30,7 @@ from timing import Timer
 
 from specdecode import LLM, SamplingParams
 from specdecode.entrypoints.cli import OneLineParser
-from specdecode.theory import expected_speedup
+from specdecode.analysis.theory import expected_speedup
 
 HERE = Path(__file__).parent
 

@@ -34,7 +34,7 @@ from specdecode.drafters.registry import parse_spec
 from specdecode.config import SpecDecodeError
 from specdecode.entrypoints.cli import OneLineParser
 from specdecode.entrypoints.llm import RequestOutput
-from specdecode.theory import expected_speedup
+from specdecode.analysis.theory import expected_speedup
 
 HERE = Path(__file__).resolve().parent
 METHODS = {

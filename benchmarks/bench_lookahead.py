@@ -45,7 +45,7 @@ from specdecode import LLM, SamplingParams
 from specdecode.drafters.registry import parse_spec
 from specdecode.config import SpecDecodeError
 from specdecode.entrypoints.cli import OneLineParser
-from specdecode.theory import expected_speedup, expected_tokens_per_round
+from specdecode.analysis.theory import expected_speedup, expected_tokens_per_round
 
 HERE = Path(__file__).parent
 FLAGS = ("noprompt", "nooutput")  # a config's optional parts

@@ -55,7 +55,7 @@ from specdecode.engine.cost import VerifyCost, least_squares_line
 from specdecode.engine.serving import ServingEngine
 from specdecode.entrypoints.cli import OneLineParser
 from specdecode.model.loader import LoadedModel, load_model
-from specdecode.roofline import Roofline, profile_local, shape_from_config
+from specdecode.analysis.roofline import Roofline, profile_local, shape_from_config
 
 HERE = Path(__file__).parent
 

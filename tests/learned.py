@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 
 from specdecode.drafters.learned import TrainBatch, save_net
-from specdecode.kv_cache import NoCache
+from specdecode.cache.kv_cache import NoCache
 from specdecode.model.transformer import Transformer
-from specdecode.sampling import logits_to_probs, sample
+from specdecode.core.sampling import logits_to_probs, sample
 
 
 def target_samples(target: Transformer, num: int, length: int, seed: int = 0) -> torch.Tensor:

@@ -79,7 +79,7 @@ def test_sampling_params_normalise_stop():
 
 def test_tiny_temperatures_decode_greedily():
     """Below 1e-5 (vLLM's bound) logits / T would overflow to inf and the softmax to NaN."""
-    from specdecode.sampling import logits_to_probs
+    from specdecode.core.sampling import logits_to_probs
 
     params = SamplingParams(temperature=1e-39)
     assert params.greedy and not SamplingParams(temperature=1e-4).greedy

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from specdecode.config import SamplingParams
-from specdecode.sampling import Logprob, make_generator, sampling_tensors
+from specdecode.core.sampling import Logprob, make_generator, sampling_tensors
 
 
 @dataclass

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from specdecode.config import SpecConfig
     from specdecode.core.batch import Batch
     from specdecode.model.loader import LoadedModel
-    from specdecode.tree import TreeBatch
+    from specdecode.core.tree import TreeBatch
 
 
 @dataclass
@@ -45,7 +45,7 @@ class Draft:
     a rejection accepted 1.4 of 8 tokens after a 2-gram match and 6.4 after a 5-gram one).
 
     ``typical`` = (ε, δ) asks for Medusa's typical acceptance of a chain instead of
-    rejection sampling (`specdecode.verify.typical_verify`). It is LOSSY: the output no
+    rejection sampling (`specdecode.core.verify.typical_verify`). It is LOSSY: the output no
     longer follows the target's distribution, and the engine flags the requests ``lossy``.
     """
 

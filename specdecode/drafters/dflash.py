@@ -40,7 +40,7 @@ from specdecode.drafters.draft_vocab import check_confidence_threshold, stop_aft
 from specdecode.drafters.learned import load_net, resolve_weights
 from specdecode.drafters.lookup import LookupKeys, copies_only, look_up, model_rows, nothing_to_draft, splice_chains
 from specdecode.core.batch import Batch
-from specdecode.logits_process import row_states
+from specdecode.core.logits_process import row_states
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from specdecode.config import SpecDecodeError, is_int
 from specdecode.drafters.draft_vocab import Borrowed, DraftVocabHead
 from specdecode.drafters.learned import TrainBatch
-from specdecode.kv_cache import KVCache
+from specdecode.cache.kv_cache import KVCache
 from specdecode.model.masks import FULL
 from specdecode.model.transformer import RMSNorm, Transformer, apply_rope
 

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from specdecode.config import SpecDecodeError
 from specdecode.drafters.learned import CONFIG_FILE, TrainBatch, target_fingerprint, write_folder
-from specdecode.kv_cache import NoCache
+from specdecode.cache.kv_cache import NoCache
 from specdecode.model.transformer import ModelConfig, Transformer
 
 if TYPE_CHECKING:

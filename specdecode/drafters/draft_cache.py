@@ -28,9 +28,9 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-from specdecode.block_pool import OutOfBlocks
+from specdecode.cache.block_pool import OutOfBlocks
 from specdecode.model.transformer import Transformer
-from specdecode.paged_cache import PagedKVCache, _Plan
+from specdecode.cache.paged_cache import PagedKVCache, _Plan
 
 BLOCK_SIZE = 16
 INITIAL_BLOCKS = 32

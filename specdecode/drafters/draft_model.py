@@ -38,13 +38,13 @@ from specdecode.drafters.lookup import (
     trees_with_lookup,
 )
 from specdecode.core.batch import Batch, pad_right
-from specdecode.kv_cache import KVCache
+from specdecode.cache.kv_cache import KVCache
 from specdecode.model.loader import keeps_gguf_blocks, load_model
 from specdecode.model.transformer import Transformer
-from specdecode.logits_process import process_logits, row_states
-from specdecode.sampling import argmax, logits_to_probs, sample
+from specdecode.core.logits_process import process_logits, row_states
+from specdecode.core.sampling import argmax, logits_to_probs, sample
 from specdecode.drafters.distill_net import DistillNet
-from specdecode.tree import MAX_TREE_NODES, TreeShape, check_node_budget, parse_token_tree
+from specdecode.core.tree import MAX_TREE_NODES, TreeShape, check_node_budget, parse_token_tree
 
 
 @dataclass(frozen=True)

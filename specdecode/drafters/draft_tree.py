@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from specdecode.drafters.base import Draft
-from specdecode.tree import DraftTree, TreeBatch, TreeShape
+from specdecode.core.tree import DraftTree, TreeBatch, TreeShape
 
 # score(tokens [B, T], depth [B, T], mask [B, T, T], at [B, K], parent_states [B, T, F] | None)
 #   -> (logits [B, K, V or Vd], states [B, K, F] | None):

@@ -23,8 +23,8 @@ from torch import Tensor, nn
 
 from specdecode.config import SpecDecodeError
 from specdecode.model.transformer import Transformer
-from specdecode.logits_process import process_logits
-from specdecode.sampling import argmax, logits_to_probs, sample
+from specdecode.core.logits_process import process_logits
+from specdecode.core.sampling import argmax, logits_to_probs, sample
 
 if TYPE_CHECKING:
     from specdecode.core.batch import Batch

@@ -50,8 +50,8 @@ from specdecode.drafters.lookup import (
     trees_with_lookup,
 )
 from specdecode.core.batch import Batch, Sequence, pad_right
-from specdecode.logits_process import row_states
-from specdecode.tree import check_node_budget
+from specdecode.core.logits_process import row_states
+from specdecode.core.tree import check_node_budget
 
 
 @dataclass(frozen=True)

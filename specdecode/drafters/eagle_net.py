@@ -34,9 +34,9 @@ from torch import Tensor, nn
 from specdecode.config import SpecDecodeError, is_int
 from specdecode.drafters.draft_vocab import Borrowed, DraftVocabHead
 from specdecode.drafters.learned import TrainBatch, label_rows
-from specdecode.kv_cache import KVCache, NoCache
+from specdecode.cache.kv_cache import KVCache, NoCache
 from specdecode.model.transformer import RMSNorm, Transformer
-from specdecode.sampling import argmax
+from specdecode.core.sampling import argmax
 
 _UNSAVED = ("body.lm_head.linear.weight", "body.embed.weight")  # rebuilt from the target / unused
 

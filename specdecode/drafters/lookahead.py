@@ -47,8 +47,8 @@ from specdecode.config import MAX_SPECULATIVE_TOKENS, SpecConfig, SpecDecodeErro
 from specdecode.drafters.base import AuxBranch, Draft, DrafterContext
 from specdecode.drafters.ngram import merge_into_tree
 from specdecode.core.batch import Batch
-from specdecode.sampling import argmax
-from specdecode.tree import MAX_TREE_NODES, TreeBatch
+from specdecode.core.sampling import argmax
+from specdecode.core.tree import MAX_TREE_NODES, TreeBatch
 
 WINDOW_SEED = 0  # the seed of the generator that draws each row's first window from its prompt
 

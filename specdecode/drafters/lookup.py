@@ -37,7 +37,7 @@ from specdecode.drafters.base import Draft
 from specdecode.drafters.datastore import DEFAULT_MIN_PROB, Datastore, check_datastore_keys, fill_rows, open_datastore
 from specdecode.drafters.ngram import NgramOptions, lookup_rows
 from specdecode.core.batch import Batch
-from specdecode.tree import TreeBatch
+from specdecode.core.tree import TreeBatch
 
 if TYPE_CHECKING:
     from specdecode.model.loader import LoadedModel

@@ -18,7 +18,7 @@ q_k is d_k's law given everything before it), and reports q. Greedy chains and t
 take top-k tokens deterministically (q = None, one-hot), which the verifiers keep exact.
 ``acceptance: "typical"`` (Medusa's typical acceptance) is the one LOSSY option: drafts
 are the heads' argmax and a draft is kept if the target gives it enough probability
-(`specdecode.verify.typical_verify`); requests decoded with it are flagged ``lossy``.
+(`specdecode.core.verify.typical_verify`); requests decoded with it are flagged ``lossy``.
 
 With ``prompt_lookup_max`` or ``datastore`` (exact acceptance) a row whose context occurred
 before drafts the copy instead (lookup.py); the heads then draft ``num_steps`` deep (default γ)
@@ -49,9 +49,9 @@ from specdecode.drafters.lookup import (
 )
 from specdecode.core.batch import Batch
 from specdecode.model.transformer import Transformer
-from specdecode.logits_process import row_states
-from specdecode.sampling import argmax
-from specdecode.tree import MAX_TREE_NODES, TreeBatch, TreeShape, parse_token_tree
+from specdecode.core.logits_process import row_states
+from specdecode.core.sampling import argmax
+from specdecode.core.tree import MAX_TREE_NODES, TreeBatch, TreeShape, parse_token_tree
 
 ACCEPTANCE = ("exact", "typical")
 DEFAULT_TREE = "default"  # Medusa's mc_sim_7b_63 tree, cut to γ levels

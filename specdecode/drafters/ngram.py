@@ -22,7 +22,7 @@ from specdecode.config import SpecConfig, SpecDecodeError, is_int
 from specdecode.drafters.base import Draft, DrafterContext
 from specdecode.drafters.datastore import DEFAULT_MIN_PROB, Datastore, check_datastore_keys, fill_rows, open_datastore
 from specdecode.core.batch import Batch, Sequence
-from specdecode.tree import TreeBatch, check_node_budget
+from specdecode.core.tree import TreeBatch, check_node_budget
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from specdecode.config import SpecConfig, SpecDecodeError, is_int, is_real
 from specdecode.drafters.base import Draft, DrafterContext
 from specdecode.drafters.suffix_tree import GlobalCache, Node, Speculation, SuffixTree, best_speculation, state_match_nodes
 from specdecode.core.batch import Batch
-from specdecode.tree import TreeBatch
+from specdecode.core.tree import TreeBatch
 
 
 @dataclass(frozen=True)

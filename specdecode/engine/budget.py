@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from specdecode.drafters.base import Draft
-from specdecode.tree import TreeBatch
+from specdecode.core.tree import TreeBatch
 
 if TYPE_CHECKING:
     from specdecode.engine.serving import ServingEngine

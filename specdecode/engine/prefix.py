@@ -13,7 +13,7 @@ import torch
 
 from specdecode.engine import processing
 from specdecode.engine.requests import Request
-from specdecode.prefix_cache import PrefixCachingKVCache
+from specdecode.cache.prefix_cache import PrefixCachingKVCache
 
 
 def match(cache: PrefixCachingKVCache, req: Request, features: bool) -> None:

@@ -19,10 +19,10 @@ import torch
 
 from specdecode.config import SamplingParams, SpecDecodeError
 from specdecode.core.batch import Sequence
-from specdecode.logits_process import bad_words_ids, process_logits, row_states
-from specdecode.sampling import Logprob, argmax, logits_to_probs, sample, sampling_tensors, token_logprobs
-from specdecode.structured import Grammar
-from specdecode.tree import TreeBatch
+from specdecode.core.logits_process import bad_words_ids, process_logits, row_states
+from specdecode.core.sampling import Logprob, argmax, logits_to_probs, sample, sampling_tensors, token_logprobs
+from specdecode.core.structured import Grammar
+from specdecode.core.tree import TreeBatch
 
 
 def setup_sequence(seq: Sequence, tokenizer: Any, vocab: int, eos_ids: Iterable[int]) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from specdecode.config import SamplingParams, SpecDecodeError, is_int
 from specdecode.core.batch import Sequence, SpecStats
-from specdecode.sampling import Logprob
+from specdecode.core.sampling import Logprob
 
 
 @dataclass

@@ -31,7 +31,7 @@ from collections import deque
 
 import torch
 
-from specdecode.block_pool import OutOfBlocks
+from specdecode.cache.block_pool import OutOfBlocks
 from specdecode.config import AutoSpec, SamplingParams, SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Draft, Drafter
 from specdecode.engine.acceptance import NOT_SHADOWED
@@ -44,8 +44,8 @@ from specdecode.engine.requests import EngineStats, Request, RequestEvent, check
 from specdecode.engine.step import Engine
 from specdecode.model.cpu_block import MAX_POSITIONS
 from specdecode.model.loader import LoadedModel
-from specdecode.paged_cache import PagedKVCache, new_paged_cache
-from specdecode.prefix_cache import PrefixCachingKVCache
+from specdecode.cache.paged_cache import PagedKVCache, new_paged_cache
+from specdecode.cache.prefix_cache import PrefixCachingKVCache
 
 DEFAULT_KV_BYTES = 256 << 20  # KV pool size when num_blocks is not given (at least one full sequence)
 

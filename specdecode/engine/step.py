@@ -30,13 +30,13 @@ from specdecode.drafters.auto import resolve_auto
 from specdecode.drafters.base import Draft, Drafter, DrafterContext
 from specdecode.drafters.registry import create_drafter
 from specdecode.core.batch import Batch, Sequence, SpecStats
-from specdecode.kv_cache import KVCache
+from specdecode.cache.kv_cache import KVCache
 from specdecode.model.cpu_int4 import cpu_lib
 from specdecode.model.loader import LoadedModel
 from specdecode.engine import processing
-from specdecode.sampling import Logprob, argmax, logits_to_probs
-from specdecode.tree import commit_paths
-from specdecode.verify import greedy_verify, rejection_sample, tree_greedy_verify, tree_rejection_sample, typical_verify
+from specdecode.core.sampling import Logprob, argmax, logits_to_probs
+from specdecode.core.tree import commit_paths
+from specdecode.core.verify import greedy_verify, rejection_sample, tree_greedy_verify, tree_rejection_sample, typical_verify
 
 
 @dataclass

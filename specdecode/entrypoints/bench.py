@@ -114,7 +114,7 @@ def _run(llm: Any, ids: list[list[int]], params: list[SamplingParams], speculati
 
 def measure(llm: Any, plain_llm: Any, name: str, prompts: list[BenchPrompt], opts: dict, progress: Any) -> list[dict]:
     """Rows of figures per (category, temperature, batch size) for one configuration."""
-    from specdecode.theory import expected_speedup
+    from specdecode.analysis.theory import expected_speedup
 
     timer = _DraftTimer(llm.engine.drafter) if llm.engine.drafter is not None else None
     rows = []

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 from specdecode.config import SamplingParams
 from specdecode.core.batch import SpecStats
 from specdecode.entrypoints.openai_protocol import usage
-from specdecode.sampling import Logprob
+from specdecode.core.sampling import Logprob
 
 LOGPROB_FLOOR = -9999.0  # what a -inf logprob is sent as (JSON has no infinity), as vLLM does
 

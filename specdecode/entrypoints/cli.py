@@ -153,7 +153,7 @@ def cmd_theory(args: argparse.Namespace) -> int:
 
 
 def cmd_speedup(args: argparse.Namespace) -> dict[str, Any]:
-    from specdecode.theory import expected_speedup, expected_tokens_per_round, optimal_gamma
+    from specdecode.analysis.theory import expected_speedup, expected_tokens_per_round, optimal_gamma
 
     gamma = args.gamma if args.gamma is not None else optimal_gamma(args.alpha, args.c)
     result = {  # γ = 0 is plain decoding (1.00x), as the roofline takes it
@@ -178,8 +178,8 @@ MAX_ROOFLINE_BATCH = 10**9  # a larger integer would overflow the float time
 
 
 def cmd_roofline(args: argparse.Namespace) -> dict[str, Any]:
-    from specdecode.roofline import Roofline, resolve_hardware, resolve_model
-    from specdecode.theory import MAX_THEORY_GAMMA
+    from specdecode.analysis.roofline import Roofline, resolve_hardware, resolve_model
+    from specdecode.analysis.theory import MAX_THEORY_GAMMA
 
     gamma = 4 if args.gamma is None else args.gamma
     if not 1 <= args.batch <= MAX_ROOFLINE_BATCH or not 0 <= gamma <= MAX_THEORY_GAMMA:

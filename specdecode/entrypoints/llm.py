@@ -19,7 +19,7 @@ from specdecode.config import SamplingParams, SpecConfig, SpecDecodeError, is_in
 from specdecode.drafters.registry import parse_spec
 from specdecode.core.batch import SpecStats
 from specdecode.engine.serving import ServingEngine
-from specdecode.sampling import Logprob
+from specdecode.core.sampling import Logprob
 
 Prompt = Union[str, list[int]]
 

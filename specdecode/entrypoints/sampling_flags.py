@@ -12,7 +12,7 @@ import json
 from typing import Any, Callable
 
 from specdecode.config import SamplingParams, SpecDecodeError
-from specdecode.sampling import Logprob
+from specdecode.core.sampling import Logprob
 
 
 def add_sampling_flags(g: argparse.ArgumentParser) -> None:

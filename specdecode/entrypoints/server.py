@@ -34,7 +34,7 @@ from specdecode.entrypoints.openai_protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, ServerLimits, bad_request, from_spec_error, parse_body,
     read_body, validation_error,
 )  # fmt: skip
-from specdecode.metrics import CONTENT_TYPE, ServerMetrics
+from specdecode.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from specdecode.config import SpecDecodeError
-from specdecode.kv_cache import StorageIndex
+from specdecode.cache.kv_cache import StorageIndex
 from specdecode.model.cpu_int4 import CPU_ISAS, cpu_isa, cpu_lib
 from specdecode.model.quant import Int4Linear
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdecode.kv_cache import ContiguousKVCache, KVCache
+from specdecode.cache.kv_cache import ContiguousKVCache, KVCache
 from specdecode.model.cpu_block import MAX_POSITIONS, CpuBlocks
 from specdecode.model import invariant
 from specdecode.model.cpu_int4 import cpu_rms_norm, fast_cpu_norm

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from specdecode.drafters.learned import TrainBatch, label_rows
-from specdecode.kv_cache import NoCache
+from specdecode.cache.kv_cache import NoCache
 from specdecode.model.transformer import Transformer
 from specdecode.train.corpus import Windows
 

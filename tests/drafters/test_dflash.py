@@ -20,7 +20,7 @@ from specdecode.drafters.dflash import DFlashDrafter
 from specdecode.drafters.dflash_net import DFlashNet, DFlashNetConfig, spread_layers
 from specdecode.drafters.learned import TrainBatch, load_net, save_net
 from specdecode.engine.serving import ServingEngine
-from specdecode.kv_cache import ContiguousKVCache
+from specdecode.cache.kv_cache import ContiguousKVCache
 from specdecode.model.loader import load_model
 from specdecode.model.transformer import ModelConfig, Transformer
 from tests.learned import fit

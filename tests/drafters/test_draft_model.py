@@ -12,7 +12,7 @@ from specdecode.drafters.base import DrafterContext
 from specdecode.drafters.registry import create_drafter
 from specdecode.core.batch import Batch
 from specdecode.model.loader import load_model
-from specdecode.sampling import logits_to_probs
+from specdecode.core.sampling import logits_to_probs
 from tests.tiny import make_tiny_checkpoint
 
 

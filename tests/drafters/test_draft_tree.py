@@ -55,7 +55,7 @@ def test_rerank_keeps_the_best_nodes_overall():
 
 def test_static_tree_fills_ranks_level_by_level():
     from specdecode.drafters.draft_tree import fill_static_tree
-    from specdecode.tree import parse_token_tree
+    from specdecode.core.tree import parse_token_tree
 
     shape = parse_token_tree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
     tree = fill_static_tree(scripted_score, root_logits(2), [7, 6], shape).tree

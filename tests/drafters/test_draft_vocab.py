@@ -11,7 +11,7 @@ from specdecode.drafters.draft_tree import grow_tree
 from specdecode.drafters.draft_vocab import DraftVocabHead
 from specdecode.core.batch import Batch, Sequence
 from specdecode.model.loader import load_model
-from specdecode.sampling import logits_to_probs
+from specdecode.core.sampling import logits_to_probs
 from tests.tiny import make_tiny_checkpoint
 
 

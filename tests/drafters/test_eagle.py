@@ -13,7 +13,7 @@ from specdecode.drafters.eagle3 import Eagle3Net
 from specdecode.drafters.eagle_net import FeatureConfig, FeatureNet
 from specdecode.drafters.learned import load_net, net_config, save_net
 from specdecode.drafters.mtp import MtpNet
-from specdecode.kv_cache import NoCache
+from specdecode.cache.kv_cache import NoCache
 from specdecode.model.loader import load_model
 from tests.learned import target_samples, train_batch, train_net
 from tests.tiny import make_tiny_checkpoint

@@ -20,7 +20,7 @@ from specdecode.drafters.dflash_net import DFlashNet
 from specdecode.drafters.eagle_net import FeatureNet
 from specdecode.drafters.medusa import MedusaNet
 from specdecode.engine.serving import ServingEngine
-from specdecode.kv_cache import NoCache
+from specdecode.cache.kv_cache import NoCache
 from specdecode.model.loader import load_model
 from tests.engine.checks import (
     SAMPLING_VOCAB,

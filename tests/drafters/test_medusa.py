@@ -15,9 +15,9 @@ from specdecode.drafters.learned import TrainBatch, save_net
 from specdecode.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaNet
 from specdecode.model.transformer import ModelConfig, Transformer
 from specdecode.core.batch import Batch
-from specdecode.kv_cache import NoCache
+from specdecode.cache.kv_cache import NoCache
 from specdecode.model.loader import load_model
-from specdecode.verify import greedy_verify, typical_verify
+from specdecode.core.verify import greedy_verify, typical_verify
 from tests.learned import fit
 from tests.tiny import make_tiny_checkpoint
 

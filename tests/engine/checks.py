@@ -13,9 +13,9 @@ import torch
 from scipy.stats import chisquare
 
 from specdecode import LLM, SamplingParams
-from specdecode.logits_process import RowState, process_logits
-from specdecode.sampling import logits_to_probs, sampling_tensors
-from specdecode.structured import Grammar
+from specdecode.core.logits_process import RowState, process_logits
+from specdecode.core.sampling import logits_to_probs, sampling_tensors
+from specdecode.core.structured import Grammar
 from tests.tiny import make_tiny_checkpoint
 
 

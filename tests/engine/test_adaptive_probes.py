@@ -14,7 +14,7 @@ from specdecode.engine.acceptance import STATES, _RequestRounds
 from specdecode.engine.adaptive import AdaptiveBudget
 from specdecode.engine.cost import VerifyCost
 from specdecode.engine.probes import PROBE_EVERY, PROBE_MAX, PROBE_SHARE
-from specdecode.tree import TreeBatch
+from specdecode.core.tree import TreeBatch
 from tests.engine.test_adaptive import req, roofline
 
 

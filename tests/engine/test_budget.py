@@ -10,7 +10,7 @@ from specdecode.config import SpecDecodeError
 from specdecode.drafters.registry import parse_spec
 from specdecode.drafters.base import Draft
 from specdecode.engine.budget import FixedBudget, apply_budgets
-from specdecode.tree import TreeBatch
+from specdecode.core.tree import TreeBatch
 from tests.engine.test_adaptive import req
 
 

@@ -14,7 +14,7 @@ from specdecode.drafters.base import Draft
 from specdecode.engine.cost import VerifyCost
 from specdecode.engine.serving import ServingEngine
 from specdecode.model.loader import load_model
-from specdecode.tree import TreeBatch
+from specdecode.core.tree import TreeBatch
 from tests.engine.checks import serve_all
 from tests.tiny import make_tiny_checkpoint
 

@@ -11,7 +11,7 @@ import torch
 from specdecode import LLM
 from specdecode.entrypoints import audit
 from specdecode.entrypoints.cli import main
-from specdecode.sampling import sample
+from specdecode.core.sampling import sample
 from tests.engine.checks import SAMPLING_PROMPT, sampling_target
 from tests.tiny import make_tiny_checkpoint
 

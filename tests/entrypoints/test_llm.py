@@ -188,7 +188,7 @@ def test_acceptance_rate_is_the_per_token_alpha_the_formula_takes():
     import random
 
     from specdecode.entrypoints.llm import RequestMetrics
-    from specdecode.theory import expected_tokens_per_round
+    from specdecode.analysis.theory import expected_tokens_per_round
 
     rng, alpha, gamma = random.Random(0), 0.8, 8
     m = RequestMetrics()

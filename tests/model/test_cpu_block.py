@@ -11,7 +11,7 @@ from specdecode.model.cpu_block import MAX_POSITIONS
 from specdecode.model.cpu_int4 import CPU_ISAS, cpu_lib
 from specdecode.model.loader import load_model
 from specdecode.model.quant import Int4Linear, describe_kernels, quantize_model_
-from specdecode.paged_cache import new_paged_cache
+from specdecode.cache.paged_cache import new_paged_cache
 from tests.tiny import make_tiny_checkpoint, root_path, small_tree
 
 pytestmark = pytest.mark.skipif(cpu_lib() is None, reason="needs our kernels (AVX512-BF16 or AVX2, and a C compiler)")

@@ -171,7 +171,7 @@ def test_logits_in_the_heads_dtype_for_an_argmax(tmp_path, arch):
     """``fp32_logits=False`` (a greedy pass) leaves bf16 logits as the head gave them, the same
     values the default converts to fp32, and the same argmax; a soft-capped head (Gemma) still
     returns fp32, since its cap is computed there."""
-    from specdecode.sampling import argmax
+    from specdecode.core.sampling import argmax
 
     m = load_model(str(make_tiny_checkpoint(tmp_path, arch)), dtype="bf16", device="cpu", progress=False).model
     seq = tokens_of(12, 5)[None]

@@ -6,7 +6,7 @@ import pytest
 
 from specdecode.config import SpecDecodeError
 from specdecode.entrypoints.cli import main
-from specdecode.roofline import HARDWARE, MODELS, Roofline, resolve_hardware
+from specdecode.analysis.roofline import HARDWARE, MODELS, Roofline, resolve_hardware
 
 
 def test_seed_figures():

@@ -36,7 +36,7 @@ from torch import Tensor
 from specdecode.config import SpecDecodeError, is_int
 
 if TYPE_CHECKING:
-    from specdecode.kv_cache import KVCache
+    from specdecode.cache.kv_cache import KVCache
 
 Choice = tuple[int, ...]
 MAX_TREE_NODES = 256  # the most draft nodes a drafter may propose in one round

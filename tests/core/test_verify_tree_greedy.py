@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from specdecode.config import SamplingParams
-from specdecode.sampling import logits_to_probs, make_generator, sampling_tensors
-from specdecode.tree import DraftTree, TreeBatch, batch_trees
-from specdecode.verify import greedy_verify, tree_greedy_verify, tree_rejection_sample
-from tests.test_verify_tree import V, check_invariants
+from specdecode.core.sampling import logits_to_probs, make_generator, sampling_tensors
+from specdecode.core.tree import DraftTree, TreeBatch, batch_trees
+from specdecode.core.verify import greedy_verify, tree_greedy_verify, tree_rejection_sample
+from tests.core.test_verify_tree import V, check_invariants
 
 
 def naive_tree_greedy(argmax: list[int], tree: DraftTree) -> tuple[list[int], list[int]]:

@@ -19,11 +19,11 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from specdecode.block_pool import OutOfBlocks
+from specdecode.cache.block_pool import OutOfBlocks
 from specdecode.model.loader import load_model
-from specdecode.paged_cache import new_paged_cache
-from specdecode.tree import DraftTree, batch_trees, commit_paths
-from tests.test_paged_cache import ATOL, BS, seq_kv, toks
+from specdecode.cache.paged_cache import new_paged_cache
+from specdecode.core.tree import DraftTree, batch_trees, commit_paths
+from tests.cache.test_paged_cache import ATOL, BS, seq_kv, toks
 from tests.tiny import make_tiny_checkpoint
 
 

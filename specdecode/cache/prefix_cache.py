@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from specdecode.block_pool import OutOfBlocks
-from specdecode.paged_cache import PagedKVCache, _Plan
+from specdecode.cache.block_pool import OutOfBlocks
+from specdecode.cache.paged_cache import PagedKVCache, _Plan
 
 
 class PrefixCachingKVCache(PagedKVCache):

@@ -14,10 +14,10 @@ import pytest
 import torch
 from scipy import stats
 
-from specdecode import verify
+from specdecode.core import verify
 from specdecode.config import SamplingParams
-from specdecode.sampling import logits_to_probs, make_generator, sampling_tensors
-from specdecode.verify import greedy_verify, rejection_sample
+from specdecode.core.sampling import logits_to_probs, make_generator, sampling_tensors
+from specdecode.core.verify import greedy_verify, rejection_sample
 
 SEED_P = torch.tensor([0.4, 0.4, 0.2])  # the spec's worked example (10.6.1)
 SEED_Q = torch.tensor([0.6, 0.3, 0.1])

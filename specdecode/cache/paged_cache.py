@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from specdecode.block_pool import BlockPool
-from specdecode.kv_cache import KVCache, StorageIndex
+from specdecode.cache.block_pool import BlockPool
+from specdecode.cache.kv_cache import KVCache, StorageIndex
 
 if TYPE_CHECKING:
     from specdecode.model.transformer import Transformer

@@ -18,11 +18,11 @@ import pytest
 import torch
 from scipy import stats
 
-from specdecode import verify
+from specdecode.core import verify
 from specdecode.config import SamplingParams
-from specdecode.sampling import logits_to_probs, make_generator, sampling_tensors
-from specdecode.tree import DraftTree, TreeBatch, batch_trees, parse_token_tree
-from specdecode.verify import rejection_sample, tree_greedy_verify, tree_rejection_sample
+from specdecode.core.sampling import logits_to_probs, make_generator, sampling_tensors
+from specdecode.core.tree import DraftTree, TreeBatch, batch_trees, parse_token_tree
+from specdecode.core.verify import rejection_sample, tree_greedy_verify, tree_rejection_sample
 
 V = 6
 ROOT = 0

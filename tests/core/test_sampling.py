@@ -9,9 +9,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from specdecode import sampling
+from specdecode.core import sampling
 from specdecode.config import SamplingParams
-from specdecode.sampling import logits_to_probs, make_generator, sample, sampling_tensors
+from specdecode.core.sampling import logits_to_probs, make_generator, sample, sampling_tensors
 
 
 def settings_for(B: int, temperature=1.0, top_k=0, top_p=1.0):

@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode.block_pool import BlockPool, OutOfBlocks
+from specdecode.cache.block_pool import BlockPool, OutOfBlocks
 from specdecode.model.loader import load_model
 from specdecode.model.transformer import Transformer
-from specdecode.paged_cache import PagedKVCache, new_paged_cache
-from specdecode.tree import DraftTree, batch_trees, commit_paths
+from specdecode.cache.paged_cache import PagedKVCache, new_paged_cache
+from specdecode.core.tree import DraftTree, batch_trees, commit_paths
 from tests.tiny import make_tiny_checkpoint
 
 VOCAB = 128

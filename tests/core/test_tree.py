@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdecode.config import SpecDecodeError
-from specdecode.kv_cache import ContiguousKVCache
+from specdecode.cache.kv_cache import ContiguousKVCache
 from specdecode.model.transformer import ModelConfig, Transformer
-from specdecode.tree import DraftTree, TreeBatch, batch_trees, commit_paths, kept_slots, parse_token_tree
+from specdecode.core.tree import DraftTree, TreeBatch, batch_trees, commit_paths, kept_slots, parse_token_tree
 
 # Table 10-17: nodes [r, a, b, c, d]; a, b children of r; c, d children of a.
 TABLE_10_17 = [

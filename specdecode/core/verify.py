@@ -22,8 +22,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from specdecode.sampling import fill_per_row, sample
-from specdecode.tree import TreeBatch
+from specdecode.core.sampling import fill_per_row, sample
+from specdecode.core.tree import TreeBatch
 
 # A residual max(0, p - q) with less mass than this is float noise (p == q up to
 # rounding); the recovered token is then sampled from p itself. In exact arithmetic a
@@ -151,7 +151,7 @@ def tree_rejection_sample(
         q: [B, N, V], indexed by the *child*: ``q[b, n]`` is the distribution node n's token
             was drawn from, under the same transforms (``q[:, 0]`` and padding are
             ignored); or ``None`` for deterministic children (one-hot q at each token).
-        trees: the batch of trees (`specdecode.tree.TreeBatch`), N nodes, max depth D.
+        trees: the batch of trees (`specdecode.core.tree.TreeBatch`), N nodes, max depth D.
         generator: as `rejection_sample`. Row b consumes n uniforms, n its real nodes
             past the root (one per node, in node order, padding skipped; for a chain tree
             of n drafts the same as the chain), and V exponentials per call.
@@ -161,7 +161,7 @@ def tree_rejection_sample(
             or bonus token, then -1.
         num_accepted: [B] int64, the number of accepted drafts k (the path's depth).
         accepted_nodes: [B, D+1] int64: the path's node indices, root first (``[0, n_1, ..,
-            n_k]``), then -1; `specdecode.tree.commit_paths` compacts the cache with it.
+            n_k]``), then -1; `specdecode.core.tree.commit_paths` compacts the cache with it.
 
     The rule (SpecInfer, Miao et al. 2024; Sequoia, Chen et al. 2024): start at the root
     with the residual r = p[root]. Try its children in node order: child c with token x

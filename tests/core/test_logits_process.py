@@ -15,8 +15,8 @@ from transformers.generation.logits_process import (
 
 from specdecode import SamplingParams
 from specdecode.config import SpecDecodeError
-from specdecode.logits_process import RowState, bad_words_ids, process_logits
-from specdecode.sampling import logits_to_probs, sampling_tensors
+from specdecode.core.logits_process import RowState, bad_words_ids, process_logits
+from specdecode.core.sampling import logits_to_probs, sampling_tensors
 
 V = 50
 PROMPT = [1, 4, 4, 9]

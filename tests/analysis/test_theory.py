@@ -1,7 +1,7 @@
 import pytest
 
 from specdecode.config import SpecDecodeError
-from specdecode.theory import expected_speedup, expected_tokens_per_round, optimal_gamma
+from specdecode.analysis.theory import expected_speedup, expected_tokens_per_round, optimal_gamma
 
 # The seed's table 10-16 (c = 0.05).
 SEED_TABLE = [(0.6, 4, 2.31, 1.92), (0.8, 4, 3.36, 2.80), (0.8, 8, 4.33, 3.09), (0.9, 4, 4.10, 3.41)]
