@@ -23,7 +23,8 @@ from typing import Any
 from specdecode.config import SamplingParams, SpecDecodeError
 from specdecode.entrypoints.bench_prompts import CATEGORIES, BenchPrompt, build_prompts, read_prompts_file
 
-QUICK = {"methods": ["auto"], "per_category": 2, "max_tokens": 64, "temperatures": [0.0], "batch_sizes": [1]}
+QUICK = {"methods": ["auto"], "per_category": 2, "max_tokens": 64, "temperatures": [0.0], "batch_sizes": [1],
+         "repeats": 1}
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,7 +39,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperatures", nargs="+", type=float, default=None, help="(default: 0)")
     p.add_argument("--batch-sizes", nargs="+", type=int, default=None, help="prompts decoded together (default: 1)")
     p.add_argument("--max-tokens", type=int, default=None, help="new tokens per prompt (default: 128)")
-    p.add_argument("--quick", action="store_true", help="auto only, 2 prompts per category, 64 tokens, greedy")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="runs of each prompt, plain and speculative in alternating order (default 2)")
+    p.add_argument("--quick", action="store_true", help="auto only, 2 prompts per category, 64 tokens, greedy, once")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default="auto")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: the cores allowed)")
@@ -50,10 +53,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     """The run's settings: explicit flags over --quick's over the defaults; bad values are one line."""
     base = {"methods": ["auto", "ngram", "suffix"], "per_category": 4, "max_tokens": 128, "temperatures": [0.0],
-            "batch_sizes": [1]} | (QUICK if args.quick else {})  # fmt: skip
+            "batch_sizes": [1], "repeats": 2} | (QUICK if args.quick else {})  # fmt: skip
     opts = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in base.items()}
-    if opts["per_category"] < 1 or opts["max_tokens"] < 2:
-        raise SpecDecodeError("--per-category must be >= 1 and --max-tokens >= 2")
+    if opts["per_category"] < 1 or opts["max_tokens"] < 2 or opts["repeats"] < 1:
+        raise SpecDecodeError("--per-category and --repeats must be >= 1 and --max-tokens >= 2")
     if any(not (math.isfinite(t) and t >= 0) for t in opts["temperatures"]):
         raise SpecDecodeError(f"--temperatures must be finite numbers >= 0, got {opts['temperatures']}")
     if any(b < 1 for b in opts["batch_sizes"]):
@@ -98,7 +101,7 @@ class _DraftTimer:
         return call
 
 
-def _encode(llm: Any, prompt: BenchPrompt) -> list[int]:
+def encode_prompt(llm: Any, prompt: BenchPrompt) -> list[int]:
     tok = llm.tokenizer
     if getattr(tok, "chat_template", None):
         ids = tok.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=True)
@@ -106,7 +109,7 @@ def _encode(llm: Any, prompt: BenchPrompt) -> list[int]:
     return llm.tokenize("\n".join(f"{m['role']}: {m['content']}" for m in prompt.messages) + "\nassistant:")
 
 
-def _run(llm: Any, ids: list[list[int]], params: list[SamplingParams], speculative: bool) -> tuple[list, float]:
+def timed_generate(llm: Any, ids: list[list[int]], params: list[SamplingParams], speculative: bool) -> tuple[list, float]:
     start = time.perf_counter()
     outs = llm.generate(ids, params, speculative=speculative)
     return outs, time.perf_counter() - start
@@ -130,16 +133,22 @@ def measure(llm: Any, plain_llm: Any, name: str, prompts: list[BenchPrompt], opt
                 draft_s = 0.0
                 for start in range(0, len(items), batch):
                     group = items[start : start + batch]
-                    ids = [_encode(llm, p) for p in group]
+                    ids = [encode_prompt(llm, p) for p in group]
                     params = [SamplingParams(temperature=temperature, max_tokens=opts["max_tokens"], seed=start + i,
                                              structured=p.structured) for i, p in enumerate(group)]  # fmt: skip
-                    base, t_plain = _run(plain_llm, ids, params, speculative=False)
-                    if timer is not None:
-                        timer.seconds = 0.0
-                    outs, t_spec = _run(llm, ids, params, speculative=True)
-                    n_spec, n_plain = sum(len(o.token_ids) for o in outs), sum(len(o.token_ids) for o in base)
-                    ratios.append((n_spec / t_spec) / (n_plain / t_plain))
-                    tokens, seconds, plain_seconds = tokens + n_spec, seconds + t_spec, plain_seconds + t_plain
+                    logs = []
+                    for r in range(opts["repeats"]):  # alternating order: a drift in the machine's speed cancels
+                        if r % 2 == 0:
+                            base, t_plain = timed_generate(plain_llm, ids, params, speculative=False)
+                        if timer is not None:
+                            timer.seconds = 0.0
+                        outs, t_spec = timed_generate(llm, ids, params, speculative=True)
+                        if r % 2 == 1:
+                            base, t_plain = timed_generate(plain_llm, ids, params, speculative=False)
+                        n_spec, n_plain = sum(len(o.token_ids) for o in outs), sum(len(o.token_ids) for o in base)
+                        logs.append(math.log((n_spec / t_spec) / (n_plain / t_plain)))
+                        tokens, seconds, plain_seconds = tokens + n_spec, seconds + t_spec, plain_seconds + t_plain
+                    ratios.append(math.exp(statistics.fmean(logs)))  # a prompt's runs differ by noise only
                     if temperature == 0:
                         identical &= all(a.token_ids == b.token_ids for a, b in zip(outs, base))
                     for o in outs:
@@ -150,7 +159,7 @@ def measure(llm: Any, plain_llm: Any, name: str, prompts: list[BenchPrompt], opt
                         for k, n in enumerate(m.accepted_per_position):
                             per_pos[k] += n
                     draft_s += timer.seconds if timer is not None else 0.0
-                    progress.update(1)
+                    progress.update(opts["repeats"])
                 alpha = accepted / reached if reached else 0.0
                 step_s = plain_seconds / max(1, tokens)  # a plain step's time per token
                 depth = draft_tokens / drafts if drafts else 0.0
@@ -161,7 +170,7 @@ def measure(llm: Any, plain_llm: Any, name: str, prompts: list[BenchPrompt], opt
                     "category": category, "temperature": temperature, "batch_size": batch, "prompts": len(items),
                     "tokens_per_s": tokens / seconds, "plain_tokens_per_s": tokens / plain_seconds if plain_seconds else 0.0,
                     "speedup": math.exp(statistics.fmean(math.log(r) for r in ratios)),
-                    "speedup_min": min(ratios), "speedup_max": max(ratios),
+                    "speedup_min": min(ratios), "speedup_max": max(ratios), "speedup_ci95": interval(ratios),
                     "alpha": alpha, "tau": 1 + accepted / drafts if drafts else 1.0,
                     "acceptance_by_position": [n / drafts for n in per_pos] if drafts else [],
                     "c": c, "predicted_speedup": predicted,
@@ -170,15 +179,32 @@ def measure(llm: Any, plain_llm: Any, name: str, prompts: list[BenchPrompt], opt
     return rows
 
 
+def interval(ratios: list[float]) -> list[float] | None:
+    """The 95% t interval of the geometric mean of per-prompt ratios (None from one prompt)."""
+    if len(ratios) < 2:
+        return None
+    from scipy.stats import t
+
+    logs = [math.log(r) for r in ratios]
+    half = t.ppf(0.975, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    mean = statistics.fmean(logs)
+    return [math.exp(mean - half), math.exp(mean + half)]
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| T | batch | category | method | tokens/s | plain | speedup | predicted | α | τ | identical |",
+    lines = ["| T | batch | category | method | tokens/s | plain | speedup [95% CI] | predicted | α | τ | identical |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         same = {True: "yes", False: "**NO**", None: "–"}[r["identical"]]
         lines.append(f"| {r['temperature']:g} | {r['batch_size']} | {r['category']} | {r['method']} | "
-                     f"{r['tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | {r['speedup']:.2f}× | "
+                     f"{r['tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | {r['speedup']:.2f}×{ci(r)} | "
                      f"{r['predicted_speedup']:.2f}× | {r['alpha']:.2f} | {r['tau']:.2f} | {same} |")  # fmt: skip
     return "\n".join(lines)
+
+
+def ci(row: dict) -> str:
+    lo_hi = row["speedup_ci95"]
+    return f" [{lo_hi[0]:.2f}–{lo_hi[1]:.2f}]" if lo_hi else ""
 
 
 def plots(rows: list[dict], folder: str) -> list[str]:
@@ -239,11 +265,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     warm = [plain.tokenize("Hello, world.")]
     plain.generate(warm, SamplingParams(temperature=0.0, max_tokens=8))
     groups = sum(-(-len([p for p in prompts if p.category == c]) // b) for c in {p.category for p in prompts}
-                 for b in opts["batch_sizes"]) * len(opts["temperatures"])  # fmt: skip
+                 for b in opts["batch_sizes"]) * len(opts["temperatures"]) * opts["repeats"]  # fmt: skip
     rows = []
     with tqdm(total=groups * len(methods), desc="bench", unit="run") as progress:
         for name, spec in methods:
-            llm = LLM(speculative_config=spec, **kw)
+            llm = plain.with_speculative_config(spec)
             llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=8))
             rows += measure(llm, plain, name, prompts, opts, progress)
             del llm
@@ -259,10 +285,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from specdecode.entrypoints.results import write_section
 
         auto = next((r["auto"] for r in rows if r["auto"]), None)
-        note = (f"`specdecode bench`: each configuration right after plain decoding of the same prompts; "
-                f"{opts['max_tokens']} new tokens, {len(prompts)} prompts. Speedup: output tokens/s against plain "
-                "decoding, geometric mean over prompts; predicted: Leviathan's formula from the measured α and "
-                "draft cost c.")  # fmt: skip
+        note = (f"`specdecode bench`: each configuration beside plain decoding of the same prompts, "
+                f"{opts['repeats']} run(s) each in alternating order; at most {opts['max_tokens']} new tokens, "
+                f"{len(prompts)} prompts. Speedup: output tokens/s (prefill included) against plain decoding, "
+                "geometric mean over prompts with its 95% interval; predicted: Leviathan's formula from the "
+                "measured α and draft cost c.")  # fmt: skip
         body = f"## Speculation by category\n\n{note}\n\n{text}\n" + (f"\n{auto}.\n" if auto else "")
         write_section(args.results, "bench", body)
     return 1 if any(r["identical"] is False for r in rows) else 0

@@ -1,4 +1,4 @@
-"""The `specdecode` command: `generate`, `theory`, `serve`, `train`, `audit` and `bench`.
+"""The `specdecode` command: `generate`, `theory`, `serve`, `train`, `audit`, `bench` and `tune`.
 
 Owns: argument parsing, streaming text to the terminal, printing statistics, and the
 error contract: bad input prints one line `error: ...` on stderr and exits with 2.
@@ -18,6 +18,7 @@ from specdecode.config import SamplingParams, SpecDecodeError
 from specdecode.drafters.registry import parse_spec
 from specdecode.entrypoints.audit import add_audit_arguments, cmd_audit
 from specdecode.entrypoints.bench import add_bench_arguments, cmd_bench
+from specdecode.entrypoints.tune import add_tune_arguments, cmd_tune
 from specdecode.entrypoints.sampling_flags import add_sampling_flags, logprobs_json, sampling_params
 
 EXIT_BAD_INPUT = 2
@@ -126,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     add_audit_arguments(sub.add_parser("audit", help="check that a speculative configuration is lossless on your model"))
     add_bench_arguments(sub.add_parser("bench", help="measure which speculative configuration helps, by kind of prompt"))
+    add_tune_arguments(sub.add_parser("tune", help="search the speculative configuration for your prompts, by measuring"))
     return parser
 
 
@@ -361,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_audit(args)
         if args.command == "bench":
             return cmd_bench(args)
+        if args.command == "tune":
+            return cmd_tune(args)
         if args.command == "train":
             from specdecode.train.trainer import cmd_train
 

@@ -6,6 +6,8 @@ starts, turning token streams into text, and per-request metrics.
 
 from __future__ import annotations
 
+import copy
+
 import dataclasses
 import numbers
 import time
@@ -198,6 +200,18 @@ class LLM:
         self.engine, self._plain = self._build_engines(spec, quantization, engine_args)
         self.spec, self.auto_choice = self.engine.spec, self.engine.auto_choice  # what "auto" resolved to
         self._open_call = False  # a generate / stream call is stepping the engines (they are shared)
+        self._quantization, self._engine_args = quantization, engine_args
+
+    def with_speculative_config(self, speculative_config: "str | Mapping[str, Any] | SpecConfig | None") -> "LLM":
+        """Another `LLM` over the same loaded model (nothing is loaded again), decoding with
+        ``speculative_config``; its plain baseline engine is this one's. For trying several
+        configurations in one process (`specdecode bench`, `specdecode tune`)."""
+        spec = parse_spec(speculative_config)
+        other = copy.copy(self)
+        other.engine = ServingEngine(self.target, spec, quantization=self._quantization, **self._engine_args)
+        other._plain = self._plain if spec is not None else other.engine
+        other.spec, other.auto_choice, other._open_call = other.engine.spec, other.engine.auto_choice, False
+        return other
 
     def _build_engines(
         self, spec: SpecConfig | None, quantization: str | None, engine_args: dict

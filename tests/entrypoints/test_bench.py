@@ -12,7 +12,7 @@ from specdecode.entrypoints.cli import main
 from tests.tiny import make_tiny_checkpoint
 
 ROW_FIELDS = {"method", "spec", "auto", "category", "temperature", "batch_size", "prompts", "tokens_per_s",
-              "plain_tokens_per_s", "speedup", "speedup_min", "speedup_max", "alpha", "tau",
+              "plain_tokens_per_s", "speedup", "speedup_min", "speedup_max", "speedup_ci95", "alpha", "tau",
               "acceptance_by_position", "c", "predicted_speedup", "identical"}  # fmt: skip
 
 
@@ -52,7 +52,7 @@ def test_own_prompts_and_sampling(tiny, tmp_path, capsys):
     prompts.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     out = tmp_path / "b.json"
     code = main(["bench", "--model", tiny, "--prompts", str(prompts), "--methods", "ngram", "--temperatures", "0.8",
-                 "--max-tokens", "8", "--json", str(out)])  # fmt: skip
+                 "--max-tokens", "8", "--repeats", "2", "--json", str(out)])  # fmt: skip
     capsys.readouterr()
     rows = json.loads(out.read_text())["rows"]
     assert code == 0 and {r["category"] for r in rows} == {"mine", "prompts"}
@@ -63,9 +63,10 @@ def test_own_prompts_and_sampling(tiny, tmp_path, capsys):
     (["--categories", "poetry"], "unknown category 'poetry'"),
     (["--methods", "eagle9"], "unknown method 'eagle9' for --methods"),
     (["--methods", '{"method": "ngram", "gamma": 2}'], "unknown key(s) gamma"),
-    (["--per-category", "0"], "--per-category must be >= 1"),
+    (["--per-category", "0"], "--per-category and --repeats must be >= 1"),
     (["--temperatures", "-1"], "--temperatures must be"),
     (["--batch-sizes", "0"], "--batch-sizes must be >= 1"),
+    (["--repeats", "0"], "--per-category and --repeats must be >= 1"),
     (["--prompts", "MISSING"], "cannot read --prompts"),
     (["--prompts", "EMPTY"], "holds no prompt"),
     (["--prompts", "BAD"], "line 1 is not JSON"),
