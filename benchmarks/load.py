@@ -58,8 +58,8 @@ class Recording:
         self._planned: dict[str, tuple[list[float], list[float]]] = {}
         self._evidence: list[int] | None = None  # the drafter's evidence the step was planned with
 
-    def budgets(self, reqs, limits, engine, proposal=None):
-        out = self.inner.budgets(reqs, limits, engine, proposal)
+    def budgets(self, reqs, limits, proposal=None):
+        out = self.inner.budgets(reqs, limits, proposal)
         self._budgets = out.tolist()
         self._evidence = proposal.evidence if proposal is not None else None
         return out

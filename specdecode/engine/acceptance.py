@@ -34,7 +34,7 @@ EVIDENCE_PRIOR = 4.0  # pseudo-rounds of a state's shared estimate behind its co
 # every draft token, or its shadow round has matched every token so far (AFTER_FULL).
 AFTER_NOTHING, AFTER_MISS, AFTER_FULL = 0, 1, 2
 STATES = 3
-NOT_SHADOWED = -2  # a proposal row whose matching is not acceptance (see ServingEngine._shadow_chains)
+NOT_SHADOWED = -2  # a proposal row whose matching is not acceptance (see budget.shadow_chains)
 
 
 @dataclasses.dataclass

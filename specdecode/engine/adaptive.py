@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -33,8 +33,6 @@ from specdecode.engine.cost import PassLog, VerifyCost, clock
 from specdecode.engine.probes import Probes
 from specdecode.model.masks import attention_queries
 
-if TYPE_CHECKING:
-    from specdecode.engine.serving import ServingEngine
 
 # A step carries drafts only if the model predicts at least this much more expected tokens
 # per second of pass than without any: what the cost model leaves out (sampling and
@@ -172,7 +170,7 @@ class AdaptiveBudget:
         return int(last is not None and self.draft_cost <= SHADOW_SHARE * last)
 
     def budgets(
-        self, reqs: list[Any], limits: torch.Tensor, engine: ServingEngine, proposal: Draft | None = None
+        self, reqs: list[Any], limits: torch.Tensor, proposal: Draft | None = None
     ) -> torch.Tensor:
         start = clock(limits.device)
         B = len(reqs)

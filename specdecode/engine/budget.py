@@ -1,7 +1,7 @@
 """Verification budgets: how many draft tokens each running request may verify this step.
 
 Owns: the budget policy protocol, the fixed policy (every request its γ, as vLLM), and
-cutting a proposal down to per-row budgets. The adaptive policy, which shrinks budgets
+cutting a proposal down to per-row budgets, and the chains a step's shadow rounds compare. The adaptive policy, which shrinks budgets
 smoothly with load, is engine/adaptive.py's; the budget options of ``speculative_config``
 are config.py's. Does not own: proposing (drafters/) or who runs at all (engine/serving.py).
 """
@@ -9,15 +9,15 @@ are config.py's. Does not own: proposing (drafters/) or who runs at all (engine/
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
+from specdecode.core.batch import Batch
 from specdecode.drafters.base import Draft
+from specdecode.engine.acceptance import NOT_SHADOWED
 from specdecode.core.tree import TreeBatch
 
-if TYPE_CHECKING:
-    from specdecode.engine.serving import ServingEngine
 
 
 class BudgetPolicy(Protocol):
@@ -26,7 +26,7 @@ class BudgetPolicy(Protocol):
     plan_caps_proposal: bool
 
     def budgets(
-        self, reqs: list[Any], limits: torch.Tensor, engine: ServingEngine, proposal: Draft | None = None
+        self, reqs: list[Any], limits: torch.Tensor, proposal: Draft | None = None
     ) -> torch.Tensor:
         """[B] draft tokens per running row this step, each in [0, limits[b]] (limits: what the
         drafter proposed, capped by each request's γ). ``proposal``: what the drafter proposed,
@@ -77,7 +77,7 @@ class FixedBudget:
         self.max_verify_tokens = max_verify_tokens
 
     def budgets(
-        self, reqs: list[Any], limits: torch.Tensor, engine: ServingEngine, proposal: Draft | None = None
+        self, reqs: list[Any], limits: torch.Tensor, proposal: Draft | None = None
     ) -> torch.Tensor:
         if self.max_verify_tokens is None:
             return limits
@@ -115,3 +115,15 @@ def apply_budgets(draft: Draft, budgets: torch.Tensor) -> Draft:
         return draft
     parents = torch.where(tree.depth <= budgets[:, None], tree.parents, -1)
     return Draft.from_tree(TreeBatch.from_parents(tree.tokens.clamp(min=0), parents), q=draft.q, aux=draft.aux)
+
+
+def shadow_chains(proposed: Draft, batch: Batch) -> torch.Tensor | None:
+    """[B, w] the proposed chains (before budgets), -1 padded, for the budget's shadow rounds;
+    rows of NOT_SHADOWED where the generated tokens matching a draft is not its acceptance:
+    a sampled row's draft whose q is not one-hot. None for trees and typical acceptance."""
+    if proposed.tree is not None or proposed.typical is not None:
+        return None
+    if proposed.q is None:
+        return proposed.tokens
+    greedy = (batch.temperature == 0)[:, None]
+    return torch.where(greedy, proposed.tokens, NOT_SHADOWED)

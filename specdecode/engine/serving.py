@@ -34,11 +34,10 @@ import torch
 from specdecode.cache.block_pool import OutOfBlocks
 from specdecode.config import AutoSpec, SamplingParams, SpecConfig, SpecDecodeError
 from specdecode.drafters.base import Draft, Drafter
-from specdecode.engine.acceptance import NOT_SHADOWED
 from specdecode.engine.adaptive import AdaptiveBudget
 from specdecode.core.batch import Batch
 from specdecode.engine import prefix, processing
-from specdecode.engine.budget import BudgetPolicy, FixedBudget, apply_budgets
+from specdecode.engine.budget import BudgetPolicy, FixedBudget, apply_budgets, shadow_chains
 from specdecode.engine.cost import VerifyCost, clock, measure_attention_cost
 from specdecode.engine.requests import EngineStats, Request, RequestEvent, check_prompt, parse_override
 from specdecode.engine.step import Engine
@@ -294,50 +293,18 @@ class ServingEngine(Engine):
         return features[: len(req.seq.token_ids) - 1]
 
     def _decode_round(self) -> list[RequestEvent]:
+        """One round over the decode batch: propose within the budgets → one target pass →
+        verify → commit / roll back → the drafter's feedback → the budget observes."""
         ids = list(self.running)
         self.cache.set_batch(ids)
         self._reserve([self.round_room] * len(ids))  # may preempt rows of the batch
         if not self.running:
             return []
         reqs = list(self.running.values())
-        draft: Draft | None = None
-        draft_seconds, depth = 0.0, 0
-        wait = self._timed()  # on CUDA the timers below wait for the device only if the budget reads them
-        gammas = torch.tensor([r.gamma for r in reqs], device=self.device)
-        # Propose only if the budget would use drafts at all, were every row to find its γ, and no
-        # deeper than the longest budget (the model's depth: copies beside a model drafter go up to
-        # γ whatever it is, lookup.look_up). Where proposing is cheap (the budget looks past its
-        # budgets) and the step proposes for shadow rounds anyway, it proposes γ deep and plans
-        # once, on what it found (rather than planning before proposing too).
-        shadowing = self.drafter is not None and self._shadows and self.budget.propose_first()
-        cheap = shadowing and self.budget.lookahead() > 0
-        planned = None if cheap or self.drafter is None else self.budget.budgets(reqs, gammas, self)  # [B]
-        want = self.gamma if cheap else int(planned.max()) if planned is not None else 0
-        shadow: torch.Tensor | None = None
-        if want > 0 or shadowing:
-            depth = min(want + self.budget.lookahead() if want else self.gamma, self.gamma)
-            # drafts past a row's own plan come from scratch: its stream follows its own γ (Batch.draft_generators)
-            capped = planned is not None and self.budget.plan_caps_proposal
-            self.batch.draft_limits = planned.tolist() if capped else None
-            start = clock(self.device, wait)
-            proposed = self.drafter.propose(self.batch, depth)
-            draft_seconds = clock(self.device, wait) - start
-            # Plan again over what was actually proposed: a row that found nothing costs nothing,
-            # and the drafter's evidence and confidences refine the estimates. Also where it
-            # proposed only for the budget's shadow rounds: a proposal found with strong
-            # evidence may pay where the estimate without it did not.
-            limits = torch.minimum(proposed.num_tokens, gammas)
-            if proposed.q is not None:  # a sampled row's length may follow its drafts (a confidence stop reads
-                # q(d_k)): planned on it, d_k would be verified by its own q (lossy). Its plan takes γ; the stop,
-                # which reads only earlier drafts, then cuts what is verified.
-                limits = torch.where(self.batch.temperature > 0, gammas, limits)
-            budgets = self.budget.budgets(reqs, limits, self, proposed)  # [B] >= 0
-            if int(budgets.max()) > 0 or (want > 0 and not cheap and proposed.aux is not None):
-                draft = apply_budgets(proposed, budgets)
-            shadow = self._shadow_chains(proposed)
-            self._shadows = self._shadows and shadow is not None  # trees and typical acceptance give none
+        wait = self._timed()  # on CUDA the timers wait for the device only if the budget reads them
+        draft, draft_seconds, depth, shadow = self._propose(reqs, wait)
         start = clock(self.device, wait)
-        v = self._verify_round(self.batch, self.cache, draft)
+        v = self._verify_round(self.batch, self.cache, draft)  # target pass, verify, commit / roll back
         seconds = clock(self.device, wait) - start
         step_events = self._append_tokens(self.batch, v.out, v.num_accepted, v.num_draft, v.logprobs)
         if self.drafter is not None:
@@ -349,16 +316,45 @@ class ServingEngine(Engine):
         self._remove_running([r.request_id for r in reqs if r.seq.finish_reason is not None])
         return events
 
-    def _shadow_chains(self, proposed: Draft) -> torch.Tensor | None:
-        """[B, w] the proposed chains (before budgets), -1 padded, for the budget's shadow rounds;
-        rows of NOT_SHADOWED where the generated tokens matching a draft is not its acceptance:
-        a sampled row's draft whose q is not one-hot. None for trees and typical acceptance."""
-        if proposed.tree is not None or proposed.typical is not None:
-            return None
-        if proposed.q is None:
-            return proposed.tokens
-        greedy = (self.batch.temperature == 0)[:, None]
-        return torch.where(greedy, proposed.tokens, NOT_SHADOWED)
+    def _propose(self, reqs: list[Request], wait: bool) -> tuple[Draft | None, float, int, torch.Tensor | None]:
+        """The drafts each row verifies this step (None: none), the seconds proposing took, the
+        depth proposed, and the chains for the budget's shadow rounds.
+
+        Propose only if the budget would use drafts at all, were every row to find its γ, and no
+        deeper than the longest budget (the model's depth: copies beside a model drafter go up to
+        γ whatever it is, lookup.look_up). Where proposing is cheap (the budget looks past its
+        budgets) and the step proposes for shadow rounds anyway, it proposes γ deep and plans
+        once, on what it found (rather than planning before proposing too)."""
+        gammas = torch.tensor([r.gamma for r in reqs], device=self.device)
+        shadowing = self.drafter is not None and self._shadows and self.budget.propose_first()
+        cheap = shadowing and self.budget.lookahead() > 0
+        planned = None if cheap or self.drafter is None else self.budget.budgets(reqs, gammas)  # [B]
+        want = self.gamma if cheap else int(planned.max()) if planned is not None else 0
+        if not (want > 0 or shadowing):
+            return None, 0.0, 0, None
+        depth = min(want + self.budget.lookahead() if want else self.gamma, self.gamma)
+        # drafts past a row's own plan come from scratch: its stream follows its own γ (Batch.draft_generators)
+        capped = planned is not None and self.budget.plan_caps_proposal
+        self.batch.draft_limits = planned.tolist() if capped else None
+        start = clock(self.device, wait)
+        proposed = self.drafter.propose(self.batch, depth)
+        draft_seconds = clock(self.device, wait) - start
+        # Plan again over what was actually proposed: a row that found nothing costs nothing, and
+        # the drafter's evidence and confidences refine the estimates. Also where it proposed only
+        # for the budget's shadow rounds: a proposal found with strong evidence may pay where the
+        # estimate without it did not.
+        limits = torch.minimum(proposed.num_tokens, gammas)
+        if proposed.q is not None:  # a sampled row's length may follow its drafts (a confidence stop reads
+            # q(d_k)): planned on it, d_k would be verified by its own q (lossy). Its plan takes γ; the stop,
+            # which reads only earlier drafts, then cuts what is verified.
+            limits = torch.where(self.batch.temperature > 0, gammas, limits)
+        budgets = self.budget.budgets(reqs, limits, proposed)  # [B] >= 0
+        draft = None
+        if int(budgets.max()) > 0 or (want > 0 and not cheap and proposed.aux is not None):
+            draft = apply_budgets(proposed, budgets)
+        shadow = shadow_chains(proposed, self.batch)
+        self._shadows = self._shadows and shadow is not None  # trees and typical acceptance give none
+        return draft, draft_seconds, depth, shadow
 
     def _reserve(self, room: list[int], prefill: bool = False) -> None:
         """Reserve ``room`` past each current row's length, preempting the newest running

@@ -120,6 +120,8 @@ def measure(llm: Any, plain_llm: Any, name: str, prompts: list[BenchPrompt], opt
     from specdecode.analysis.theory import expected_speedup
 
     timer = _DraftTimer(llm.engine.drafter) if llm.engine.drafter is not None else None
+    # a drafter that learns from other requests (suffix) would copy a repeated prompt's earlier output
+    repeats = 1 if getattr(llm.engine.drafter, "learns_from_other_requests", False) else opts["repeats"]
     rows = []
     by_category: dict[str, list[BenchPrompt]] = {}
     for p in prompts:
@@ -137,7 +139,7 @@ def measure(llm: Any, plain_llm: Any, name: str, prompts: list[BenchPrompt], opt
                     params = [SamplingParams(temperature=temperature, max_tokens=opts["max_tokens"], seed=start + i,
                                              structured=p.structured) for i, p in enumerate(group)]  # fmt: skip
                     logs = []
-                    for r in range(opts["repeats"]):  # alternating order: a drift in the machine's speed cancels
+                    for r in range(repeats):  # alternating order: a drift in the machine's speed cancels
                         if r % 2 == 0:
                             base, t_plain = timed_generate(plain_llm, ids, params, speculative=False)
                         if timer is not None:
@@ -159,7 +161,7 @@ def measure(llm: Any, plain_llm: Any, name: str, prompts: list[BenchPrompt], opt
                         for k, n in enumerate(m.accepted_per_position):
                             per_pos[k] += n
                     draft_s += timer.seconds if timer is not None else 0.0
-                    progress.update(opts["repeats"])
+                    progress.update(opts["repeats"])  # as counted in the total, whatever ran
                 alpha = accepted / reached if reached else 0.0
                 step_s = plain_seconds / max(1, tokens)  # a plain step's time per token
                 depth = draft_tokens / drafts if drafts else 0.0
@@ -260,8 +262,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from specdecode import LLM
 
-    kw = {"model": args.model, "dtype": args.dtype, "quantization": args.quantization}
-    plain = LLM(speculative_config=None, **kw)
+    # no prefix cache: the same prompts run again and again, and a cached prompt would make
+    # whichever configuration runs it later look faster
+    plain = LLM(model=args.model, speculative_config=None, dtype=args.dtype, quantization=args.quantization,
+                enable_prefix_caching=False)
     warm = [plain.tokenize("Hello, world.")]
     plain.generate(warm, SamplingParams(temperature=0.0, max_tokens=8))
     groups = sum(-(-len([p for p in prompts if p.category == c]) // b) for c in {p.category for p in prompts}
@@ -286,7 +290,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         auto = next((r["auto"] for r in rows if r["auto"]), None)
         note = (f"`specdecode bench`: each configuration beside plain decoding of the same prompts, "
-                f"{opts['repeats']} run(s) each in alternating order; at most {opts['max_tokens']} new tokens, "
+                f"{opts['repeats']} run(s) each in alternating order (suffix, which learns from earlier requests, "
+                "once), prefix caching off; at most {opts['max_tokens']} new tokens, "
                 f"{len(prompts)} prompts. Speedup: output tokens/s (prefill included) against plain decoding, "
                 "geometric mean over prompts with its 95% interval; predicted: Leviathan's formula from the "
                 "measured α and draft cost c.")  # fmt: skip

@@ -93,7 +93,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from specdecode import LLM
     from specdecode.drafters.learned import shipped_folder
 
-    plain = LLM(model=args.model, speculative_config=None, dtype=args.dtype, quantization=args.quantization)
+    plain = LLM(model=args.model, speculative_config=None, dtype=args.dtype, quantization=args.quantization,
+                enable_prefix_caching=False)  # a prompt cached by an earlier run would favour the later ones
     candidates = space(shipped_folder("eagle", plain.target) is not None)
     if args.methods:
         candidates = [c for c in candidates if (c if isinstance(c, str) else c["method"]) in args.methods]

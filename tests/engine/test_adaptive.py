@@ -27,7 +27,7 @@ def roofline(knee: int, slope: float = 1.0) -> VerifyCost:
 def test_adaptive_gives_full_gamma_while_verification_is_free():
     policy = AdaptiveBudget(roofline(knee=64), max_gamma=4)
     reqs = [req(str(i)) for i in range(4)]
-    budgets = policy.budgets(reqs, torch.full((4,), 4), engine=None)
+    budgets = policy.budgets(reqs, torch.full((4,), 4))
     assert budgets.tolist() == [4, 4, 4, 4]  # 4 * 5 = 20 positions < 64: every position is free
 
 
@@ -40,7 +40,7 @@ def test_adaptive_budget_shrinks_smoothly_with_load_and_never_switches_off():
     policy.acceptance.accepted = torch.full((STATES, 6), 800.0)
     totals, per_row = [], []
     for B in (1, 2, 4, 8, 16, 32):
-        budgets = policy.budgets([req(f"r{i}") for i in range(B)], torch.full((B,), 6), engine=None)
+        budgets = policy.budgets([req(f"r{i}") for i in range(B)], torch.full((B,), 6))
         totals.append(int(budgets.sum()) + B)
         per_row.append(budgets.float().mean().item())
     assert per_row[0] == 6
@@ -54,7 +54,7 @@ def test_adaptive_budget_is_zero_where_a_position_costs_as_much_as_a_token():
     # purely compute-bound past the knee (time ∝ positions): a draft token that may be
     # rejected never pays for a position that a whole row's bonus token could use
     policy = AdaptiveBudget(roofline(knee=16, slope=1.0), max_gamma=6)
-    budgets = policy.budgets([req(f"r{i}") for i in range(32)], torch.full((32,), 6), engine=None)
+    budgets = policy.budgets([req(f"r{i}") for i in range(32)], torch.full((32,), 6))
     assert budgets.sum() == 0
 
 
@@ -75,7 +75,7 @@ def likely_and_unlikely_rows(floor: float) -> tuple[AdaptiveBudget, list[SimpleN
 def plan_with_prefill(policy: AdaptiveBudget, rows: list[SimpleNamespace], prefill: float) -> list[int]:
     for _ in range(300):
         policy.observe_prefill(prefill)
-    return policy.budgets(rows, torch.full((len(rows),), 4), engine=None).tolist()
+    return policy.budgets(rows, torch.full((len(rows),), 4)).tolist()
 
 
 def expected_tokens(policy: AdaptiveBudget, rows: list[SimpleNamespace], budgets: list[int]) -> float:
@@ -137,7 +137,7 @@ def test_a_throughput_floor_below_one_trades_throughput_for_per_user_speed():
         for _ in range(300):
             policy.observe_prefill(6.0)
         policy.tokens_per_step = 16.0  # steps emitted a token a row: 6/16 s of prefill per token
-        budgets = policy.budgets(reqs, torch.full((16,), 4), engine=None).tolist()
+        budgets = policy.budgets(reqs, torch.full((16,), 4)).tolist()
         s = torch.cumprod(policy.acceptance.sts(policy.acceptance.confidences(["r0"])), dim=1)[0].tolist()
         expected = 16 + sum(sum(s[:n]) for n in budgets)
         per_token = 6.0 / 16 + policy.cost(16 + sum(budgets)) / expected  # seconds of wall time a token
@@ -159,7 +159,7 @@ def test_prefill_per_token_counts_every_token_the_steps_emit():
         for _ in range(300):
             policy.observe_prefill(6.0)
         policy.tokens_per_step = float(tokens)
-        drafted[tokens] = int(policy.budgets(reqs, torch.full((16,), 4), engine=None).sum())
+        drafted[tokens] = int(policy.budgets(reqs, torch.full((16,), 4)).sum())
     assert 0 < drafted[32] < drafted[16]
     fresh = AdaptiveBudget(linear(1.0, 1 / 32), max_gamma=4)  # the engine's rounds feed it: rows + accepted
     fresh.observe(reqs, torch.full((16,), 2), torch.full((16,), 3), 1.0, 0.0)
@@ -171,7 +171,7 @@ def test_confident_requests_get_more_of_a_tight_budget():
     good, bad = req("good"), req("bad")
     for _ in range(30):
         policy.observe([good, bad], torch.tensor([6, 0]), torch.tensor([6, 6]), 1.0, 0.0)
-    budgets = policy.budgets([good, bad], torch.tensor([6, 6]), engine=None).tolist()
+    budgets = policy.budgets([good, bad], torch.tensor([6, 6])).tolist()
     assert budgets[0] > budgets[1]
 
 
@@ -180,7 +180,7 @@ def test_budget_can_be_zero_per_request():
     hopeless = req("hopeless")
     for _ in range(50):
         policy.observe([hopeless], torch.tensor([0]), torch.tensor([4]), 1.0, 0.0)
-    assert policy.budgets([hopeless], torch.tensor([4]), engine=None).tolist() == [0]
+    assert policy.budgets([hopeless], torch.tensor([4])).tolist() == [0]
 
 
 def test_adaptive_budget_keeps_a_busy_batch_narrow_when_padding_costs():
@@ -188,9 +188,9 @@ def test_adaptive_budget_keeps_a_busy_batch_narrow_when_padding_costs():
     policy = AdaptiveBudget(VerifyCost([(1, 0.05), (200, 0.05 + 0.001 * 199)]), max_gamma=8)
     policy.acceptance.reached, policy.acceptance.accepted = torch.full((2, 8), 100.0), torch.full((2, 8), 90.0)  # every token survives 90%
     reqs = [req(f"r{i}") for i in range(32)]
-    wide = policy.budgets(reqs, torch.full((32,), 8), engine=None)
+    wide = policy.budgets(reqs, torch.full((32,), 8))
     policy.attention_cost = 0.0005 / 8  # per attention query and context token: the rows hold 8
-    narrow = policy.budgets(reqs, torch.full((32,), 8), engine=None)
+    narrow = policy.budgets(reqs, torch.full((32,), 8))
     assert narrow.max() < wide.max() and narrow.sum() > 0
 
 
@@ -205,24 +205,24 @@ def test_where_the_fused_block_runs_a_deep_row_pays_no_padding_and_the_pass_stay
     for r in reqs[:4]:  # four rows whose drafts nearly always survive
         policy.acceptance.per_request[r.request_id] = _RequestRounds([[1000.0] * 8] * STATES, [[990.0] * 8] * STATES)
     policy.attention_cost = 0.0005 / 8  # per query and context token: padding the batch costs (the rows hold 8)
-    padded = policy.budgets(reqs, torch.full((32,), 8), engine=None)
+    padded = policy.budgets(reqs, torch.full((32,), 8))
     policy.fused_positions = 64
-    fused = policy.budgets(reqs, torch.full((32,), 8), engine=None)
+    fused = policy.budgets(reqs, torch.full((32,), 8))
     assert fused[:4].tolist() == [8] * 4 and fused[4:].sum() == 0 and padded.max() < 8
     policy.fused_positions = 40  # the pass stays within the block
-    assert 32 + int(policy.budgets(reqs, torch.full((32,), 8), engine=None).sum()) == 40
+    assert 32 + int(policy.budgets(reqs, torch.full((32,), 8)).sum()) == 40
     policy.fused_positions = 16  # a batch bigger than the block takes: the torch blocks' pricing, no cap
-    assert policy.budgets(reqs, torch.full((32,), 8), engine=None).tolist() == padded.tolist()
+    assert policy.budgets(reqs, torch.full((32,), 8)).tolist() == padded.tolist()
 
 
 def test_drafting_overhead_is_paid_only_when_it_pays():
     policy = AdaptiveBudget(VerifyCost([(1, 0.05), (200, 0.05 + 0.001 * 199)]), max_gamma=4)
     policy.acceptance.reached, policy.acceptance.accepted = torch.full((STATES, 4), 100.0), torch.full((STATES, 4), 60.0)  # 60% survive
     reqs = [req(f"r{i}") for i in range(32)]
-    assert policy.budgets(reqs, torch.full((32,), 4), engine=None).sum() > 0
+    assert policy.budgets(reqs, torch.full((32,), 4)).sum() > 0
     policy.observe(reqs, torch.zeros(32, dtype=torch.long), torch.zeros(32, dtype=torch.long), 0.08, 0.02)
     assert policy.draft_cost == 0.02
-    assert policy.budgets(reqs, torch.full((32,), 4), engine=None).sum() == 0  # 20 ms of drafting is not worth it
+    assert policy.budgets(reqs, torch.full((32,), 4)).sum() == 0  # 20 ms of drafting is not worth it
 
 
 def test_skipping_the_widths_where_no_draft_can_meet_the_floor_changes_no_budget(monkeypatch):
@@ -250,17 +250,17 @@ def test_skipping_the_widths_where_no_draft_can_meet_the_floor_changes_no_budget
             acc = 50.0 * rand() ** 0.3
             policy.acceptance.per_request[r.request_id] = _RequestRounds([[50.0] * 6] * STATES, [[acc] * 6] * STATES)
         limits = torch.randint(0, 7, (B,), generator=g)
-        got = policy.budgets(reqs, limits, engine=None).tolist()
+        got = policy.budgets(reqs, limits).tolist()
         with monkeypatch.context() as m:
             m.setattr(AdaptiveBudget, "_floor_reachable", lambda *a: True)
-            assert policy.budgets(reqs, limits, engine=None).tolist() == got, trial
+            assert policy.budgets(reqs, limits).tolist() == got, trial
     assert len(verdicts) >= 150 and 20 <= verdicts.count(False) <= len(verdicts) - 20  # skipped in some, not all
 
 
 @pytest.mark.parametrize("floor", [1.0, 0.9])
 def test_an_empty_batch_gets_no_budgets(floor: float):
     policy = AdaptiveBudget(linear(1.0, 1 / 32), max_gamma=4, throughput_floor=floor)
-    assert policy.budgets([], torch.zeros(0, dtype=torch.long), engine=None).tolist() == []
+    assert policy.budgets([], torch.zeros(0, dtype=torch.long)).tolist() == []
 
 
 def simulate(pass_seconds, draft_seconds, steps: int = 600) -> list[float]:
@@ -275,7 +275,7 @@ def simulate(pass_seconds, draft_seconds, steps: int = 600) -> list[float]:
     policy = AdaptiveBudget(VerifyCost([(p, true(p)) for p in (1, 16, 64, 128)]), max_gamma=4)
     reqs, rng, per_row = [req(f"r{i}") for i in range(8)], random.Random(0), []
     for t in range(steps):
-        budgets = policy.budgets(reqs, torch.full((8,), 4), engine=None).tolist()
+        budgets = policy.budgets(reqs, torch.full((8,), 4)).tolist()
         accepted = []
         for n in budgets:
             a = 0
@@ -309,16 +309,16 @@ def test_a_broken_clock_is_not_learnt_from():
     policy = AdaptiveBudget(roofline(knee=64), max_gamma=4)
     r = req("r")
     for _ in range(40):
-        policy.budgets([r], torch.tensor([2]), engine=None)
+        policy.budgets([r], torch.tensor([2]))
         policy.observe([r], torch.tensor([1]), torch.tensor([2]), 0.02, 0.001, 2)
     policy.observe_prefill(0.01)
     before = (len(policy.passes.passes), policy.draft_cost, policy.proposal_cost, policy.shadow_allowance,
               policy.prefill_seconds)  # fmt: skip
     for seconds, draft_seconds in ((math.nan, 0.001), (0.02, math.inf), (math.inf, math.nan)):
-        policy.budgets([r], torch.tensor([2]), engine=None)
+        policy.budgets([r], torch.tensor([2]))
         policy.observe([r], torch.tensor([1]), torch.tensor([2]), seconds, draft_seconds, 2)
         policy.observe_prefill(math.nan if math.isfinite(seconds) else seconds)
     after = (len(policy.passes.passes), policy.draft_cost, policy.proposal_cost, policy.shadow_allowance,
              policy.prefill_seconds)  # fmt: skip
     assert after == before and all(math.isfinite(x) for x in after)
-    assert policy.budgets([r], torch.tensor([4]), engine=None).tolist()[0] >= 1  # still drafting
+    assert policy.budgets([r], torch.tensor([4])).tolist()[0] >= 1  # still drafting

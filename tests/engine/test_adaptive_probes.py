@@ -28,7 +28,7 @@ def test_a_budget_that_stopped_drafting_probes_again():
         policy.observe([unlucky], torch.tensor([0]), torch.tensor([2]), 2.0, 0.0)
     seen = []
     for _ in range(4 * PROBE_EVERY):
-        b = policy.budgets([unlucky], torch.tensor([4]), engine=None)
+        b = policy.budgets([unlucky], torch.tensor([4]))
         seen.append(int(b[0]))
         policy.observe([unlucky], b, b, 1.0 + 0.5 * int(b[0]), 0.0)  # every probed token is accepted
     second = 2 * PROBE_EVERY + PROBE_EVERY + 1
@@ -45,7 +45,7 @@ def test_probes_that_find_nothing_come_ever_more_rarely_and_never_stop():
     r = req("r")
     probes = []
     for step in range(1200):
-        b = policy.budgets([r], torch.tensor([4]), engine=None)
+        b = policy.budgets([r], torch.tensor([4]))
         if int(b[0]):
             probes.append(step)
         policy.observe([r], torch.zeros(1, dtype=torch.long), b, 1.0 + 0.5 * int(b[0]), 0.0)  # each rejected
@@ -65,7 +65,7 @@ def test_shadow_rounds_do_not_hold_off_probes_when_a_cost_curve_prices_drafts_ou
     r = req("r", length=4)
     seen = []
     for step in range(4 * PROBE_EVERY):
-        b = policy.budgets([r], torch.tensor([4]), engine=None)
+        b = policy.budgets([r], torch.tensor([4]))
         seen.append(int(b[0]))
         n = int(b[0])
         r.seq.token_ids += [7] * (n + 1)  # every draft is a 7 and is accepted
@@ -84,7 +84,7 @@ def test_a_probe_in_a_busy_batch_drafts_on_the_likeliest_rows():
     for i, r in enumerate(reqs):  # row i accepted i of 31 first tokens: all too unlikely to draft
         policy.acceptance.per_request[r.request_id] = _RequestRounds([[31.0, 0, 0, 0], [0.0] * 4], [[0.3 * i / 31, 0, 0, 0], [0.0] * 4])
     policy.probes.steps_without_drafts = PROBE_EVERY
-    probe = policy.budgets(reqs, torch.full((32,), 4), engine=None)
+    probe = policy.budgets(reqs, torch.full((32,), 4))
     assert 1 < PROBE_SHARE < 32 and probe.tolist() == [0] * (32 - 32 // PROBE_SHARE) + [1] * (32 // PROBE_SHARE)
 
 
@@ -96,8 +96,8 @@ def test_successive_probes_reach_every_row_within_max_verify_tokens():
     reqs = [req(f"r{i}") for i in range(8)]
     drafted = torch.zeros(8, dtype=torch.long)
     for _ in range(1000):  # planned, proposed, planned again on the proposal: as the engine does
-        planned = policy.budgets(reqs, torch.full((8,), 4), engine=None)
-        b = policy.budgets(reqs, torch.full((8,), 4), None, Draft(torch.full((8, 4), 5)))
+        planned = policy.budgets(reqs, torch.full((8,), 4))
+        b = policy.budgets(reqs, torch.full((8,), 4), Draft(torch.full((8, 4), 5)))
         assert torch.equal(b, planned)  # the probe's rows are the ones it proposed for
         drafted += b
         policy.observe(reqs, b, b, 1.0, 0.0)  # every probed token accepted
@@ -105,7 +105,7 @@ def test_successive_probes_reach_every_row_within_max_verify_tokens():
     for limit, most in ((10, 2), (8, 0), (4, 0)):
         capped = AdaptiveBudget(roofline(knee=1, slope=1.0), max_gamma=4, max_verify_tokens=limit)
         capped.probes.steps_without_drafts = PROBE_EVERY
-        assert int(capped.budgets(reqs, torch.full((8,), 4), engine=None).sum()) == most
+        assert int(capped.budgets(reqs, torch.full((8,), 4)).sum()) == most
 
 
 def test_a_drafters_confidence_replaces_the_online_estimate():
@@ -116,8 +116,8 @@ def test_a_drafters_confidence_replaces_the_online_estimate():
     r = [req("r")]
     proposal = torch.tensor([[5, 6, 7, 8]])
     likely = torch.tensor([[0.99, 0.99, 0.05, 0.05]])
-    sure = policy.budgets(r, torch.tensor([4]), None, Draft(proposal, confidence=likely))
-    unsure = policy.budgets(r, torch.tensor([4]), None, Draft(proposal, confidence=torch.tensor([[0.05] * 4])))
+    sure = policy.budgets(r, torch.tensor([4]), Draft(proposal, confidence=likely))
+    unsure = policy.budgets(r, torch.tensor([4]), Draft(proposal, confidence=torch.tensor([[0.05] * 4])))
     assert sure.tolist() == [2] and unsure.tolist() == [0]
 
 
@@ -128,9 +128,9 @@ def test_the_fixed_cost_of_drafting_is_paid_by_all_the_positions_together():
     policy.acceptance.reached, policy.acceptance.accepted = torch.full((STATES, 4), 100.0), torch.full((STATES, 4), 90.0)  # every token survives 90%
     policy.draft_overhead = 0.1  # seconds; a step without drafts takes 1 s
     reqs = [req(f"r{i}") for i in range(32)]
-    assert policy.budgets(reqs, torch.full((32,), 4), engine=None).sum() >= 32
+    assert policy.budgets(reqs, torch.full((32,), 4)).sum() >= 32
     policy.draft_overhead = 100.0  # far more than any gain: no drafts
-    assert policy.budgets(reqs, torch.full((32,), 4), engine=None).sum() == 0
+    assert policy.budgets(reqs, torch.full((32,), 4)).sum() == 0
 
 
 def test_drafts_must_beat_no_drafts_by_a_margin():
@@ -144,7 +144,7 @@ def test_drafts_must_beat_no_drafts_by_a_margin():
     s = float(policy.acceptance.sts(torch.tensor([[0.5]]))[0, 0])  # the calibrated survival the planner sees
     for gain, drafts in ((MIN_GAIN * 0.8, 0), (MIN_GAIN * 1.2, 1)):
         policy.draft_overhead = (1 + s) / (1 + gain) - 1.0  # rate with the draft = (1 + gain) x without
-        assert policy.budgets([req("r")], torch.tensor([1]), engine=None).tolist() == [drafts]
+        assert policy.budgets([req("r")], torch.tensor([1])).tolist() == [drafts]
 
 
 def test_shadow_chains_skip_rows_where_matching_is_not_acceptance():
@@ -152,15 +152,15 @@ def test_shadow_chains_skip_rows_where_matching_is_not_acceptance():
     chance that the target generates it: its shadow row is dropped. Greedy rows and one-hot
     proposals keep theirs; trees give none."""
     from specdecode.engine.acceptance import NOT_SHADOWED
-    from specdecode.engine.serving import ServingEngine
+    from specdecode.engine.budget import shadow_chains
 
-    engine = SimpleNamespace(batch=SimpleNamespace(temperature=torch.tensor([0.0, 0.7])))
+    batch = SimpleNamespace(temperature=torch.tensor([0.0, 0.7]))
     tokens = torch.tensor([[1, 2], [3, 4]])
-    one_hot = ServingEngine._shadow_chains(engine, Draft(tokens=tokens))
-    sampled = ServingEngine._shadow_chains(engine, Draft(tokens=tokens, q=torch.full((2, 2, 5), 0.2)))
+    one_hot = shadow_chains(Draft(tokens=tokens), batch)
+    sampled = shadow_chains(Draft(tokens=tokens, q=torch.full((2, 2, 5), 0.2)), batch)
     assert one_hot.tolist() == [[1, 2], [3, 4]] and sampled.tolist() == [[1, 2], [NOT_SHADOWED] * 2]
     tree = TreeBatch.from_parents(torch.tensor([[9, 1, 2]]), torch.tensor([[-1, 0, 0]]))
-    assert ServingEngine._shadow_chains(engine, Draft.from_tree(tree)) is None
+    assert shadow_chains(Draft.from_tree(tree), batch) is None
 
 
 def test_shadow_proposals_cost_at_most_their_share_of_recent_time():
@@ -217,10 +217,10 @@ def test_steps_propose_first_while_planning_on_proposals_saves_more_pass_time_th
         for _ in range(64):
             first.append(policy.propose_first())
             if first[-1]:  # propose, then plan on the proposal
-                budgets = policy.budgets(reqs, torch.full((4,), 4), None, proposal)
+                budgets = policy.budgets(reqs, torch.full((4,), 4), proposal)
                 policy.observe(reqs, budgets, budgets, 0.01, 1e-3)
             else:  # plan first
-                budgets = policy.budgets(reqs, torch.full((4,), 4), None)
+                budgets = policy.budgets(reqs, torch.full((4,), 4))
                 policy.observe(reqs, budgets, budgets, 0.01, 0.0)
         return first, policy
 
