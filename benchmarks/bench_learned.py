@@ -33,7 +33,7 @@ from specdecode import LLM, SamplingParams
 from specdecode.drafters.registry import parse_spec
 from specdecode.config import SpecDecodeError
 from specdecode.entrypoints.cli import OneLineParser
-from specdecode.entrypoints.llm import RequestOutput
+from specdecode.entrypoints.outputs import RequestOutput
 from specdecode.analysis.theory import expected_speedup
 
 HERE = Path(__file__).resolve().parent

@@ -21,7 +21,7 @@ from starlette.requests import Request
 
 from specdecode.config import SamplingParams, SpecDecodeError, StructuredOutput, first_line, is_int
 from specdecode.core.batch import SpecStats
-from specdecode.entrypoints.llm import RequestMetrics
+from specdecode.entrypoints.outputs import RequestMetrics
 
 # OpenAI and vLLM fields we do not implement: a request that sets one gets a 400 rather than
 # silence, except at the values that ask for nothing (their defaults, which some clients always send).

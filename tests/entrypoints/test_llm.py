@@ -187,7 +187,7 @@ def test_acceptance_rate_is_the_per_token_alpha_the_formula_takes():
     that α is the measured τ. accepted / drafted (vLLM's draft acceptance rate) is ~0.42 here."""
     import random
 
-    from specdecode.entrypoints.llm import RequestMetrics
+    from specdecode.entrypoints.outputs import RequestMetrics
     from specdecode.analysis.theory import expected_tokens_per_round
 
     rng, alpha, gamma = random.Random(0), 0.8, 8
