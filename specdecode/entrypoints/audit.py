@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from specdecode.config import SamplingParams, SpecDecodeError
+from specdecode.entrypoints.bench_prompts import read_prompts_file
 
 DEFAULT_PROMPTS = [
     "Explain in a short paragraph why the sky looks blue during the day.",
@@ -55,29 +55,11 @@ class AuditReport:
 
 
 def read_prompts(path: str | None) -> list[Any]:
-    """Prompts from a .jsonl file ({"messages": [...]} in OpenAI's chat format, or {"prompt": "..."}),
-    else the built-in ones (chat messages)."""
+    """Prompts from a .jsonl file (chat messages, or a raw prompt's text: bench_prompts.py reads
+    it), else the built-in ones (chat messages)."""
     if path is None:
         return [[{"role": "user", "content": p}] for p in DEFAULT_PROMPTS]
-    try:
-        lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
-    except (OSError, UnicodeDecodeError) as e:
-        raise SpecDecodeError(f"--prompts: cannot read {path}: {e}") from None
-    prompts = []
-    for i, line in enumerate(lines, 1):
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise SpecDecodeError(f"--prompts: line {i} is not JSON ({e.msg})") from None
-        if isinstance(obj, dict) and isinstance(obj.get("messages"), list):
-            prompts.append(obj["messages"])
-        elif isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
-            prompts.append(obj["prompt"])
-        else:
-            raise SpecDecodeError(f'--prompts: line {i} needs "messages" (a list) or "prompt" (a string)')
-    if not prompts:
-        raise SpecDecodeError(f"--prompts: {path} holds no prompts")
-    return prompts
+    return [p.text if p.text is not None else p.messages for p in read_prompts_file(path)]
 
 
 def token_ids(llm: Any, prompt: Any) -> list[int]:

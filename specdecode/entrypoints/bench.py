@@ -102,6 +102,8 @@ class _DraftTimer:
 
 
 def encode_prompt(llm: Any, prompt: BenchPrompt) -> list[int]:
+    if prompt.text is not None:
+        return llm.tokenize(prompt.text)
     tok = llm.tokenizer
     if getattr(tok, "chat_template", None):
         ids = tok.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=True)

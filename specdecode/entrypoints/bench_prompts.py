@@ -22,8 +22,9 @@ from specdecode.config import SpecDecodeError, StructuredOutput
 @dataclass(frozen=True)
 class BenchPrompt:
     category: str
-    messages: list[dict[str, Any]]
+    messages: list[dict[str, Any]]  # chat messages, rendered by the model's template
     structured: StructuredOutput | None = None
+    text: str | None = None  # or a raw prompt, tokenized as it is
 
 
 CHAT = [
@@ -144,8 +145,9 @@ def build_prompts(categories: list[str], per_category: int) -> list[BenchPrompt]
 
 
 def read_prompts_file(path: str) -> list[BenchPrompt]:
-    """One JSON object per line, an OpenAI chat request: ``{"messages": [...]}``, with an
-    optional ``"category"`` (default "prompts")."""
+    """One JSON object per line: an OpenAI chat request ``{"messages": [...]}`` or a raw
+    ``{"prompt": "..."}``, with an optional ``"category"`` (default "prompts"). Shared by
+    `specdecode bench`, `tune` and `audit`."""
     try:
         lines = Path(path).read_text().splitlines()
     except (OSError, UnicodeDecodeError) as e:
@@ -158,13 +160,16 @@ def read_prompts_file(path: str) -> list[BenchPrompt]:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise SpecDecodeError(f"--prompts {path!r} line {i} is not JSON: {e.msg}") from None
-        messages = record.get("messages") if isinstance(record, dict) else None
-        if not isinstance(messages, list) or not messages or not all(
+        record = record if isinstance(record, dict) else {}
+        messages, text = record.get("messages"), record.get("prompt")
+        chat = isinstance(messages, list) and messages and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
-        ):
-            raise SpecDecodeError(f"--prompts {path!r} line {i}: needs \"messages\", a list of {{role, content}} strings")
-        category = record.get("category", "prompts")
-        out.append(BenchPrompt(str(category), messages))
+        )  # fmt: skip
+        if not chat and not isinstance(text, str):
+            raise SpecDecodeError(f'--prompts {path!r} line {i}: needs "messages" (a list of {{role, content}} '
+                                  'strings) or "prompt" (a string)')  # fmt: skip
+        category = str(record.get("category", "prompts"))
+        out.append(BenchPrompt(category, messages) if chat else BenchPrompt(category, [], text=text))
     if not out:
-        raise SpecDecodeError(f"--prompts {path!r} holds no prompt")
+        raise SpecDecodeError(f"--prompts {path!r} holds no prompts")
     return out

@@ -18,7 +18,7 @@ def test_adaptive_policy_records_rounds_and_reports_calibration():
     g = torch.Generator().manual_seed(1)
     for step in range(80):
         reqs = [req(f"r{step % 3}"), req("steady")]
-        budgets = policy.budgets(reqs, torch.tensor([4, 4]), engine=None)
+        budgets = policy.budgets(reqs, torch.tensor([4, 4]))
         accepted = torch.tensor([int(torch.randint(0, 5, (1,), generator=g)), 4]).minimum(budgets)
         policy.observe(reqs, accepted, budgets, 1.0, 0.0)
     assert len(policy.acceptance.records) == 160
@@ -36,7 +36,7 @@ def test_shadow_rounds_learn_from_the_tokens_a_row_generates():
     zero = torch.zeros(1, dtype=torch.long)
 
     def step(token: int, proposal: list[int] | None) -> None:
-        assert policy.budgets([r], torch.tensor([3]), engine=None).tolist() == [0]
+        assert policy.budgets([r], torch.tensor([3])).tolist() == [0]
         r.seq.token_ids.append(token)  # the step's one generated token
         policy.observe([r], zero, zero, 1.0, 0.001, 3, None if proposal is None else torch.tensor([proposal]))
 
@@ -64,7 +64,7 @@ def test_confidence_is_conditioned_on_the_last_round():
     r = req("r")
     for _ in range(5):
         for accepted in (2,) * 9 + (0,) * 9:  # runs: after a full round 8 in 9 are full, after a miss 1 in 9
-            policy.budgets([r], torch.tensor([2]), engine=None)
+            policy.budgets([r], torch.tensor([2]))
             policy.observe([r], torch.tensor([accepted]), torch.tensor([2]), 1.0, 0.0)
     after_miss = policy.acceptance.confidence("r")[0]
     assert policy.acceptance.per_request["r"].state == AFTER_MISS
@@ -82,12 +82,12 @@ def test_a_fresh_match_is_counted_apart_from_a_rejected_copy():
     nothing = torch.tensor([[-1, -1]])
 
     def round_(accepted: int) -> None:
-        policy.budgets([r], torch.tensor([2]), engine=None)
+        policy.budgets([r], torch.tensor([2]))
         r.seq.token_ids += [1] * (accepted + 1)
         policy.observe([r], torch.tensor([accepted]), torch.tensor([2]), 1.0, 0.0, 2, torch.tensor([[1, 1]]))
 
     for i in range(9):
-        policy.budgets([r], torch.tensor([2]), engine=None)
+        policy.budgets([r], torch.tensor([2]))
         r.seq.token_ids.append(1)
         policy.observe([r], torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 1.0, 0.0, 2, nothing)
         assert policy.acceptance.per_request["r"].state == AFTER_NOTHING
@@ -109,7 +109,7 @@ def test_shadows_settle_when_a_row_finishes_or_drafts():
     policy = AdaptiveBudget(roofline(knee=1, slope=1.0), max_gamma=3)
     zero = torch.zeros(1, dtype=torch.long)
     r = req("r", length=4)
-    policy.budgets([r], torch.tensor([3]), engine=None)
+    policy.budgets([r], torch.tensor([3]))
     r.seq.token_ids.append(5)
     policy.observe([r], zero, zero, 1.0, 0.0, 3, torch.tensor([[5, 6, 7]]))
     r.seq.token_ids.append(6)
@@ -118,17 +118,17 @@ def test_shadows_settle_when_a_row_finishes_or_drafts():
     assert policy.acceptance.records[-1][1:] == (2, 2) and "r" not in policy.acceptance.per_request  # 2 of 2 generated, matched
 
     s = req("s", length=4)
-    policy.budgets([s], torch.tensor([3]), engine=None)
+    policy.budgets([s], torch.tensor([3]))
     s.seq.token_ids.append(5)
     policy.observe([s], zero, zero, 1.0, 0.0, 3, torch.tensor([[5, 6, 7]]))
-    policy.budgets([s], torch.tensor([3]), engine=None)
+    policy.budgets([s], torch.tensor([3]))
     s.seq.token_ids += [6, 7]
     policy.observe([s], torch.tensor([1]), torch.tensor([1]), 1.0, 0.0)  # a real round: 1 of 1 accepted
     records = policy.acceptance.records
     assert len(records) == 3 and records[-2][1:] == (1, 1)  # the shadow, cut short at the 5 made before the pass
     assert records[-1][1:] == (1, 1)  # the real round: 6 accepted, 7 the bonus
     assert policy.acceptance.per_request["s"].shadow is None and policy.acceptance.per_request["s"].state == AFTER_FULL
-    policy.budgets([s], torch.tensor([3]), engine=None)
+    policy.budgets([s], torch.tensor([3]))
     s.seq.token_ids.append(8)
     policy.observe([s], zero, zero, 1.0, 0.0, 3, torch.tensor([[NOT_SHADOWED] * 3]))
     assert policy.acceptance.per_request["s"].state == AFTER_FULL and policy.acceptance.per_request["s"].shadow is None
@@ -141,7 +141,7 @@ def test_an_unreached_position_takes_the_estimate_of_the_one_before():
     policy = AdaptiveBudget(roofline(knee=64), max_gamma=4)
     r = req("r")
     for _ in range(20):  # rounds of 2 drafts, all accepted
-        policy.budgets([r], torch.tensor([2]), engine=None)
+        policy.budgets([r], torch.tensor([2]))
         policy.observe([r], torch.tensor([2]), torch.tensor([2]), 1.0, 0.0)
     shared = policy.acceptance.shared()[AFTER_FULL]
     assert shared[0] > 0.9 and shared[2] == pytest.approx(shared[1]) and shared[3] == pytest.approx(shared[1])
@@ -157,14 +157,14 @@ def test_a_fully_accepted_round_is_extended_by_the_bonus_token(bonus, expected):
     as d + 1 drafts (and the state follows it)."""
     policy = AdaptiveBudget(roofline(knee=64), max_gamma=4)
     r = req("r", length=4)
-    policy.budgets([r], torch.tensor([4]), engine=None)
+    policy.budgets([r], torch.tensor([4]))
     r.seq.token_ids += [5, 6, bonus]  # drafts 5, 6 accepted, then the bonus token
     policy.observe([r], torch.tensor([2]), torch.tensor([2]), 1.0, 0.0, 3, torch.tensor([[5, 6, 7, -1]]))
     assert policy.acceptance.records[-1][1:] == expected
     assert policy.acceptance.per_request["r"].state == (AFTER_FULL if bonus == 7 else AFTER_MISS)
     # a rejection, a proposal that ended at the budget, or a row that stopped before its bonus: as verified
     for accepted, proposal, stop in ((1, [5, 6, 7, -1], False), (2, [5, 6, -1, -1], False), (2, [5, 6, 7, -1], True)):
-        policy.budgets([r], torch.tensor([4]), engine=None)
+        policy.budgets([r], torch.tensor([4]))
         r.seq.token_ids += [5, 6] if stop else [5, 6, 7][: accepted + 1]
         policy.observe([r], torch.tensor([accepted]), torch.tensor([2]), 1.0, 0.0, 3, torch.tensor([proposal]))
         assert policy.acceptance.records[-1][1:] == (2, accepted)
@@ -174,10 +174,10 @@ def test_the_engine_proposes_one_past_the_budget_only_for_cheap_drafters():
     policy = AdaptiveBudget(roofline(knee=64), max_gamma=4)
     assert policy.lookahead() == 0  # no pass measured yet
     r = req("r")
-    policy.budgets([r], torch.tensor([2]), engine=None)
+    policy.budgets([r], torch.tensor([2]))
     policy.observe([r], torch.tensor([2]), torch.tensor([2]), 0.02, 0.0001, 2)  # proposing: 0.05 ms a token
     assert policy.lookahead() == 1
-    policy.budgets([r], torch.tensor([2]), engine=None)
+    policy.budgets([r], torch.tensor([2]))
     policy.observe([r], torch.tensor([2]), torch.tensor([2]), 0.02, 0.02, 2)  # a learned drafter's steps
     assert policy.lookahead() == 0
 
@@ -190,7 +190,7 @@ def test_rounds_are_counted_apart_by_the_drafters_evidence():
     proposal = torch.tensor([[1, 2, 3], [4, 5, 6]])
     for step in range(20):  # fresh requests: every round is in the state "no round yet"
         reqs = [req(f"long{step}"), req(f"short{step}")]
-        budgets = policy.budgets(reqs, torch.tensor([3, 3]), None, Draft(proposal, evidence=[5, 2]))
+        budgets = policy.budgets(reqs, torch.tensor([3, 3]), Draft(proposal, evidence=[5, 2]))
         assert budgets.tolist() == [3, 3]
         policy.observe(reqs, torch.tensor([3, 0]), budgets, 1.0, 0.0)
     acceptance = policy.acceptance
@@ -212,7 +212,7 @@ def test_calibration_is_refitted_once_an_eighth_of_the_window_is_new(monkeypatch
     policy = AdaptiveBudget(roofline(knee=64), max_gamma=2, refit_every=4, window=64)
     r = req("r")
     for step in range(1, 201):  # one round a step
-        budgets = policy.budgets([r], torch.tensor([2]), engine=None)
+        budgets = policy.budgets([r], torch.tensor([2]))
         policy.observe([r], budgets.clamp(max=1), budgets, 1.0, 0.0)
     gaps = [b - a for a, b in zip(fits, fits[1:])]
     # every 4 steps while 4 rounds are an eighth of the window or more (up to 39 recorded), then

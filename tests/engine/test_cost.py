@@ -32,7 +32,7 @@ def test_cost_curve_is_monotone_and_refits_from_real_passes():
         rows, context = int(torch.randint(2, 9, (1,), generator=g)), int(torch.randint(10, 200, (1,), generator=g))
         drafts = torch.randint(0, 5, (rows,), generator=g) * (_ % 3 != 0)  # a third of the passes draft nothing
         reqs = [req(f"x{i}", context if i == 0 else 5) for i in range(rows)]
-        policy.budgets(reqs, drafts, engine=None)  # planning reads the longest context
+        policy.budgets(reqs, drafts)  # planning reads the longest context
         P = rows + int(drafts.sum())
         Q = attention_queries(rows, int((drafts > 0).sum()), 1 + int(drafts.max())) * context
         overhead = 0.008 if int(drafts.sum()) else 0.0  # a pass carrying drafts pays 8 ms more

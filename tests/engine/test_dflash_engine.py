@@ -73,10 +73,10 @@ def test_adaptive_budget_plans_on_the_blocks_draft_probabilities(ckpts, monkeypa
     llm = LLM(model=target, speculative_config=spec, dtype="float32", device="cpu")
     seen, budgets = [], llm.engine.budget.budgets
 
-    def spy(reqs, limits, engine, proposal=None):
+    def spy(reqs, limits, proposal=None):
         if proposal is not None:
             seen.append((proposal.tokens, proposal.confidence))
-        return budgets(reqs, limits, engine, proposal)
+        return budgets(reqs, limits, proposal)
 
     monkeypatch.setattr(llm.engine.budget, "budgets", spy)
     assert_greedy_matches_plain(llm, plain, PROMPTS, 24, "dflash, adaptive")

@@ -139,10 +139,10 @@ def test_confidence_head_feeds_the_adaptive_budget_and_stays_lossless(setup, tmp
     llm = LLM(model=target, speculative_config=spec, dtype="float32", device="cpu")
     seen, budgets = [], llm.engine.budget.budgets
 
-    def spy(reqs, limits, engine, proposal=None):
+    def spy(reqs, limits, proposal=None):
         if proposal is not None and proposal.confidence is not None:
             seen.append(proposal.confidence)
-        return budgets(reqs, limits, engine, proposal)
+        return budgets(reqs, limits, proposal)
 
     monkeypatch.setattr(llm.engine.budget, "budgets", spy)
     assert_greedy_matches_plain(llm, plain, PROMPTS, 16, "eagle + confidence head")

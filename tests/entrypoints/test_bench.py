@@ -48,14 +48,15 @@ def test_quick_run_writes_table_json_and_plots(tiny, tmp_path, capsys):
 def test_own_prompts_and_sampling(tiny, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     lines = [{"messages": [{"role": "user", "content": "abc abc abc abc"}], "category": "mine"},
-             {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "xyz xyz"}]}]  # fmt: skip
+             {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "xyz xyz"}]},
+             {"prompt": "a raw prompt, a raw prompt", "category": "mine"}]  # fmt: skip
     prompts.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     out = tmp_path / "b.json"
     code = main(["bench", "--model", tiny, "--prompts", str(prompts), "--methods", "ngram", "--temperatures", "0.8",
                  "--max-tokens", "8", "--repeats", "2", "--json", str(out)])  # fmt: skip
     capsys.readouterr()
     rows = json.loads(out.read_text())["rows"]
-    assert code == 0 and {r["category"] for r in rows} == {"mine", "prompts"}
+    assert code == 0 and {r["category"]: r["prompts"] for r in rows} == {"mine": 2, "prompts": 1}
     assert all(r["identical"] is None and r["temperature"] == 0.8 for r in rows)
 
 
@@ -77,7 +78,7 @@ def test_bad_input_is_one_line(tiny, tmp_path, capsys, argv, says):
              "NOMSG": tmp_path / "nomsg.jsonl"}  # fmt: skip
     files["EMPTY"].write_text("\n")
     files["BAD"].write_text("{nope\n")
-    files["NOMSG"].write_text('{"prompt": "hi"}\n')
+    files["NOMSG"].write_text('{"text": "hi"}\n')
     argv = [str(files[a]) if a in files else a for a in argv]
     code = main(["bench", "--model", tiny, *argv])
     err = capsys.readouterr().err
