@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -230,6 +231,7 @@ def plots(rows: list[dict], folder: str) -> list[str]:
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(categories))], categories, rotation=30)
     ax.set_ylabel("speedup vs plain decoding")
+    ax.set_title(f"temperature {rows[0]['temperature']:g}, batch {rows[0]['batch_size']}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "speedup.png", dpi=120)
@@ -285,8 +287,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(next(r["auto"] for r in rows if r["auto"]))
     if args.json:
         Path(args.json).expanduser().write_text(json.dumps({"options": opts, "rows": rows}, indent=1))
-    if args.plot_dir:
-        print("plots:", ", ".join(plots(rows, args.plot_dir)))
+    pngs = plots(rows, args.plot_dir) if args.plot_dir else []
+    if pngs:
+        print("plots:", ", ".join(pngs))
     if args.results:
         from specdecode.entrypoints.results import write_section
 
@@ -298,5 +301,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 "geometric mean over prompts with its 95% interval; predicted: Leviathan's formula from the "
                 "measured α and draft cost c.")  # fmt: skip
         body = f"## Speculation by category\n\n{note}\n\n{text}\n" + (f"\n{auto}.\n" if auto else "")
+        page = Path(args.results).expanduser().resolve().parent
+        body += "".join(f"\n![{Path(png).stem}]({os.path.relpath(Path(png).resolve(), page)})\n" for png in pngs)
         write_section(args.results, "bench", body)
     return 1 if any(r["identical"] is False for r in rows) else 0
