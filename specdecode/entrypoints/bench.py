@@ -76,7 +76,7 @@ def parse_method(text: str) -> tuple[str, Any]:
 
     if text.lstrip().startswith("{"):
         spec = parse_spec(text)
-        return spec.method, spec
+        return json.dumps(json.loads(text), separators=(",", ":")), spec  # its label: two may share a method
     if text != "auto" and text not in method_names():
         raise SpecDecodeError(f"unknown method {text!r} for --methods; valid: auto, {', '.join(method_names())}, or JSON")
     return text, parse_spec("auto" if text == "auto" else {"method": text})

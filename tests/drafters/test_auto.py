@@ -45,7 +45,9 @@ def test_parsing(tmp_path):
 def test_a_model_without_drafters_gets_prompt_lookup(tiny):
     spec, why = resolve_auto(AutoSpec(), load_model(tiny[0], dtype="float32", device="cpu", progress=False))
     assert spec.method == "ngram" and spec.budget.adaptive and spec.options.datastore is None
-    assert why.startswith("auto: ngram (no learned drafter ships for this model")
+    assert why.startswith("auto: ngram (prompt lookup: no learned drafter ships for this model")
+    assert resolve_auto(AutoSpec(), load_model(tiny[0], dtype="float32", device="cpu", progress=False),
+                        learned=True)[0].method == "ngram"  # nothing learned to choose, even where it would pay
 
 
 def test_a_given_draft_model_is_used(tiny):
@@ -54,8 +56,11 @@ def test_a_given_draft_model_is_used(tiny):
     assert "a draft model was given" in why
 
 
-def test_the_default_model_gets_its_shipped_eagle_with_copies():
-    spec, why = resolve_auto(AutoSpec(), load_model(None, progress=False))
+def test_the_default_model_gets_prompt_lookup_on_cpu_and_its_shipped_eagle_on_cuda():
+    target = load_model(None, progress=False)
+    spec, why = resolve_auto(AutoSpec(), target)  # a CPU target
+    assert spec.method == "ngram" and spec.budget.adaptive and "costs more than it saves" in why
+    spec, why = resolve_auto(AutoSpec(), target, learned=True)  # what a CUDA target gets
     assert spec.method == "eagle" and spec.budget.adaptive
     assert (spec.options.num_steps, spec.options.prompt_lookup_max, spec.options.datastore) == (1, 5, True)
     assert "EAGLE weights ship" in why and "shipped datastore" in why

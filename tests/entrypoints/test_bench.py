@@ -41,7 +41,7 @@ def test_quick_run_writes_table_json_and_plots(tiny, tmp_path, capsys):
     assert len(rows) == 2 * 2 * 2  # methods × batch sizes × categories
     for r in rows:
         assert ROW_FIELDS <= set(r) and r["identical"] is True and r["speedup"] > 0 and 0 <= r["alpha"] <= 1
-    assert {r["method"] for r in rows} == {"auto", "ngram"}
+    assert {r["method"] for r in rows} == {"auto", '{"method":"ngram","num_speculative_tokens":3}'}
     assert (plots / "speedup.png").stat().st_size > 0 and (plots / "acceptance.png").stat().st_size > 0
 
 
