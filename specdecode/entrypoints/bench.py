@@ -184,11 +184,21 @@ def measure(llm: Any, plain_llm: Any, name: str, prompts: list[BenchPrompt], opt
     return rows
 
 
+def _needs(module: str) -> Any:
+    """An optional dependency of `bench` / `tune`, or one line saying how to install it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise SpecDecodeError(f"this needs {module.split('.')[0]}: pip install 'specdecode[bench]'") from None
+
+
 def interval(ratios: list[float]) -> list[float] | None:
     """The 95% t interval of the geometric mean of per-prompt ratios (None from one prompt)."""
     if len(ratios) < 2:
         return None
-    from scipy.stats import t
+    t = _needs("scipy.stats").t
 
     logs = [math.log(r) for r in ratios]
     half = t.ppf(0.975, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
@@ -213,10 +223,8 @@ def ci(row: dict) -> str:
 
 
 def plots(rows: list[dict], folder: str) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    _needs("matplotlib").use("Agg")
+    plt = _needs("matplotlib.pyplot")
 
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
