@@ -7,10 +7,10 @@ saying why). The rules, the first that applies:
 2. on CUDA, EAGLE weights shipped for the target (specdecode/weights): `eagle`, one model
    step per round, with prompt lookup and the target's shipped datastore (where one ships):
    there a target pass costs far more than the head's;
-3. otherwise `ngram` prompt lookup. On CPU a small target's pass costs little more than the
-   EAGLE head's, and its feature bookkeeping is paid every step: measured with `specdecode
-   bench` on the default model, EAGLE with copies lost where nothing repeats (translation,
-   0.84x) while prompt lookup costs next to nothing when it finds no copy.
+3. otherwise `ngram` prompt lookup. On a CPU a small target's pass costs little more than
+   the EAGLE head's, whose feature bookkeeping is paid every step, so the head loses where
+   nothing repeats (`specdecode bench` by category: the results page), while prompt lookup
+   costs next to nothing when it finds no copy.
 
 Each plans every step's drafts with the adaptive budget (γ "auto"): a request drafts only
 as far as the measured verify cost says pays, so where nothing repeats it decodes plainly.
