@@ -30,12 +30,6 @@ def model(request, tmp_path_factory):
     return load_model(str(folder), dtype=torch.float32, device="cpu", progress=False).model
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    folder = make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama", seed=4)
-    return load_model(str(folder), dtype=torch.float32, device="cpu", progress=False).model
-
-
 def toks(*shape: int, seed: int) -> torch.Tensor:
     return torch.randint(4, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
 

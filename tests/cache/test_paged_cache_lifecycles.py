@@ -6,7 +6,6 @@ every live sequence's K/V against a fresh prefill. (Parity pass by pass: test_pa
 
 from __future__ import annotations
 
-import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -20,17 +19,9 @@ from hypothesis.stateful import (
 )
 
 from specdecode.cache.block_pool import OutOfBlocks
-from specdecode.model.loader import load_model
 from specdecode.cache.paged_cache import new_paged_cache
 from specdecode.core.tree import DraftTree, batch_trees, commit_paths
 from tests.cache.test_paged_cache import ATOL, BS, seq_kv, toks
-from tests.tiny import make_tiny_checkpoint
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    folder = make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama", seed=4)
-    return load_model(str(folder), dtype=torch.float32, device="cpu", progress=False).model
 
 
 def test_random_lifecycles(llama):

@@ -17,16 +17,8 @@ from hypothesis.stateful import invariant, precondition, rule, run_state_machine
 from specdecode.cache.block_pool import BlockPool, OutOfBlocks
 from specdecode.cache.paged_cache import new_paged_cache
 from specdecode.cache.prefix_cache import PrefixCachingKVCache
-from specdecode.model.loader import load_model
 from tests.cache.test_paged_cache import ATOL, BS, seq_kv, toks
 from tests.cache.test_paged_cache_lifecycles import Lifecycles
-from tests.tiny import make_tiny_checkpoint
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    folder = make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama", seed=4)
-    return load_model(str(folder), dtype=torch.float32, device="cpu", progress=False).model
 
 
 def cache_for(model, num_blocks: int) -> PrefixCachingKVCache:
