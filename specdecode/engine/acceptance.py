@@ -29,6 +29,7 @@ from specdecode.engine.calibration import Rounds, SequentialTemperatureScaling
 PRIOR_STRENGTH = 4.0  # pseudo-rounds of the shared estimate behind a request's own counts
 SHARED_PRIOR = 1.0  # pseudo-rounds behind a shared estimate: position 1's at 1/2, position k's at k - 1's
 EVIDENCE_PRIOR = 4.0  # pseudo-rounds of a state's shared estimate behind its counts with one evidence
+FOUND_DECAY = 1 / 32  # weight of each proposal in the running means of how often one finds a draft
 # A request's state: its drafter found nothing last step, or it has had no round yet
 # (AFTER_NOTHING); its last round rejected a token (AFTER_MISS); or its last round accepted
 # every draft token, or its shadow round has matched every token so far (AFTER_FULL).
@@ -59,9 +60,14 @@ class AcceptanceStats:
     rounds, every ``refit_every`` steps that learned from a round once an eighth of them is new."""
 
     def __init__(self, max_gamma: int, refit_every: int = 64, window: int = 2048) -> None:
+        self._shared: list[list[float]] | None = None  # _shared_rows until a round changes the counts
+        self.version = 0  # rounds recorded and calibrations fitted: what changes the estimates but states
+        # by state, running means of whether a row's proposal held any draft token: c_k is the chance
+        # of a token given a proposal, and a lookup drafter finds none on most steps of new text
+        self.found = [1.0] * STATES
         # shared counts by state and position: rounds that reached position k, and accepted it
-        self.reached = torch.zeros(STATES, max_gamma)
-        self.accepted = torch.zeros(STATES, max_gamma)
+        self._reached = torch.zeros(STATES, max_gamma)
+        self._accepted = torch.zeros(STATES, max_gamma)
         # shared counts by state and the drafter's evidence (Draft.evidence): (reached, accepted) by k
         self.by_evidence: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
         self.per_request: dict[str, _RequestRounds] = {}
@@ -73,6 +79,22 @@ class AcceptanceStats:
         self._raw: dict[str, list[float]] = {}  # the raw confidences each row was planned with
         self._lengths: dict[str, int] = {}  # tokens each row held when it was last planned
         self._evidence: dict[str, int] = {}  # the evidence each row was planned with, where it had one
+
+    @property
+    def reached(self) -> torch.Tensor:
+        return self._reached
+
+    @reached.setter
+    def reached(self, counts: torch.Tensor) -> None:
+        self._reached, self._shared, self.version = counts, None, self.version + 1
+
+    @property
+    def accepted(self) -> torch.Tensor:
+        return self._accepted
+
+    @accepted.setter
+    def accepted(self, counts: torch.Tensor) -> None:
+        self._accepted, self._shared, self.version = counts, None, self.version + 1
 
     @property
     def gamma(self) -> int:
@@ -92,13 +114,16 @@ class AcceptanceStats:
         return torch.tensor(self._shared_rows())
 
     def _shared_rows(self) -> list[list[float]]:
-        rows = []  # in Python floats: planning runs this twice a step, and tensor ops per position would dominate it
+        if self._shared is not None:  # planning reads it up to twice a step; most steps record no round
+            return self._shared
+        rows = []  # in Python floats: tensor ops per position would dominate the planning
         for accepted, reached in zip(self.accepted.tolist(), self.reached.tolist()):
             prior, row = 0.5, []
             for a, r in zip(accepted, reached):
                 prior = (a + SHARED_PRIOR * prior) / (r + SHARED_PRIOR)
                 row.append(prior)
             rows.append(row)
+        self._shared = rows
         return rows
 
     def confidences(self, request_ids: list[str], own: bool = True, evidence: list[int] | None = None) -> torch.Tensor:
@@ -130,6 +155,15 @@ class AcceptanceStats:
             rows.append([(a + PRIOR_STRENGTH * c) / (r + PRIOR_STRENGTH) for a, r, c in own_counts])
         return rows
 
+    def found_rates(self, request_ids: list[str]) -> list[float]:
+        """For each request, how often a proposal in its state has held any draft token."""
+        return [self.found[state] for state in self.states(request_ids)]
+
+    def states(self, request_ids: list[str]) -> tuple[int, ...]:
+        """Each request's state (AFTER_NOTHING before its first round)."""
+        rounds = self.per_request
+        return tuple(rounds[i].state if i in rounds else AFTER_NOTHING for i in request_ids)
+
     def planned(self, reqs: list[Any], raw: list[list[float]], evidence: list[int] | None = None) -> None:
         """Remember what each row was planned with (raw, B rows of γ, the drafter's evidence)
         and its length then: the step's rounds are recorded against them, and a shadow round
@@ -152,8 +186,10 @@ class AcceptanceStats:
             mine = self.per_request.get(rid)
             if mine is None:  # not setdefault: that would build an empty record per row per step
                 mine = self.per_request[rid] = _RequestRounds.empty(self.gamma)
-            pending = mine.shadow is not None
+            pending, state = mine.shadow is not None, mine.state
             learned |= self._settle_shadow(req, mine, verified=d > 0)
+            if row is not None and (not row or row[0] != NOT_SHADOWED):
+                self.found[state] += FOUND_DECAY * ((bool(row) and row[0] >= 0) - self.found[state])
             if d > 0:
                 drafted, accepted = self._extended(req, row, d, a)
                 self._record(mine, mine.state, self._evidence.get(rid), self._raw.get(rid), drafted, accepted)
@@ -165,7 +201,8 @@ class AcceptanceStats:
                 elif not pending and rid in self._raw:  # one at a time, none reusing a settled one's tokens
                     mine.shadow = (self._lengths[rid], chain, mine.state, self._evidence.get(rid), self._raw[rid])
         live = {r.request_id for r in reqs if r.seq.finish_reason is None}
-        self.per_request = {k: v for k, v in self.per_request.items() if k in live}  # finished or cancelled
+        if len(self.per_request) > len(live):  # finished or cancelled
+            self.per_request = {k: v for k, v in self.per_request.items() if k in live}
         del self.records[: -self.window]
         # Refit every refit_every steps, not rows: with 32 rows a row count would refit every
         # other step, and the fit costs about as much as the planning itself. And only once an
@@ -174,6 +211,7 @@ class AcceptanceStats:
         self._since_fit += learned
         if self._since_fit >= self.refit_every and self._new_records >= len(self.records) // 8:
             self.sts = SequentialTemperatureScaling(self.gamma).fit(self.rounds())
+            self.version += 1
             self._since_fit = self._new_records = 0
 
     def _extended(self, req: Any, row: list[int] | None, d: int, a: int) -> tuple[int, int]:
@@ -230,8 +268,10 @@ class AcceptanceStats:
             mine.reached[state][k] += 1
         for k in range(accepted):
             mine.accepted[state][k] += 1
-        self.reached[state, :reached] += 1
-        self.accepted[state, :accepted] += 1
+        self._reached[state, :reached] += 1
+        self._accepted[state, :accepted] += 1
+        self._shared = None
+        self.version += 1
         if evidence is not None:
             counts = self.by_evidence.setdefault((state, evidence), ([0.0] * self.gamma, [0.0] * self.gamma))
             for k in range(reached):

@@ -30,7 +30,7 @@ from specdecode.config import BudgetOptions
 from specdecode.drafters.base import Draft
 from specdecode.engine.acceptance import AcceptanceStats
 from specdecode.engine.cost import PassLog, VerifyCost, clock
-from specdecode.engine.probes import Probes
+from specdecode.engine.probes import Probes, Rest
 from specdecode.model.masks import attention_queries
 
 
@@ -124,7 +124,9 @@ class AdaptiveBudget:
         self.draft_cost = 0.0  # seconds proposing costs per draft depth (the drafter's c, in seconds)
         self.draft_costs: list[float] = []  # the latest DRAFT_COST_WINDOW of them, measured
         self.probes = Probes(max_verify_tokens)  # drafts on a few rows after steps without any (never off)
+        self.rest = Rest()  # steps that reuse a plan made before proposing which found no drafts
         self.plan_seconds = 0.0  # the last planning on a proposal: a shadow step's cost with its proposing
+        self.replan_cost = 0.0  # running mean of plan_seconds: what proposing costs beyond the drafter's time
         # seconds of prefill the step being planned carries: its chunk ran just before its
         # decode round. Below a floor of 1 it is part of the step time the budgets maximise
         # tokens per unit of (`_plan`): under load a step is mostly other requests' prompts,
@@ -177,8 +179,15 @@ class AdaptiveBudget:
         if B == 0:
             return limits.new_zeros(0)
         cap = limits.tolist()
+        rest = self._rest_key(reqs, cap) if proposal is None else None
+        if self.rest.skip(rest):  # the step's bookkeeping as its plan would have done it
+            self.acceptance.planned(reqs, self.rest.raw, None)
+            self.planned_first = True
+            return limits.new_zeros(B)
         self.context = max((len(r.seq.token_ids) for r in reqs), default=1)
         evidence = proposal.evidence if proposal is not None else None
+        if not any(cap):  # no row may draft (nothing was proposed): no plan to search
+            return self._no_plan(reqs, limits, proposal, start)
         raw = self.acceptance.confidence_rows([r.request_id for r in reqs], evidence=evidence)  # B rows of γ
         confidence = proposal.confidence if proposal is not None else None
         if confidence is not None:  # the drafter's own estimates (a head's, or its draft probabilities)
@@ -194,6 +203,9 @@ class AdaptiveBudget:
                    for h, row, r in zip(head, raw, reqs)]  # fmt: skip
         self.acceptance.planned(reqs, raw, evidence)
         survival = self.acceptance.sts.survival_rows(raw)
+        if proposal is None:  # before proposing: a draft token survives only where a proposal holds one
+            found = self.acceptance.found_rates([r.request_id for r in reqs])
+            survival = [[f * x for x in row] for f, row in zip(found, survival)]
         fused = B <= self.fused_positions
         limit = self.max_verify_tokens
         if fused:
@@ -203,35 +215,70 @@ class AdaptiveBudget:
         # over no drafts (every prompt is prefilled once whatever the budgets, so the pass alone
         # sets throughput). Under load most steps skip the search: no draft can meet the margin.
         best = Plan([0] * B, float(B), B * plain)
-        if self._floor_reachable(B, survival, cap, plain / (1 + MIN_GAIN), plain):
-            best = self._plan(survival, cap, B, fused, limit, 0.0, math.inf, best)
+        # planning whether to propose: drafts also cost the planning on the proposal
+        replan = self.replan_cost if proposal is None else 0.0
+        if self._floor_reachable(B, survival, cap, plain / (1 + MIN_GAIN), plain, replan):
+            best = self._plan(survival, cap, B, fused, limit, 0.0, math.inf, best, replan)
         out = best.budgets
         if self.throughput_floor < 1:  # then trade from it for the step's own rate (per-user speed)
             allowed = self._allowed_seconds_per_token(best.seconds / best.expected)
-            if self._floor_reachable(B, survival, cap, allowed, plain):
-                out = self._plan(survival, cap, B, fused, limit, self.step_prefill, allowed, best).budgets
+            if self._floor_reachable(B, survival, cap, allowed, plain, replan):
+                out = self._plan(survival, cap, B, fused, limit, self.step_prefill, allowed, best, replan).budgets
+        if proposal is None:
+            self.rest.planned(rest, any(out), raw)
         if self.probes.due(any(out)):  # a probe: see whether drafts pay again, one token on a few rows
             for b in self.probes.rows([r.request_id for r in reqs], cap, survival, final=proposal is not None):
                 out[b] = 1
+        self._planned(proposal, best.expected * plain - best.seconds, start, limits.device)  # 0 for no drafts
+        return torch.tensor(out, dtype=torch.long, device=limits.device)
+
+    def _rest_key(self, reqs: list[Any], cap: list[int]) -> tuple | None:
+        """What a plan before proposing for ``reqs`` within ``cap`` reads, but the context and
+        the running means (see Rest); None where the step must plan: a probe is due, or the step
+        carries a prefill chunk."""
+        if self.probes.steps_without_drafts >= self.probes.every or self.step_prefill > 0:
+            return None
+        ids = [r.request_id for r in reqs]
+        settings = (self.attention_cost, self.fused_positions, self.max_verify_tokens, self.throughput_floor)
+        learned = (self.acceptance.version, self.cost, self.draft_overhead)
+        return (*ids, *cap, *self.acceptance.states(ids), *learned, *settings)
+
+    def _no_plan(self, reqs: list[Any], limits: torch.Tensor, proposal: Draft | None, start: float) -> torch.Tensor:
+        """`budgets` where no row may draft: no plan to search, only the step's bookkeeping. The
+        raw confidences are recorded only if a row's proposal may start a shadow round (rows
+        whose γ is 0); a round needs drafts."""
+        evidence = proposal.evidence if proposal is not None else None
+        found = proposal is not None and bool((proposal.tokens >= 0).any())
+        ids = [r.request_id for r in reqs]
+        raw = self.acceptance.confidence_rows(ids, evidence=evidence) if found else [[] for _ in reqs]
+        self.acceptance.planned(reqs, raw, evidence)
+        if self.probes.due(False):  # no row to probe, but the step's probe pick is settled
+            self.probes.rows(ids, [0] * len(reqs), [], final=proposal is not None)
+        self._planned(proposal, 0.0, start, limits.device)
+        return limits.new_zeros(len(reqs))
+
+    def _planned(self, proposal: Draft | None, saved: float, start: float, device: torch.device) -> None:
+        """After planning: whether the step planned before proposing, or (on a proposal) the
+        planning's seconds and the running mean of what planning on proposals saved."""
         if proposal is None:
             self.planned_first = True
-        else:
-            self.plan_seconds = clock(limits.device) - start
-            if not self.planned_first:  # proposed first: what planning on the proposal saved
-                saved = best.expected * plain - best.seconds  # 0 for no drafts
-                self.proposal_saved += PREFILL_DECAY * (saved - self.proposal_saved)
-        return torch.tensor(out, dtype=torch.long, device=limits.device)
+            return
+        self.plan_seconds = clock(device) - start
+        self.replan_cost += PREFILL_DECAY * (self.plan_seconds - self.replan_cost)
+        if not self.planned_first:  # proposed first: what planning on the proposal saved
+            self.proposal_saved += PREFILL_DECAY * (saved - self.proposal_saved)
 
     def _plan(
         self, survival: list[list[float]], cap: list[int], B: int, fused: bool, limit: int | None, prefill: float,
-        allowed: float, baseline: Plan,
+        allowed: float, baseline: Plan, replan: float = 0.0,
     ) -> Plan:
         """The budgets whose step (its pass and ``prefill`` seconds) yields the most expected
         tokens per second within the floor (``allowed``, see `_fill`), beating ``baseline``,
         or MIN_GAIN over it where it has no drafts. Proposing costs by depth, and the torch blocks pad every
         row's attention to the widest draft (or, when few rows draft, compute only their extra
         queries), so the widest draft is chosen first: for each width w and each way attention
-        may run, positions of depth <= w are taken most likely first while they pay."""
+        may run, positions of depth <= w are taken most likely first while they pay. ``replan``:
+        the seconds drafting costs beyond proposing (planning again on the proposal)."""
         # Candidate positions (row b's k-th draft token), most likely to survive first; survival
         # falls with k, so a row's positions come in order.
         ranked = sorted(
@@ -245,7 +292,7 @@ class AdaptiveBudget:
             else:  # splitting applies only if one drafting row keeps attention within a third of padded
                 modes = ("padded", "split") if attention_queries(B, 1, 1 + w) < B * (1 + w) else ("padded",)
             for mode in modes:
-                plan = self._fill(ranked, B, w, self.draft_cost * w, mode, limit, prefill, allowed)  # w deep
+                plan = self._fill(ranked, B, w, self.draft_cost * w + replan, mode, limit, prefill, allowed)  # w deep
                 rate = plan.rate(prefill)
                 if rate > best_rate:
                     best, best_rate = plan, rate
@@ -305,17 +352,17 @@ class AdaptiveBudget:
         return Plan(out, expected, self.pass_time(B, positions, rows, max(out, default=0), drafting))
 
     def _floor_reachable(
-        self, B: int, survival: list[list[float]], cap: list[int], allowed: float, plain: float
+        self, B: int, survival: list[list[float]], cap: list[int], allowed: float, plain: float, replan: float = 0.0
     ) -> bool:
         """Whether any drafts could keep the pass within ``allowed`` seconds per expected token. A
-        pass with n drafts costs at least no drafts' pass (B · ``plain``) + δ + proposing one deep
+        pass with n drafts costs at least no drafts' pass (B · ``plain``) + δ + ``replan`` + proposing one deep
         + n · m, m being the curve's least slope past B plus one attention query (every mode runs
         at least one a draft), and yields B + the n drafts' survivals: the margin is largest with
         every draft whose survival s beats m / ``allowed``, each adding s · ``allowed`` − m.
         Where even that fails no width can keep a draft, and `_plan` (9-16 `_fill` runs) is
         skipped."""
         m = self.cost.min_slope(B) + self.attention_cost * self.context  # [s] the least a draft adds
-        margin = B * (allowed - plain) - self.draft_overhead - self.draft_cost
+        margin = B * (allowed - plain) - self.draft_overhead - self.draft_cost - replan
         for b in range(B):
             for s in survival[b][: cap[b]]:
                 if s * allowed <= m:
@@ -354,11 +401,12 @@ class AdaptiveBudget:
         draft_depth: int = 1, proposal: torch.Tensor | None = None, positions: int | None = None,
     ) -> None:  # fmt: skip
         timed = math.isfinite(seconds) and math.isfinite(draft_seconds)  # else a broken clock: no times learnt
+        accepted, drafts = num_accepted.tolist(), num_draft.tolist()  # one device read each
         if timed:
-            self._observe_cost(len(reqs), num_draft.tolist(), seconds, positions)
-        tokens = len(reqs) + int(num_accepted.sum())  # each row's accepted drafts and its one new token
+            self._observe_cost(len(reqs), drafts, seconds, positions)
+        tokens = len(reqs) + sum(accepted)  # each row's accepted drafts and its one new token
         self.tokens_per_step += PREFILL_DECAY * (tokens - self.tokens_per_step)
-        drafted = int(num_draft.sum()) > 0
+        drafted = any(drafts)
         if timed and draft_seconds > 0 and not self.planned_first:  # proposed first: what that cost
             cost = draft_seconds + self.plan_seconds
             self.proposal_cost += PREFILL_DECAY * (cost - self.proposal_cost)
@@ -374,7 +422,7 @@ class AdaptiveBudget:
             del self.draft_costs[:-DRAFT_COST_WINDOW]
             self.draft_cost = statistics.median(self.draft_costs)
         rows = proposal.tolist() if proposal is not None else None
-        self.acceptance.observe(reqs, num_accepted.tolist(), num_draft.tolist(), rows)
+        self.acceptance.observe(reqs, accepted, drafts, rows)
 
     def _observe_cost(self, rows: int, num_draft: list[int], seconds: float, positions: int | None = None) -> None:
         """Log the pass (positions, attention queries · context, whether it carried drafts, its

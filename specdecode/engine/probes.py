@@ -1,9 +1,11 @@
-"""Probes: how the adaptive budget (engine/adaptive.py) keeps speculation from switching off.
+"""Probes and rests: when the adaptive budget (engine/adaptive.py) plans at all.
 
 Owns: when a step that would verify no drafts drafts one token on a few rows instead, and
-which rows. Estimates move only when drafts are tried, and the verify-cost curve is refitted
+which rows (`Probes`). Estimates move only when drafts are tried, and the verify-cost curve is refitted
 only from passes that carry drafts, so a budget stopped by a few early rejections, or by a
-curve that priced drafts too high, would otherwise stay stopped for good.
+curve that priced drafts too high, would otherwise stay stopped for good. And when a step
+may skip planning whether to propose (`Rest`): where nothing repeats, that planning finds
+no drafts step after step, and its cost is most of what speculation adds to a plain step.
 """
 
 from __future__ import annotations
@@ -63,4 +65,46 @@ class Probes:
         self.pick = None
         if drafted:
             self.every = min(2 * self.every, PROBE_MAX) if self.probed else PROBE_EVERY
-        self.steps_without_drafts = 0 if drafted else self.steps_without_drafts + 1
+        # a probe whose proposal held no token has nothing to show: the next waits its turn (not
+        # the next step: on text with nothing to copy that proposed on every step)
+        self.steps_without_drafts = 0 if drafted or self.probed else self.steps_without_drafts + 1
+
+
+# The longest run of steps that reuse a plan which found no drafts (see Rest).
+REST_MAX = 8
+
+
+class Rest:
+    """Plans made before proposing that later steps may reuse. After one that found no drafts,
+    the next 1, 2, 4, ... up to REST_MAX steps plan nothing and propose nothing, for as long
+    as what the plan read is unchanged (``key``: the rows and their γ, their acceptance states
+    and counts, the cost curve). What the key leaves out moves the plan little in so few
+    steps: the context grows by a token a row (each draft's attention costs more, so drafts
+    pay less), running means move by 1/32 a step, and the draft cost is a median of the
+    latest proposals. A probe that falls due, or a prefill chunk in the step, plans as usual
+    (the budget gives no key then)."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None  # what the last plan that found no drafts read
+        self.wait = 0  # steps it covers
+        self.left = 0  # of which not yet used
+        self.raw: list[list[float]] = []  # the raw confidences it planned with
+
+    def skip(self, key: tuple | None) -> bool:
+        """Whether this step reuses the last plan (and so drafts nothing, nor proposes)."""
+        if key is None or key != self.key or self.left == 0:
+            return False
+        self.left -= 1
+        return True
+
+    def planned(self, key: tuple | None, drafts: bool, raw: list[list[float]]) -> None:
+        """A plan was made on ``raw`` confidences (``drafts``: whether it drafts, probes aside);
+        with no drafts under ``key``, the following steps may reuse it. A step that had to plan
+        (no key: a probe, a prefill chunk) leaves the rest as it was."""
+        if key is None and not drafts:
+            return
+        if drafts:
+            self.key, self.wait, self.left = None, 0, 0
+            return
+        self.wait = min(2 * self.wait, REST_MAX) if key == self.key and self.wait else 1
+        self.key, self.left, self.raw = key, self.wait, raw
