@@ -13,19 +13,20 @@ measured one, and (greedy) whether every output was identical to plain decoding'
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from specdecode.config import SamplingParams, SpecDecodeError
 from specdecode.entrypoints.bench_prompts import CATEGORIES, BenchPrompt, build_prompts, read_prompts_file
 
 QUICK = {"methods": ["auto"], "per_category": 2, "max_tokens": 64, "temperatures": [0.0], "batch_sizes": [1],
-         "repeats": 1}
+         "repeats": 1, "busy": [0]}
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,7 +46,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="auto only, 2 prompts per category, 64 tokens, greedy, once")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default="auto")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: the cores allowed)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads, fixed (default: the cores allowed, fewer while other processes take cores)")
+    p.add_argument("--busy", nargs="+", type=int, default=None,
+                   help="measure again beside this many CPU-bound processes, for each number given (default: 0)")
     p.add_argument("--json", default=None, help="write every figure here")
     p.add_argument("--plot-dir", default=None, help="write speedup.png and acceptance.png here")
     p.add_argument("--results", default=None, help="write the table into this results page (markdown)")
@@ -54,7 +58,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     """The run's settings: explicit flags over --quick's over the defaults; bad values are one line."""
     base = {"methods": ["auto", "ngram", "suffix"], "per_category": 4, "max_tokens": 128, "temperatures": [0.0],
-            "batch_sizes": [1], "repeats": 2} | (QUICK if args.quick else {})  # fmt: skip
+            "batch_sizes": [1], "repeats": 2, "busy": [0]} | (QUICK if args.quick else {})  # fmt: skip
     opts = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in base.items()}
     if opts["per_category"] < 1 or opts["max_tokens"] < 2 or opts["repeats"] < 1:
         raise SpecDecodeError("--per-category and --repeats must be >= 1 and --max-tokens >= 2")
@@ -62,6 +66,8 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         raise SpecDecodeError(f"--temperatures must be finite numbers >= 0, got {opts['temperatures']}")
     if any(b < 1 for b in opts["batch_sizes"]):
         raise SpecDecodeError(f"--batch-sizes must be >= 1, got {opts['batch_sizes']}")
+    if any(not 0 <= n <= 64 for n in opts["busy"]):
+        raise SpecDecodeError(f"--busy must be numbers of processes in [0, 64], got {opts['busy']}")
     if args.threads is not None and args.threads < 1:
         raise SpecDecodeError(f"--threads must be >= 1, got {args.threads}")
     for path in (args.json, args.results):
@@ -100,6 +106,27 @@ class _DraftTimer:
                 self.seconds += time.perf_counter() - t0
 
         return call
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+@contextlib.contextmanager
+def busy_processes(n: int) -> Iterator[None]:
+    """``n`` CPU-bound processes running beside the block: a machine with other work on it."""
+    import multiprocessing
+
+    procs = [multiprocessing.get_context("spawn").Process(target=_spin, daemon=True) for _ in range(n)]
+    for proc in procs:
+        proc.start()
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.join()
 
 
 def encode_prompt(llm: Any, prompt: BenchPrompt) -> list[int]:
@@ -207,14 +234,32 @@ def interval(ratios: list[float]) -> list[float] | None:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| T | batch | category | method | tokens/s | plain | speedup [95% CI] | predicted | α | τ | identical |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    busy = any(r.get("busy") for r in rows)  # a column only where some run had busy neighbours
+    head = "| T | batch | category | method |" + (" busy |" if busy else "")
+    lines = [head + " tokens/s | plain | speedup [95% CI] | predicted | α | τ | identical |",
+             "|---" * (11 + busy) + "|"]  # fmt: skip
     for r in rows:
         same = {True: "yes", False: "**NO**", None: "–"}[r["identical"]]
         lines.append(f"| {r['temperature']:g} | {r['batch_size']} | {r['category']} | {r['method']} | "
+                     + (f"{r.get('busy', 0)} | " if busy else "") +
                      f"{r['tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | {r['speedup']:.2f}×{ci(r)} | "
                      f"{r['predicted_speedup']:.2f}× | {r['alpha']:.2f} | {r['tau']:.2f} | {same} |")  # fmt: skip
     return "\n".join(lines)
+
+
+def busy_lines(rows: list[dict]) -> list[str]:
+    """Plain decoding's tokens/s beside busy processes as a share of its quiet tokens/s (the
+    same prompts, first configuration's runs): a fair share of n cores with k busy is (n - k) / n."""
+    quiet = {(r["temperature"], r["batch_size"], r["category"]): r["plain_tokens_per_s"]
+             for r in rows if r.get("busy", 0) == 0}  # fmt: skip
+    levels = sorted({r["busy"] for r in rows if r.get("busy")})
+    lines = []
+    for n in levels:
+        shares = [r["plain_tokens_per_s"] / quiet[k] for r in rows if r.get("busy") == n
+                  and (k := (r["temperature"], r["batch_size"], r["category"])) in quiet]  # fmt: skip
+        if shares:
+            lines.append(f"plain decoding beside {n} busy process(es): {statistics.fmean(shares):.0%} of its quiet tokens/s")
+    return lines
 
 
 def ci(row: dict) -> str:
@@ -266,10 +311,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         prompts = read_prompts_file(args.prompts)
     else:
         prompts = build_prompts(args.categories or list(CATEGORIES), opts["per_category"])
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
     from tqdm import tqdm
 
     from specdecode import LLM
@@ -277,20 +318,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # no prefix cache: the same prompts run again and again, and a cached prompt would make
     # whichever configuration runs it later look faster
     plain = LLM(model=args.model, speculative_config=None, dtype=args.dtype, quantization=args.quantization,
-                enable_prefix_caching=False)
+                enable_prefix_caching=False, threads=args.threads)
     warm = [plain.tokenize("Hello, world.")]
     plain.generate(warm, SamplingParams(temperature=0.0, max_tokens=8))
     groups = sum(-(-len([p for p in prompts if p.category == c]) // b) for c in {p.category for p in prompts}
                  for b in opts["batch_sizes"]) * len(opts["temperatures"]) * opts["repeats"]  # fmt: skip
     rows = []
-    with tqdm(total=groups * len(methods), desc="bench", unit="run") as progress:
-        for name, spec in methods:
-            llm = plain.with_speculative_config(spec)
-            llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=8))
-            rows += measure(llm, plain, name, prompts, opts, progress)
-            del llm
+    with tqdm(total=groups * len(methods) * len(opts["busy"]), desc="bench", unit="run") as progress:
+        for busy in opts["busy"]:
+            with busy_processes(busy):
+                for name, spec in methods:
+                    llm = plain.with_speculative_config(spec)
+                    llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=8))
+                    rows += [r | {"busy": busy} for r in measure(llm, plain, name, prompts, opts, progress)]
+                    del llm
     text = table(rows)
     print(text)
+    print(*busy_lines(rows), sep="\n")
     if any(r["auto"] for r in rows):
         print(next(r["auto"] for r in rows if r["auto"]))
     if args.json:
@@ -304,11 +348,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         auto = next((r["auto"] for r in rows if r["auto"]), None)
         note = (f"`specdecode bench`: each configuration beside plain decoding of the same prompts, "
                 f"{opts['repeats']} run(s) each in alternating order (suffix, which learns from earlier requests, "
-                "once), prefix caching off; at most {opts['max_tokens']} new tokens, "
+                f"once), prefix caching off; at most {opts['max_tokens']} new tokens, "
                 f"{len(prompts)} prompts. Speedup: output tokens/s (prefill included) against plain decoding, "
                 "geometric mean over prompts with its 95% interval; predicted: Leviathan's formula from the "
-                "measured α and draft cost c.")  # fmt: skip
-        body = f"## Speculation by category\n\n{note}\n\n{text}\n" + (f"\n{auto}.\n" if auto else "")
+                "measured α and draft cost c. Threads: "
+                + (f"{args.threads}, fixed." if args.threads else "chosen by each engine (engine/threads.py).")
+                + (" Busy: that many CPU-bound processes ran beside the measurement." if any(opts["busy"]) else ""))
+        lines = "".join(f"\n{line}.\n" for line in busy_lines(rows))
+        body = f"## Speculation by category\n\n{note}\n\n{text}\n{lines}" + (f"\n{auto}.\n" if auto else "")
         page = Path(args.results).expanduser().resolve().parent
         body += "".join(f"\n![{Path(png).stem}]({os.path.relpath(Path(png).resolve(), page)})\n" for png in pngs)
         write_section(args.results, "bench", body)

@@ -54,7 +54,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--compare", action="store_true", help="also run plain decoding and report the speedup")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
+    g.add_argument("--threads", type=int, default=None, help="CPU threads, fixed (default: the cores allowed, fewer while other processes take cores)")
 
 
 def _add_compile(p: argparse.ArgumentParser) -> None:
@@ -100,7 +100,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="recompute every prompt (default: full blocks of earlier prompts and outputs are reused)")
     _add_compile(s)
-    s.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
+    s.add_argument("--threads", type=int, default=None, help="CPU threads, fixed (default: the cores allowed, fewer while other processes take cores)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -238,16 +238,13 @@ class _TextStreamer:
 def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     spec = parse_spec(args.speculative_config)  # bad JSON fails before the model loads
-    if args.threads is not None:
-        if args.threads < 1:
-            raise SpecDecodeError(f"--threads must be >= 1, got {args.threads}")
-        import torch
-
-        torch.set_num_threads(args.threads)
+    if args.threads is not None and args.threads < 1:
+        raise SpecDecodeError(f"--threads must be >= 1, got {args.threads}")
     from specdecode import LLM
 
     llm = LLM(model=args.model, speculative_config=spec, dtype=args.dtype, device=args.device,
-              quantization=args.quantization, batch_invariant=args.batch_invariant, compile=_compile(args))  # fmt: skip
+              quantization=args.quantization, batch_invariant=args.batch_invariant, compile=_compile(args),
+              threads=args.threads)  # fmt: skip
     prompt_ids = llm.encode_chat(args.prompt) if args.chat else llm.tokenize(args.prompt)
     if args.compare:  # the first passes of a process are cold (kernels, pages): both engines run a few rounds
         warm = llm.tokenize("Hello, world.") if llm.tokenizer is not None else prompt_ids[:1]  # not the prompt:
@@ -337,17 +334,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             pass
     except OSError as e:
         raise SpecDecodeError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
     from specdecode.entrypoints.serve import run_server
     from specdecode.entrypoints.server import ServerLimits
 
     run_server(model=args.model, speculative_config=args.speculative_config, host=args.host, port=args.port,
                max_num_seqs=args.max_num_seqs, api_key=args.api_key, dtype=args.dtype, device=args.device,
                quantization=args.quantization, max_model_len=args.max_model_len, log_level=args.log_level,
-               compile=_compile(args), enable_prefix_caching=args.prefix_caching, limits=ServerLimits(max_body_bytes=args.max_request_bytes,
+               compile=_compile(args), enable_prefix_caching=args.prefix_caching, threads=args.threads, limits=ServerLimits(max_body_bytes=args.max_request_bytes,
                                                            max_stop=args.max_stop, max_tokens_limit=args.max_tokens_limit))  # fmt: skip
     return 0
 

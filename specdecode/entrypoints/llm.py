@@ -56,7 +56,10 @@ class LLM:
     least one full sequence): raise it to keep many long sequences resident.
     ``enable_prefix_caching`` (vLLM's name, on by default) keeps the full blocks of earlier
     prompts and outputs, so a prompt that starts the same way (a chat's next turn, a shared
-    system prompt, the ``n`` samples of one prompt) computes only what is new.
+    system prompt, the ``n`` samples of one prompt) computes only what is new. ``threads``
+    fixes the CPU threads; by default, where the passes run our row-invariant kernels, each
+    engine chooses them step by step within the cores allowed, fewer while other processes
+    take cores (engine/threads.py; the count changes no output).
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class LLM:
         num_blocks: int | None = None,
         compile: bool | str = False,
         enable_prefix_caching: bool = True,
+        threads: int | None = None,
     ) -> None:
         from specdecode.model.compiled import compile_target, parse_compile
         from specdecode.model.loader import load_model
@@ -97,7 +101,8 @@ class LLM:
         self.tokenizer = self.target.tokenizer
         self.spec = spec
         engine_args = dict(max_model_len=self.max_model_len, max_num_seqs=max_num_seqs, num_blocks=num_blocks,
-                           batch_invariant=batch_invariant, enable_prefix_caching=enable_prefix_caching)  # fmt: skip
+                           batch_invariant=batch_invariant, enable_prefix_caching=enable_prefix_caching,
+                           threads=threads)  # fmt: skip
         self.compile_mode = None
         if compile_mode is not None:  # warmed up on throwaway engines, so no dummy request leaves state behind
             self.compile_mode = compile_target(self.target.model, compile_mode, lambda: self._build_engines(

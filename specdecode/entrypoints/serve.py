@@ -30,6 +30,7 @@ def run_server(
     device: str = "auto",
     quantization: str | None = "auto",
     max_model_len: int | None = None,
+    threads: int | None = None,
     log_level: str = "info",
     compile: bool | str = False,
     limits: ServerLimits | None = None,
@@ -39,7 +40,8 @@ def run_server(
     """Load the model, build the engine and serve until SIGTERM / SIGINT (then drain).
     ``compile`` as for `LLM`: the target's blocks compiled and warmed up before the port opens.
     ``limits``: what one request may ask for (server.ServerLimits); ``keep_alive_s``: an idle
-    connection is closed after it (uvicorn's timeout_keep_alive)."""
+    connection is closed after it (uvicorn's timeout_keep_alive); ``threads``: CPU threads, fixed
+    (None: the engine's thread tuner, engine/threads.py)."""
     from specdecode.engine.serving import ServingEngine
     from specdecode.model.compiled import compile_target, parse_compile
     from specdecode.model.loader import load_model
@@ -56,7 +58,7 @@ def run_server(
 
     def new_engine() -> ServingEngine:
         return ServingEngine(target, spec, max_model_len=max_model_len, max_num_seqs=max_num_seqs, quantization=quantization,
-                             enable_prefix_caching=enable_prefix_caching)
+                             enable_prefix_caching=enable_prefix_caching, threads=threads)
 
     if compile_mode is not None:
         compile_target(target.model, compile_mode, lambda: [new_engine()])

@@ -86,15 +86,11 @@ def _check(args: argparse.Namespace) -> None:
 def cmd_tune(args: argparse.Namespace) -> int:
     _check(args)
     prompts = read_prompts_file(args.prompts) if args.prompts else build_prompts(args.categories or list(CATEGORIES), 8)
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
     from specdecode import LLM
     from specdecode.drafters.learned import shipped_folder
 
     plain = LLM(model=args.model, speculative_config=None, dtype=args.dtype, quantization=args.quantization,
-                enable_prefix_caching=False)  # a prompt cached by an earlier run would favour the later ones
+                enable_prefix_caching=False, threads=args.threads)  # a prompt cached by an earlier run would favour the later ones
     candidates = space(shipped_folder("eagle", plain.target) is not None)
     if args.methods:
         candidates = [c for c in candidates if (c if isinstance(c, str) else c["method"]) in args.methods]

@@ -53,11 +53,13 @@ def test_own_prompts_and_sampling(tiny, tmp_path, capsys):
     prompts.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     out = tmp_path / "b.json"
     code = main(["bench", "--model", tiny, "--prompts", str(prompts), "--methods", "ngram", "--temperatures", "0.8",
-                 "--max-tokens", "8", "--repeats", "2", "--json", str(out)])  # fmt: skip
-    capsys.readouterr()
+                 "--max-tokens", "8", "--repeats", "2", "--busy", "0", "1", "--json", str(out)])  # fmt: skip
+    text = capsys.readouterr().out
     rows = json.loads(out.read_text())["rows"]
-    assert code == 0 and {r["category"]: r["prompts"] for r in rows} == {"mine": 2, "prompts": 1}
+    assert code == 0 and {(r["category"], r["busy"]): r["prompts"] for r in rows} == {
+        ("mine", 0): 2, ("prompts", 0): 1, ("mine", 1): 2, ("prompts", 1): 1}
     assert all(r["identical"] is None and r["temperature"] == 0.8 for r in rows)
+    assert "| busy |" in text and "plain decoding beside 1 busy process(es): " in text
 
 
 @pytest.mark.parametrize("argv,says", [
@@ -68,6 +70,7 @@ def test_own_prompts_and_sampling(tiny, tmp_path, capsys):
     (["--temperatures", "-1"], "--temperatures must be"),
     (["--batch-sizes", "0"], "--batch-sizes must be >= 1"),
     (["--repeats", "0"], "--per-category and --repeats must be >= 1"),
+    (["--busy", "-1"], "--busy must be numbers of processes"),
     (["--prompts", "MISSING"], "cannot read --prompts"),
     (["--prompts", "EMPTY"], "holds no prompt"),
     (["--prompts", "BAD"], "line 1 is not JSON"),
