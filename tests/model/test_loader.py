@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from specdecode.config import SpecDecodeError
-from specdecode.model import gguf_convert, loader
-from specdecode.model.loader import default_model_path, load_model, resolve_device, resolve_dtype
+from specdecode.model import gguf_convert
+from specdecode.model.loader import load_model, resolve_device, resolve_dtype
+from specdecode.model.packaged import default_model_path, gemma3_path
 from tests.tiny import _llama_cpp_permute, make_tiny_checkpoint, make_tiny_gguf, transformers_from_gguf
 
 
@@ -377,7 +378,7 @@ def test_gemma3_270m_generates_sensible_text(real_cache):
     prompt = tok("The capital of France is").input_ids
     ours = greedy(lm.model, prompt, 12, lm.config.eos_token_ids)
     assert "France" in tok.decode(ours)  # base model: " the capital of the country of France."
-    ref = transformers_from_gguf(loader._gemma3_path())
+    ref = transformers_from_gguf(gemma3_path())
     with torch.no_grad():
         gen = ref.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
     assert ours == gen[0, len(prompt) :].tolist(), (tok.decode(ours), tok.decode(gen[0, len(prompt) :]))

@@ -40,9 +40,9 @@ def test_gguf_q4_k_blocks_decode_exactly(real_cache):
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    from specdecode.model.loader import _gemma3_path
+    from specdecode.model.packaged import gemma3_path
 
-    tensors = [t for t in GGUFReader(_gemma3_path()).tensors if t.tensor_type.name == "Q4_K"][:2]
+    tensors = [t for t in GGUFReader(gemma3_path()).tensors if t.tensor_type.name == "Q4_K"][:2]
     assert tensors
     for t in tensors:
         k, n = (int(d) for d in t.shape)

@@ -8,7 +8,7 @@ import pytest
 
 
 def _timing():
-    path = Path(__file__).parents[1] / "benchmarks" / "timing.py"
+    path = Path(__file__).parents[2] / "benchmarks" / "timing.py"
     spec = importlib.util.spec_from_file_location("timing", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -35,7 +35,7 @@ def test_bench_learned_intervals_are_over_prompts_not_repetitions(monkeypatch):
     made the interval far too narrow (the prompt is the sampling unit)."""
     import sys
 
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "benchmarks"))
     monkeypatch.delitem(sys.modules, "timing", raising=False)
     import bench_learned
 

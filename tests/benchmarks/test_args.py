@@ -11,7 +11,7 @@ import pytest
 
 from specdecode.config import SpecDecodeError
 
-BENCH = Path(__file__).parents[1] / "benchmarks"
+BENCH = Path(__file__).parents[2] / "benchmarks"
 
 
 def _module(name: str, monkeypatch):

@@ -16,7 +16,7 @@ from tests.tiny import make_tiny_checkpoint
 
 
 def _load():
-    path = Path(__file__).parents[1] / "benchmarks" / "load.py"
+    path = Path(__file__).parents[2] / "benchmarks" / "load.py"
     spec = importlib.util.spec_from_file_location("bench_load", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules["bench_load"] = module  # its dataclasses look their module up there
