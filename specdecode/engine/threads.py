@@ -28,6 +28,7 @@ import torch
 WINDOW = 16  # steps a measurement covers
 SLOW = 1.4  # a window this much slower than the best recent one at its count: contention
 MARGIN = 0.05  # a trial must be this much faster to be kept
+START_INTERVAL = 8  # windows before the first scheduled trial: a short generation pays none
 FIRST_INTERVAL = 4  # windows from a change of count to the first trial back
 MAX_INTERVAL = 64  # windows between trials, at most
 
@@ -49,7 +50,7 @@ class ThreadTuner:
         self.trial: int | None = None  # the count a trial window is measuring
         self.best: dict[int, float] = {}  # the fastest recent window per count (seconds per round)
         self.last = float("inf")  # the latest window at the current count
-        self.interval, self.since = 1, 0  # windows between trials, and since the last one
+        self.interval, self.since = START_INTERVAL, 0  # windows between trials, and since the last one
         self.down = True  # the direction of the next scheduled trial
         self._steps, self._seconds = 0, 0.0
         self._start = 0.0

@@ -17,6 +17,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import statistics
 import time
 from pathlib import Path
@@ -53,6 +54,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write every figure here")
     p.add_argument("--plot-dir", default=None, help="write speedup.png and acceptance.png here")
     p.add_argument("--results", default=None, help="write the table into this results page (markdown)")
+    p.add_argument("--section", default="bench", help="the results page's section to replace (default: bench)")
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
@@ -70,6 +72,8 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         raise SpecDecodeError(f"--busy must be numbers of processes in [0, 64], got {opts['busy']}")
     if args.threads is not None and args.threads < 1:
         raise SpecDecodeError(f"--threads must be >= 1, got {args.threads}")
+    if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", args.section):
+        raise SpecDecodeError(f"--section must be lowercase letters, digits and dashes, got {args.section!r}")
     for path in (args.json, args.results):
         if path is not None and not Path(path).expanduser().parent.is_dir():
             raise SpecDecodeError(f"no folder to write {path!r} in")
@@ -355,8 +359,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 + (f"{args.threads}, fixed." if args.threads else "chosen by each engine (engine/threads.py).")
                 + (" Busy: that many CPU-bound processes ran beside the measurement." if any(opts["busy"]) else ""))
         lines = "".join(f"\n{line}.\n" for line in busy_lines(rows))
-        body = f"## Speculation by category\n\n{note}\n\n{text}\n{lines}" + (f"\n{auto}.\n" if auto else "")
+        title = "Speculation by category" + (f": {args.section}" if args.section != "bench" else "")
+        body = f"## {title}\n\n{note}\n\n{text}\n{lines}" + (f"\n{auto}.\n" if auto else "")
         page = Path(args.results).expanduser().resolve().parent
         body += "".join(f"\n![{Path(png).stem}]({os.path.relpath(Path(png).resolve(), page)})\n" for png in pngs)
-        write_section(args.results, "bench", body)
+        write_section(args.results, args.section, body)
     return 1 if any(r["identical"] is False for r in rows) else 0

@@ -146,13 +146,22 @@ def build_prompts(categories: list[str], per_category: int) -> list[BenchPrompt]
 
 def read_prompts_file(path: str) -> list[BenchPrompt]:
     """One JSON object per line: an OpenAI chat request ``{"messages": [...]}`` or a raw
-    ``{"prompt": "..."}``, with an optional ``"category"`` (default "prompts"). Shared by
-    `specdecode bench`, `tune` and `audit`."""
+    ``{"prompt": "..."}``, with an optional ``"category"`` (default "prompts"); or one JSON
+    object of categories, each a list of user messages (``{"chat": ["...", ...], ...}``).
+    Shared by `specdecode bench`, `tune` and `audit`."""
     try:
-        lines = Path(path).read_text().splitlines()
+        text = Path(path).read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise SpecDecodeError(f"cannot read --prompts {path!r}: {getattr(e, 'strerror', None) or e}") from None
-    out = []
+    try:
+        whole = json.loads(text)
+    except json.JSONDecodeError:
+        whole = None
+    if isinstance(whole, dict) and whole and all(
+        isinstance(v, list) and all(isinstance(t, str) for t in v) for v in whole.values()
+    ):  # fmt: skip
+        return [BenchPrompt(str(category), _user(t)) for category, texts in whole.items() for t in texts]
+    lines, out = text.splitlines(), []
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue

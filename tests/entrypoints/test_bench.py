@@ -62,6 +62,20 @@ def test_own_prompts_and_sampling(tiny, tmp_path, capsys):
     assert "| busy |" in text and "plain decoding beside 1 busy process(es): " in text
 
 
+def test_categories_file_and_a_named_results_section(tiny, tmp_path, capsys):
+    """A JSON object of categories (as benchmarks/prompts_learned.json) is a prompts file too, and
+    --section writes its own section of the results page, leaving the others."""
+    prompts, page = tmp_path / "p.json", tmp_path / "results.md"
+    prompts.write_text(json.dumps({"chat": ["hello there", "what is up"], "code": ["def f(x): return x"]}))
+    page.write_text("# Results\n\n<!-- bench:start -->\nkept\n<!-- bench:end -->\n")
+    code = main(["bench", "--model", tiny, "--prompts", str(prompts), "--methods", "ngram", "--max-tokens", "6",
+                 "--repeats", "1", "--results", str(page), "--section", "learned"])  # fmt: skip
+    capsys.readouterr()
+    text = page.read_text()
+    assert code == 0 and "kept" in text and "<!-- learned:start -->" in text and "| code | ngram |" in text
+    assert "## Speculation by category: learned" in text
+
+
 @pytest.mark.parametrize("argv,says", [
     (["--categories", "poetry"], "unknown category 'poetry'"),
     (["--methods", "eagle9"], "unknown method 'eagle9' for --methods"),
@@ -71,6 +85,7 @@ def test_own_prompts_and_sampling(tiny, tmp_path, capsys):
     (["--batch-sizes", "0"], "--batch-sizes must be >= 1"),
     (["--repeats", "0"], "--per-category and --repeats must be >= 1"),
     (["--busy", "-1"], "--busy must be numbers of processes"),
+    (["--section", "My Section"], "--section must be lowercase"),
     (["--prompts", "MISSING"], "cannot read --prompts"),
     (["--prompts", "EMPTY"], "holds no prompt"),
     (["--prompts", "BAD"], "line 1 is not JSON"),
