@@ -38,7 +38,7 @@ from bench_core import load_hf, time_hf
 
 from specdecode import LLM, SamplingParams
 from specdecode.entrypoints.cli import OneLineParser
-from specdecode.model.loader import default_model_path
+from specdecode.model.packaged import default_model_path
 
 HERE = Path(__file__).parent
 SPECS = {

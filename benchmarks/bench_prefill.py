@@ -34,7 +34,7 @@ from load import ClosedLoop, Recording, run_loads
 from specdecode import LLM, SamplingParams
 from specdecode.engine.serving import ServingEngine
 from specdecode.entrypoints.cli import OneLineParser
-from specdecode.model.loader import default_model_path
+from specdecode.model.packaged import default_model_path
 
 SHORT = [
     "What is the capital of France?",

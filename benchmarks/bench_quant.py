@@ -30,7 +30,8 @@ from specdecode.config import SpecDecodeError
 from specdecode.entrypoints.cli import OneLineParser
 from specdecode.model.cpu_int4 import INT4_CPU_KERNELS
 from specdecode.model.gguf_convert import gguf_int4_weights
-from specdecode.model.loader import default_model_path, load_model, use_gguf_blocks_
+from specdecode.model.loader import load_model, use_gguf_blocks_
+from specdecode.model.packaged import default_model_path
 from specdecode.model.quant import describe_kernels, parse_quantization, quantize_model_
 
 PROMPT = "Explain in a few sentences why the sky is blue, then list three other colours of the sky at dusk."

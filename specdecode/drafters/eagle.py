@@ -79,8 +79,8 @@ class EagleDrafter:
     Options: ClassVar[type] = EagleOptions
     Net: ClassVar[type[FeatureNet]] = FeatureNet
     # with the shipped nets a second draft token pays less than its draft step and verified position
-    # cost (benchmarks/bench_learned.py compares the depths); a stronger drafter may go deeper,
-    # with confidence_threshold
+    # cost (`specdecode bench --methods` with two num_speculative_tokens compares them); a stronger
+    # drafter may go deeper, with confidence_threshold
     default_num_speculative_tokens: ClassVar[int] = 1
 
     def __init__(self, spec: SpecConfig, ctx: DrafterContext) -> None:

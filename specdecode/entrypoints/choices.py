@@ -3,8 +3,9 @@ format of both endpoints, and the usage of a request's choices together.
 
 Owns: turning a request's `RequestEvent`s into safe-to-show text (stop strings cut, partial
 characters and stop-string prefixes held back), its logprobs objects (chat's ``content``
-list, completions' ``tokens`` / ``token_logprobs`` / ``top_logprobs``), the usage summed
-over a request's n x prompts choices, and cancelling a choice whose client went away.
+list, completions' ``tokens`` / ``token_logprobs`` / ``top_logprobs``), the usage object
+(OpenAI's, with per-request speculation statistics) summed over a request's n x prompts
+choices, and cancelling a choice whose client went away.
 Does not own: the routes and the request's flow (server.py), validation (openai_protocol.py).
 """
 
@@ -18,8 +19,8 @@ from typing import Any, Callable, Sequence
 
 from specdecode.config import SamplingParams
 from specdecode.core.batch import SpecStats
-from specdecode.entrypoints.openai_protocol import usage
 from specdecode.core.sampling import Logprob
+from specdecode.entrypoints.outputs import RequestMetrics
 
 LOGPROB_FLOOR = -9999.0  # what a -inf logprob is sent as (JSON has no infinity), as vLLM does
 
@@ -152,3 +153,25 @@ def request_usage(choices: Sequence[Choice], prompt_tokens: Sequence[int]) -> di
     n = max(1, len(choices) // max(1, len(prompt_tokens)))  # choices are ordered prompt × n + sample
     cached = sum(min(c.last.num_cached_tokens for c in choices[i : i + n]) for i in range(0, len(choices), n))
     return usage(dataclasses.replace(total), sum(prompt_tokens), outputs, cached)
+
+
+def usage(stats: SpecStats, num_prompt_tokens: int, num_output_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage (with the prompt tokens the prefix cache held) plus speculation: α
+    (accepted / reached draft tokens), vLLM's draft acceptance rate (accepted / drafted) and
+    τ (1 + accepted / rounds)."""
+    m = RequestMetrics(**dataclasses.asdict(stats))
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_output_tokens,
+        "total_tokens": num_prompt_tokens + num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "acceptance_rate": m.acceptance_rate,
+        "draft_acceptance_rate": m.draft_acceptance_rate,
+        "mean_accepted_length": m.mean_accepted_length,
+        "num_drafts": m.num_drafts,
+        "num_draft_tokens": m.num_draft_tokens,
+        "num_reached_tokens": m.num_reached_tokens,
+        "num_accepted_tokens": m.num_accepted_tokens,
+        "accepted_per_position": m.accepted_per_position,
+        "lossy": stats.lossy,  # typical acceptance: the output need not follow the model's distribution
+    }

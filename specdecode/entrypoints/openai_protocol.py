@@ -2,7 +2,7 @@
 
 Owns: what a `/v1/completions` or `/v1/chat/completions` body may hold and how each bad
 field becomes an OpenAI-style 400 (`{"error": {"message", "type", "param", "code"}}`),
-and the `usage` object with per-request speculation statistics.
+and the request limits.
 Does not own: the bounds themselves (config.SamplingParams and the engine check them;
 their one-line messages are passed through), HTTP routing (server.py).
 """
@@ -20,8 +20,6 @@ from pydantic_core import PydanticCustomError
 from starlette.requests import Request
 
 from specdecode.config import SamplingParams, SpecDecodeError, StructuredOutput, first_line, is_int
-from specdecode.core.batch import SpecStats
-from specdecode.entrypoints.outputs import RequestMetrics
 
 # OpenAI and vLLM fields we do not implement: a request that sets one gets a 400 rather than
 # silence, except at the values that ask for nothing (their defaults, which some clients always send).
@@ -349,28 +347,6 @@ def validation_error(errors: Any) -> APIError:
     param = loc[0] if loc else None
     where = ".".join(loc)
     return bad_request(f"{where}: {err.get('msg')}" if where else str(err.get("msg")), param)
-
-
-def usage(stats: SpecStats, num_prompt_tokens: int, num_output_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    """OpenAI's usage (with the prompt tokens the prefix cache held) plus speculation: α
-    (accepted / reached draft tokens), vLLM's draft acceptance rate (accepted / drafted) and
-    τ (1 + accepted / rounds)."""
-    m = RequestMetrics(**dataclasses.asdict(stats))
-    return {
-        "prompt_tokens": num_prompt_tokens,
-        "completion_tokens": num_output_tokens,
-        "total_tokens": num_prompt_tokens + num_output_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-        "acceptance_rate": m.acceptance_rate,
-        "draft_acceptance_rate": m.draft_acceptance_rate,
-        "mean_accepted_length": m.mean_accepted_length,
-        "num_drafts": m.num_drafts,
-        "num_draft_tokens": m.num_draft_tokens,
-        "num_reached_tokens": m.num_reached_tokens,
-        "num_accepted_tokens": m.num_accepted_tokens,
-        "accepted_per_position": m.accepted_per_position,
-        "lossy": stats.lossy,  # typical acceptance: the output need not follow the model's distribution
-    }
 
 
 @dataclass(frozen=True)

@@ -5,14 +5,14 @@ bearer auth on /v1/*, text (detokenization, stop strings, chat template), SSE st
 and cancelling a request whose client went away.
 Does not own: the wire format's validation and request limits (openai_protocol.py), the engine thread
 (engine_thread.py), loading and running the server with its shutdown on signals (serve.py),
-scheduling and decoding (engine/), metric definitions (metrics.py).
+scheduling and decoding (engine/), metric definitions (metrics.py), the SSE response and
+disconnect watching (streaming.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import secrets
 import time
 import uuid
@@ -22,12 +22,13 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from specdecode.config import SpecDecodeError
 from specdecode.entrypoints.choices import Choice, request_usage
+from specdecode.entrypoints.streaming import EventStream, cancel, disconnected, sse_line
 from specdecode.entrypoints.tools import ToolPlan, assistant_message, final_delta, plan_tools, template_messages
 from specdecode.entrypoints.engine_thread import ADMITTED, EngineThread, ShuttingDown
 from specdecode.entrypoints.openai_protocol import (
@@ -133,7 +134,7 @@ class _Server:
             raise
         lengths = [len(p) for p in prompts]
         if req.stream:
-            return _EventStream(self._sse(request_id, choices, req, chat, lengths), on_close=lambda: _cancel(choices))
+            return EventStream(self._sse(request_id, choices, req, chat, lengths), on_close=lambda: cancel(choices))
         return await self._complete(request, request_id, choices, chat, lengths, req.tool_plan if chat else None)
 
     async def _complete(self, request: Request, request_id: str, choices: list[Choice], chat: bool,
@@ -145,20 +146,20 @@ class _Server:
             return "".join(parts)
 
         work = asyncio.ensure_future(asyncio.gather(*(collect(c) for c in choices)))
-        gone = asyncio.ensure_future(_disconnected(request))
+        gone = asyncio.ensure_future(disconnected(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
             if not work.done():
                 work.cancel()
-                _cancel(choices)
+                cancel(choices)
         if not work.done() or work.cancelled():
             return Response(status_code=499)  # nobody is listening
         try:
             texts = work.result()
         except Exception as e:
-            _cancel(choices)
+            cancel(choices)
             raise _engine_error(e) from None
         out = []
         for c, text in zip(choices, texts):
@@ -189,7 +190,7 @@ class _Server:
                 choice["delta"] = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
             else:
                 choice["text"] = text or ""
-            return _sse_line({**base, "choices": [choice], **({"lossy": True} if lossy else {})})
+            return sse_line({**base, "choices": [choice], **({"lossy": True} if lossy else {})})
 
         try:
             for c in choices:
@@ -206,7 +207,7 @@ class _Server:
                     try:
                         delta = task.result()
                     except Exception as e:
-                        yield _sse_line(_engine_error(e).body())
+                        yield sse_line(_engine_error(e).body())
                         failed = True
                         break
                     if plan is not None:
@@ -220,52 +221,19 @@ class _Server:
                         if plan is not None:  # the held text, or its tool calls, as one delta
                             delta_obj, finish = final_delta(plan, held[c.index], finish)
                             lps = c.logprobs_json(c.logprobs, chat, self.token_text)
-                            yield _sse_line({**base, "choices": [{"index": c.index, "delta": delta_obj, "logprobs": lps,
+                            yield sse_line({**base, "choices": [{"index": c.index, "delta": delta_obj, "logprobs": lps,
                                                                   "finish_reason": None}]})  # fmt: skip
                         yield chunk(c, None, finish, lossy=c.last.stats.lossy)
             for task in waiting:
                 task.cancel()
             if not failed and req.include_usage:
-                yield _sse_line({**base, "choices": [], "usage": request_usage(choices, lengths)})
+                yield sse_line({**base, "choices": [], "usage": request_usage(choices, lengths)})
             yield "data: [DONE]\n\n"
         finally:  # when the client disconnects mid-stream (see _EventStream)
-            _cancel(choices)
+            cancel(choices)
 
     def _envelope(self, request_id: str, obj: str) -> dict[str, Any]:
         return {"id": request_id, "object": obj, "created": int(time.time()), "model": self.model_name}
-
-
-def _cancel(choices: Sequence[Choice]) -> None:
-    for c in choices:
-        c.cancel()
-
-
-class _EventStream(StreamingResponse):
-    """SSE whose ``on_close`` runs however the response ends. Starlette cancels the sending task
-    on disconnect, which leaves the body generator suspended at a ``yield`` (its ``finally`` would
-    wait for garbage collection); this closes it and cancels the request at once."""
-
-    def __init__(self, content: AsyncIterator[str], on_close: Any) -> None:
-        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        super().__init__(content, media_type="text/event-stream", headers=headers)
-        self.on_close = on_close
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.on_close()
-            await self.body_iterator.aclose()
-
-
-def _sse_line(obj: Mapping[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client disconnects (the body has been read, so receive() waits for that)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 _SCHEMAS: dict[str, Any] = {}  # the request models' nested schemas, for the OpenAPI document's components

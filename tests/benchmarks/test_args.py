@@ -82,10 +82,6 @@ def test_run_gives_library_errors_as_one_line_and_ctrl_c_quietly(args, capsys):
     [
         ("bench_core", ["--gamma", "0"], "argument --gamma: must be an integer >= 1, got '0'"),
         ("bench_core", ["--max-tokens", "1"], "argument --max-tokens: must be an integer >= 2"),
-        ("bench_learned", ["--methods", "x={bad"], "argument --methods: 'x={bad': the speculative_config"),
-        ("bench_learned", ["--methods", 'x={"method": "foo"}'], "unknown speculative method 'foo'"),
-        ("bench_learned", ["--methods", "nope"], "unknown method 'nope'"),
-        ("bench_learned", ["--max-tokens", "0"], "argument --max-tokens: must be an integer >= 2"),
         ("bench_match", ["--max-tokens", "-1"], "argument --max-tokens: must be an integer >= 1, got '-1'"),
         ("bench_lookahead", ["--configs", "2,5"], "argument --configs: a config is W,N,G"),
         ("bench_lookahead", ["--configs", "2,1,4"], "lookahead_ngram must be an integer in [2, 16]"),
@@ -131,9 +127,6 @@ def test_parsed_values_are_what_the_scripts_used_before(monkeypatch):
         "pool_from_prompt": False, "pool_from_output": True,
     }  # fmt: skip
     assert lookahead.config_arg("4,4,4,noprompt,nooutput") == "4,4,4,noprompt,nooutput"  # args.configs keeps the text
-    learned = _module("bench_learned", monkeypatch)
-    assert learned.method_arg('g3={"method": "eagle", "num_speculative_tokens": 3}').startswith("g3=")
-    assert learned.parse_method("eagle") == ("eagle", learned.METHODS["eagle"])
     quant = _module("bench_quant", monkeypatch)
     assert quant.modes_arg("none,int8,int4@stock,int4,gguf@stock,gguf,gguf@planes")[-1] == "gguf@planes"
     assert quant.positions_arg("1,2,5,9,16") == [1, 2, 5, 9, 16]
