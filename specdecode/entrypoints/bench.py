@@ -33,8 +33,8 @@ QUICK = {"methods": ["auto"], "per_category": 2, "max_tokens": 64, "temperatures
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF folder, .gguf file or alias (default: SmolLM2-135M-Instruct)")
     p.add_argument("--methods", nargs="+", default=None,
-                   help="configurations to measure against plain decoding: auto, a method name, or JSON "
-                        "(default: auto ngram suffix)")  # fmt: skip
+                   help="configurations to measure against plain decoding: auto, a method name, or JSON, "
+                        "optionally as LABEL=JSON (default: auto ngram suffix)")  # fmt: skip
     p.add_argument("--categories", nargs="+", default=None, help=f"of {', '.join(CATEGORIES)} (default: all)")
     p.add_argument("--prompts", default=None, help="your own prompts: JSON lines of OpenAI chat requests "
                    '({"messages": [...], "category": optional})')  # fmt: skip
@@ -81,9 +81,13 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse_method(text: str) -> tuple[str, Any]:
-    """``auto``, a registered method's name (its defaults), or a JSON configuration."""
+    """``auto``, a registered method's name (its defaults), or a JSON configuration, optionally
+    labelled (``ngram8={"method": "ngram", "num_speculative_tokens": 8}``)."""
     from specdecode.drafters.registry import method_names, parse_spec
 
+    label = re.match(r"([\w.+-]+)=(?=\s*\{)", text)
+    if label is not None:
+        return label.group(1), parse_spec(text[label.end() :])
     if text.lstrip().startswith("{"):
         spec = parse_spec(text)
         return json.dumps(json.loads(text), separators=(",", ":")), spec  # its label: two may share a method

@@ -68,11 +68,13 @@ def test_categories_file_and_a_named_results_section(tiny, tmp_path, capsys):
     prompts, page = tmp_path / "p.json", tmp_path / "results.md"
     prompts.write_text(json.dumps({"chat": ["hello there", "what is up"], "code": ["def f(x): return x"]}))
     page.write_text("# Results\n\n<!-- bench:start -->\nkept\n<!-- bench:end -->\n")
-    code = main(["bench", "--model", tiny, "--prompts", str(prompts), "--methods", "ngram", "--max-tokens", "6",
-                 "--repeats", "1", "--results", str(page), "--section", "learned"])  # fmt: skip
+    code = main(["bench", "--model", tiny, "--prompts", str(prompts), "--methods", "ngram",
+                 'n3={"method": "ngram", "num_speculative_tokens": 3}', "--max-tokens", "6", "--repeats", "1",
+                 "--results", str(page), "--section", "learned"])  # fmt: skip
     capsys.readouterr()
     text = page.read_text()
     assert code == 0 and "kept" in text and "<!-- learned:start -->" in text and "| code | ngram |" in text
+    assert "| code | n3 |" in text  # a labelled configuration
     assert "## Speculation by category: learned" in text
 
 
