@@ -110,7 +110,6 @@ class AdaptiveBudget(PositionSearch):
         self.probes = Probes(max_verify_tokens)  # drafts on a few rows after steps without any (never off)
         self.rest = Rest()  # steps that reuse a plan made before proposing which found no drafts
         self.plan_seconds = 0.0  # the last planning on a proposal: a shadow step's cost with its proposing
-        self.replan_cost = 0.0  # running mean of plan_seconds: what proposing costs beyond the drafter's time
         # seconds of prefill the step being planned carries: its chunk ran just before its
         # decode round. Below a floor of 1 it is part of the step time the budgets maximise
         # tokens per unit of (`_plan`): under load a step is mostly other requests' prompts,
@@ -199,15 +198,13 @@ class AdaptiveBudget(PositionSearch):
         # over no drafts (every prompt is prefilled once whatever the budgets, so the pass alone
         # sets throughput). Under load most steps skip the search: no draft can meet the margin.
         best = Plan([0] * B, float(B), B * plain)
-        # planning whether to propose: drafts also cost the planning on the proposal
-        replan = self.replan_cost if proposal is None else 0.0
-        if self._floor_reachable(B, survival, cap, plain / (1 + MIN_GAIN), plain, replan):
-            best = self._plan(survival, cap, B, fused, limit, 0.0, math.inf, best, replan)
+        if self._floor_reachable(B, survival, cap, plain / (1 + MIN_GAIN), plain):
+            best = self._plan(survival, cap, B, fused, limit, 0.0, math.inf, best)
         out = best.budgets
         if self.throughput_floor < 1:  # then trade from it for the step's own rate (per-user speed)
             allowed = self._allowed_seconds_per_token(best.seconds / best.expected)
-            if self._floor_reachable(B, survival, cap, allowed, plain, replan):
-                out = self._plan(survival, cap, B, fused, limit, self.step_prefill, allowed, best, replan).budgets
+            if self._floor_reachable(B, survival, cap, allowed, plain):
+                out = self._plan(survival, cap, B, fused, limit, self.step_prefill, allowed, best).budgets
         if proposal is None:
             self.rest.planned(rest, any(out), raw)
         if self.probes.due(any(out)):  # a probe: see whether drafts pay again, one token on a few rows
@@ -224,7 +221,9 @@ class AdaptiveBudget(PositionSearch):
             return None
         ids = [r.request_id for r in reqs]
         settings = (self.attention_cost, self.fused_positions, self.max_verify_tokens, self.throughput_floor)
-        learned = (self.acceptance.version, self.cost, self.draft_overhead)
+        # the draft cost by its power of 2: a median of the latest proposals moves at every one
+        draft_cost = math.floor(math.log2(self.draft_cost)) if self.draft_cost > 0 else None
+        learned = (self.acceptance.version, self.cost, self.draft_overhead, draft_cost)
         return (*ids, *cap, *self.acceptance.states(ids), *learned, *settings)
 
     def _no_plan(self, reqs: list[Any], limits: torch.Tensor, proposal: Draft | None, start: float) -> torch.Tensor:
@@ -248,7 +247,6 @@ class AdaptiveBudget(PositionSearch):
             self.planned_first = True
             return
         self.plan_seconds = clock(device) - start
-        self.replan_cost += PREFILL_DECAY * (self.plan_seconds - self.replan_cost)
         if not self.planned_first:  # proposed first: what planning on the proposal saved
             self.proposal_saved += PREFILL_DECAY * (saved - self.proposal_saved)
 

@@ -48,15 +48,14 @@ class PositionSearch:
 
     def _plan(
         self, survival: list[list[float]], cap: list[int], B: int, fused: bool, limit: int | None, prefill: float,
-        allowed: float, baseline: Plan, replan: float = 0.0,
+        allowed: float, baseline: Plan,
     ) -> Plan:
         """The budgets whose step (its pass and ``prefill`` seconds) yields the most expected
         tokens per second within the floor (``allowed``, see `_fill`), beating ``baseline``,
         or MIN_GAIN over it where it has no drafts. Proposing costs by depth, and the torch blocks pad every
         row's attention to the widest draft (or, when few rows draft, compute only their extra
         queries), so the widest draft is chosen first: for each width w and each way attention
-        may run, positions of depth <= w are taken most likely first while they pay. ``replan``:
-        the seconds drafting costs beyond proposing (planning again on the proposal)."""
+        may run, positions of depth <= w are taken most likely first while they pay."""
         # Candidate positions (row b's k-th draft token), most likely to survive first; survival
         # falls with k, so a row's positions come in order.
         ranked = sorted(
@@ -70,7 +69,7 @@ class PositionSearch:
             else:  # splitting applies only if one drafting row keeps attention within a third of padded
                 modes = ("padded", "split") if attention_queries(B, 1, 1 + w) < B * (1 + w) else ("padded",)
             for mode in modes:
-                plan = self._fill(ranked, B, w, self.draft_cost * w + replan, mode, limit, prefill, allowed)  # w deep
+                plan = self._fill(ranked, B, w, self.draft_cost * w, mode, limit, prefill, allowed)  # w deep
                 rate = plan.rate(prefill)
                 if rate > best_rate:
                     best, best_rate = plan, rate
@@ -130,17 +129,17 @@ class PositionSearch:
         return Plan(out, expected, self.pass_time(B, positions, rows, max(out, default=0), drafting))
 
     def _floor_reachable(
-        self, B: int, survival: list[list[float]], cap: list[int], allowed: float, plain: float, replan: float = 0.0
+        self, B: int, survival: list[list[float]], cap: list[int], allowed: float, plain: float
     ) -> bool:
         """Whether any drafts could keep the pass within ``allowed`` seconds per expected token. A
-        pass with n drafts costs at least no drafts' pass (B · ``plain``) + δ + ``replan`` + proposing one deep
+        pass with n drafts costs at least no drafts' pass (B · ``plain``) + δ + proposing one deep
         + n · m, m being the curve's least slope past B plus one attention query (every mode runs
         at least one a draft), and yields B + the n drafts' survivals: the margin is largest with
         every draft whose survival s beats m / ``allowed``, each adding s · ``allowed`` − m.
         Where even that fails no width can keep a draft, and `_plan` (9-16 `_fill` runs) is
         skipped."""
         m = self.cost.min_slope(B) + self.attention_cost * self.context  # [s] the least a draft adds
-        margin = B * (allowed - plain) - self.draft_overhead - self.draft_cost - replan
+        margin = B * (allowed - plain) - self.draft_overhead - self.draft_cost
         for b in range(B):
             for s in survival[b][: cap[b]]:
                 if s * allowed <= m:

@@ -78,11 +78,11 @@ class Rest:
     """Plans made before proposing that later steps may reuse. After one that found no drafts,
     the next 1, 2, 4, ... up to REST_MAX steps plan nothing and propose nothing, for as long
     as what the plan read is unchanged (``key``: the rows and their γ, their acceptance states
-    and counts, the cost curve). What the key leaves out moves the plan little in so few
-    steps: the context grows by a token a row (each draft's attention costs more, so drafts
-    pay less), running means move by 1/32 a step, and the draft cost is a median of the
-    latest proposals. A probe that falls due, or a prefill chunk in the step, plans as usual
-    (the budget gives no key then)."""
+    and counts, the cost curve, the draft cost within a factor of 2). What the key leaves out
+    moves the plan little in so few steps: the context grows by a token a row (each draft's
+    attention costs more, so drafts pay less), running means move by 1/32 a step. A probe
+    that falls due, or a prefill chunk in the step, plans as usual (the budget gives no key
+    then)."""
 
     def __init__(self) -> None:
         self.key: tuple | None = None  # what the last plan that found no drafts read

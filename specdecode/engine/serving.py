@@ -27,7 +27,6 @@ Nothing is failed for lack of blocks; a request that could never fit is refused 
 from __future__ import annotations
 
 import itertools
-import os
 from collections import deque
 
 import torch
@@ -182,21 +181,28 @@ class ServingEngine(Prefill, Engine):
 
     def _thread_tuner(self, threads: int | None) -> ThreadTuner | None:
         """``threads`` fixed, or None: where every pass runs our row-invariant kernels (whose
-        outputs do not depend on the count), chosen step by step within the cores allowed
-        (engine/threads.py); elsewhere torch's own count."""
+        outputs do not depend on the count), chosen step by step up to torch's count, the cores
+        the process may use unless it set another (engine/threads.py); elsewhere torch's count."""
         if threads is not None:
             if not is_int(threads) or threads < 1:
                 raise SpecDecodeError(f"threads must be an integer >= 1, got {threads!r}")
             torch.set_num_threads(threads)
             return None
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        return ThreadTuner(cores) if self.device.type == "cpu" and self.batch_invariant and cores > 1 else None
+        most = torch.get_num_threads()  # the cores allowed (torch's default), or what the process set
+        return ThreadTuner(most) if self.device.type == "cpu" and self.batch_invariant and most > 1 else None
 
     @torch.inference_mode()
     def step(self) -> list[RequestEvent]:
         """Admit, prefill one chunk, run one round over the decode batch. Returns what changed."""
-        if self.threads is not None:
-            self.threads.apply()
+        if self.threads is None:
+            return self._step()
+        self.threads.apply()  # the step's thread count; the process keeps its own outside steps
+        try:
+            return self._step()
+        finally:
+            self.threads.restore()
+
+    def _step(self) -> list[RequestEvent]:
         self._admit()
         if self.prefilling:
             wait = self._timed()

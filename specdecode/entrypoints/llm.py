@@ -58,8 +58,8 @@ class LLM:
     prompts and outputs, so a prompt that starts the same way (a chat's next turn, a shared
     system prompt, the ``n`` samples of one prompt) computes only what is new. ``threads``
     fixes the CPU threads; by default, where the passes run our row-invariant kernels, each
-    engine chooses them step by step within the cores allowed, fewer while other processes
-    take cores (engine/threads.py; the count changes no output).
+    engine chooses them step by step up to torch's count (the cores allowed), fewer while
+    other processes take cores (engine/threads.py; the count changes no output).
     """
 
     def __init__(

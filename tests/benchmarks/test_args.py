@@ -148,7 +148,6 @@ class _Reached(Exception):
     [(path.stem, []) for path in sorted(BENCH.glob("bench_*.py"))]
     + [
         ("bench_lookahead", ["--configs", "2,5,4", "4,4,4,noprompt,nooutput", "--kinds", "chat"]),
-        ("bench_learned", ["--methods", "eagle", 'g3={"method": "eagle", "num_speculative_tokens": 3}', "--json", "o"]),
         ("bench_quant", ["--modes", "none,gguf@planes,int4-g64@stock", "--positions", "1,5", "--new-tokens", "2"]),
         ("bench_serving", ["--clients", "1", "4", "--requests-per-client", "0", "--adaptive-floors", "0.9"]),
         ("bench_tree", ["--positions", "2", "--max-tokens", "2"]),

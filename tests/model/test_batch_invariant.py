@@ -27,7 +27,7 @@ def model(request, tmp_path_factory):
 
 def prefilled(model, prompt: torch.Tensor):
     cache = model.new_cache(prompt.shape[0], 64)
-    model(prompt, torch.arange(prompt.shape[1]).expand_as(prompt), cache)
+    model(prompt, torch.arange(prompt.shape[1]).expand_as(prompt), cache, batch_invariant=True)  # rows alone
     cache.commit(torch.full((prompt.shape[0],), prompt.shape[1]))
     return cache
 
