@@ -68,6 +68,7 @@ class Probes:
         # a probe whose proposal held no token has nothing to show: the next waits its turn (not
         # the next step: on text with nothing to copy that proposed on every step)
         self.steps_without_drafts = 0 if drafted or self.probed else self.steps_without_drafts + 1
+        self.probed = False  # a step that does not plan (Rest) is no probe
 
 
 # The longest run of steps that reuse a plan which found no drafts (see Rest).

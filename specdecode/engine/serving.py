@@ -194,15 +194,8 @@ class ServingEngine(Prefill, Engine):
     @torch.inference_mode()
     def step(self) -> list[RequestEvent]:
         """Admit, prefill one chunk, run one round over the decode batch. Returns what changed."""
-        if self.threads is None:
-            return self._step()
-        self.threads.apply()  # the step's thread count; the process keeps its own outside steps
-        try:
-            return self._step()
-        finally:
-            self.threads.restore()
-
-    def _step(self) -> list[RequestEvent]:
+        if self.threads is not None:
+            self.threads.apply()
         self._admit()
         if self.prefilling:
             wait = self._timed()

@@ -34,9 +34,8 @@ MAX_INTERVAL = 64  # windows between trials, at most
 
 
 class ThreadTuner:
-    """Chooses the thread count step by step: `apply` at the start of a step and `restore` at
-    its end, `begin` and `end` around its decode round. ``clock`` and the thread setters are
-    injectable (tests count steps)."""
+    """Chooses the thread count step by step: `apply` at the start of a step, `begin` and `end`
+    around its decode round. ``clock`` and the thread setters are injectable (tests count steps)."""
 
     def __init__(
         self,
@@ -55,23 +54,15 @@ class ThreadTuner:
         self.down = True  # the direction of the next scheduled trial
         self._steps, self._seconds = 0, 0.0
         self._start = 0.0
-        self._outside = self.max_threads  # the process's count before the step
 
     @property
     def threads(self) -> int:
         return self.trial if self.trial is not None else self.current
 
     def apply(self) -> None:
-        """Set the step's count (torch's setting is process-wide: kept, for `restore`)."""
-        self._outside = self.get_threads()
-        if self._outside != self.threads:
+        """Set the step's count (torch's setting is process-wide: another engine may have moved it)."""
+        if self.get_threads() != self.threads:
             self.set_threads(self.threads)
-
-    def restore(self) -> None:
-        """Give the process its own count back after the step: other code, and other engines,
-        keep theirs."""
-        if self._outside != self.threads:
-            self.set_threads(self._outside)
 
     def begin(self) -> None:
         self._start = self.clock()
