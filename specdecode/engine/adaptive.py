@@ -165,7 +165,7 @@ class AdaptiveBudget(PositionSearch):
         rest = self._rest_key(reqs, cap) if proposal is None else None
         if self.rest.skip(rest):  # the step's bookkeeping as its plan would have done it
             self.acceptance.planned(reqs, self.rest.raw, None)
-            self.planned_first = True
+            self._planned(None, 0.0, start, limits.device)
             return limits.new_zeros(B)
         self.context = max((len(r.seq.token_ids) for r in reqs), default=1)
         evidence = proposal.evidence if proposal is not None else None

@@ -20,6 +20,7 @@ compute every dot product on one thread, whatever the count (model/kernels).
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable
 
@@ -48,7 +49,7 @@ class ThreadTuner:
         self.clock, self.set_threads, self.get_threads = clock, set_threads, get_threads
         self.current = self.max_threads  # the count in use outside trials
         self.trial: int | None = None  # the count a trial window is measuring
-        self.best: dict[int, float] = {}  # the fastest recent window per count (seconds per round)
+        self.best = math.inf  # the fastest recent window at the current count (seconds per round)
         self.last = float("inf")  # the latest window at the current count
         self.interval, self.since = START_INTERVAL, 0  # windows between trials, and since the last one
         self.down = True  # the direction of the next scheduled trial
@@ -81,11 +82,10 @@ class ThreadTuner:
 
     def _measured(self, rate: float) -> None:
         """A window at the current count: note it, and start a trial when one is due."""
-        best = self.best.get(self.current, rate)
-        self.best[self.current] = min(best, rate)
-        self.last = rate
+        slow = rate > SLOW * self.best
+        self.best, self.last = min(self.best, rate), rate
         self.since += 1
-        if rate > SLOW * best and self.current > 1:  # contention: fewer threads may now be faster
+        if slow and self.current > 1:  # contention: fewer threads may now be faster
             self.trial = self.current - 1
         elif self.since >= self.interval:
             step = -1 if self.down else 1
@@ -102,8 +102,7 @@ class ThreadTuner:
         self.trial = None
         if rate < (1 - MARGIN) * self.last:  # the way back is tried soon: the change may be brief
             self.current, self.interval = count, FIRST_INTERVAL
-            self.best = {count: rate}  # the machine changed: older bests no longer hold
-            self.last = rate
+            self.best = self.last = rate  # the machine changed: the older best no longer holds
         else:
             self.interval = min(2 * self.interval, MAX_INTERVAL)
-            self.best[self.current] = self.last  # the slower level is the new normal, until it lifts
+            self.best = self.last  # the slower level is the new normal, until it lifts
