@@ -2,7 +2,7 @@
 
 Owns: `PagedKVCache` (a `KVCache` whose rows are named sequences that join and leave
 between passes, each holding only the blocks its length needs, from a shared
-block_pool.`BlockPool`) and `new_paged_cache` (one sized for a `Transformer`).
+block_pool.`BlockPool`); `Transformer.new_paged_cache` sizes one for a model.
 Does not own: deciding who runs, who waits or who is preempted (the scheduler asks
 `blocks_needed` / `pool.num_free` and catches `OutOfBlocks`), or attention (model/).
 
@@ -37,16 +37,12 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from specdecode.cache.block_pool import BlockPool
 from specdecode.cache.kv_cache import KVCache, StorageIndex
-
-if TYPE_CHECKING:
-    from specdecode.model.transformer import Transformer
 
 
 @dataclass
@@ -335,12 +331,3 @@ class PagedKVCache(KVCache):
         plan.write_index = (table.gather(1, slots // bs) * bs + slots % bs).reshape(-1)
         return plan
 
-
-def new_paged_cache(
-    model: Transformer, num_blocks: int, block_size: int, cls: type[PagedKVCache] | None = None
-) -> PagedKVCache:
-    """A `PagedKVCache` (or subclass ``cls``) for ``model``: its layers, kv heads, head size,
-    activation dtype and device."""
-    c = model.config
-    w = model.embed.weight
-    return (cls or PagedKVCache)(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size, w.dtype, w.device)

@@ -60,10 +60,9 @@ class DraftVocabHead(nn.Module):
     @torch.no_grad()
     def rebuild(self) -> None:
         """The rows of ``vocab_ids`` from the target's LM head, whatever kind of linear it is."""
-        head = self.borrowed.target.lm_head
-        eye = torch.eye(self.linear.in_features, dtype=self.borrowed.target.norm.weight.dtype,
-                        device=self.vocab_ids.device)  # fmt: skip
-        rows = head(eye).T[self.vocab_ids]  # [Vd, H]
+        target = self.borrowed.target
+        eye = torch.eye(self.linear.in_features, dtype=target.norm.weight.dtype, device=self.vocab_ids.device)
+        rows = target.project_vocab(eye).T[self.vocab_ids]  # [Vd, H]
         self.linear.weight.copy_(rows.to(self.linear.weight))
 
     @torch.no_grad()

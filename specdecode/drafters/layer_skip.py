@@ -38,6 +38,9 @@ class LayerSkipDrafter(DraftModelDrafter):
 
     def draft_network(self, spec: SpecConfig, ctx: DrafterContext) -> Transformer:
         target = ctx.target.model
+        if target.shard is not None:
+            raise SpecDecodeError("layer_skip runs the target's first layers as its draft, and tensor parallelism "
+                                  "splits them across processes: choose another method")  # fmt: skip
         L = target.config.num_layers
         n = spec.options.exit_layer or max(1, L // 4)
         if n >= L:

@@ -146,7 +146,7 @@ def measure_attention_cost(engine: ServingEngine, rows: int = 16, width: int = 9
     misprice attention for the whole run, and noise only ever adds time.)"""
     cfg, device = engine.target.config, engine.device
     dtype = engine.model.embed.weight.dtype
-    Hkv, G, D = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+    Hkv, G, D = engine.model.kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim  # this rank's heads
     k, v = (torch.randn(rows, Hkv, context, D, dtype=dtype, device=device) for _ in range(2))
 
     def seconds(T: int) -> float:

@@ -45,7 +45,7 @@ from specdecode.engine.step import Engine
 from specdecode.engine.threads import ThreadTuner
 from specdecode.model.cpu_block import MAX_POSITIONS
 from specdecode.model.loader import LoadedModel
-from specdecode.cache.paged_cache import PagedKVCache, new_paged_cache
+from specdecode.cache.paged_cache import PagedKVCache
 from specdecode.cache.prefix_cache import PrefixCachingKVCache
 
 DEFAULT_KV_BYTES = 256 << 20  # KV pool size when num_blocks is not given (at least one full sequence)
@@ -89,7 +89,7 @@ class ServingEngine(Prefill, Engine):
         if num_blocks is None:
             cfg = target.config
             itemsize = self.model.embed.weight.element_size()
-            block_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * block_size * itemsize
+            block_bytes = 2 * cfg.num_layers * self.model.kv_heads * cfg.head_dim * block_size * itemsize
             num_blocks = max(per_seq, min(max_num_seqs * per_seq, DEFAULT_KV_BYTES // block_bytes))
         if num_blocks < per_seq:
             raise SpecDecodeError(
@@ -98,7 +98,7 @@ class ServingEngine(Prefill, Engine):
             )
         self.prefix_caching = enable_prefix_caching
         cache_cls = PrefixCachingKVCache if enable_prefix_caching else PagedKVCache
-        self.cache: PagedKVCache = new_paged_cache(self.model, num_blocks, block_size, cls=cache_cls)
+        self.cache: PagedKVCache = self.model.new_paged_cache(num_blocks, block_size, cls=cache_cls)
         self.budget = budget or self._default_budget()
         self._shadows = True  # whether this drafter's proposals give shadow rounds (chains do)
         self.batch = Batch([], capacity=max_model_len, device=self.device)  # the decoding rows

@@ -55,6 +55,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--compare", action="store_true", help="also run plain decoding and report the speedup")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--threads", type=int, default=None, help="CPU threads, fixed (default: the cores allowed, fewer while other processes take cores)")
+    _add_tensor_parallel(g)
 
 
 def _add_compile(p: argparse.ArgumentParser) -> None:
@@ -102,6 +103,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     _add_compile(s)
     s.add_argument("--threads", type=int, default=None, help="CPU threads, fixed (default: the cores allowed, fewer while other processes take cores)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    _add_tensor_parallel(s)
+
+
+def _add_tensor_parallel(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the target over this many processes (gloo on CPU, one GPU each on CUDA; "
+                        "under torchrun: its processes)")
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
@@ -240,11 +248,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     spec = parse_spec(args.speculative_config)  # bad JSON fails before the model loads
     if args.threads is not None and args.threads < 1:
         raise SpecDecodeError(f"--threads must be >= 1, got {args.threads}")
+    if args.tensor_parallel_size < 1:
+        raise SpecDecodeError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
     from specdecode import LLM
 
     llm = LLM(model=args.model, speculative_config=spec, dtype=args.dtype, device=args.device,
               quantization=args.quantization, batch_invariant=args.batch_invariant, compile=_compile(args),
-              threads=args.threads)  # fmt: skip
+              threads=args.threads, tensor_parallel_size=args.tensor_parallel_size)  # fmt: skip
     prompt_ids = llm.encode_chat(args.prompt) if args.chat else llm.tokenize(args.prompt)
     if args.compare:  # the first passes of a process are cold (kernels, pages): both engines run a few rounds
         warm = llm.tokenize("Hello, world.") if llm.tokenizer is not None else prompt_ids[:1]  # not the prompt:
@@ -329,6 +339,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SpecDecodeError("--api-key must not be empty")
     if args.threads is not None and args.threads < 1:
         raise SpecDecodeError(f"--threads must be >= 1, got {args.threads}")
+    if args.tensor_parallel_size < 1:
+        raise SpecDecodeError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
     try:  # a taken port fails here, in one line, rather than after loading the model
         with socket.create_server((args.host, args.port), family=socket.AF_INET6 if ":" in args.host else socket.AF_INET):
             pass
@@ -340,7 +352,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     run_server(model=args.model, speculative_config=args.speculative_config, host=args.host, port=args.port,
                max_num_seqs=args.max_num_seqs, api_key=args.api_key, dtype=args.dtype, device=args.device,
                quantization=args.quantization, max_model_len=args.max_model_len, log_level=args.log_level,
-               compile=_compile(args), enable_prefix_caching=args.prefix_caching, threads=args.threads, limits=ServerLimits(max_body_bytes=args.max_request_bytes,
+               compile=_compile(args), enable_prefix_caching=args.prefix_caching, threads=args.threads,
+               tensor_parallel_size=args.tensor_parallel_size, limits=ServerLimits(max_body_bytes=args.max_request_bytes,
                                                            max_stop=args.max_stop, max_tokens_limit=args.max_tokens_limit))  # fmt: skip
     return 0
 

@@ -11,6 +11,7 @@ import dataclasses
 import numbers
 import time
 import warnings
+import weakref
 from typing import Any, Callable, Iterator, Mapping, Sequence, Union
 
 import torch
@@ -60,6 +61,9 @@ class LLM:
     fixes the CPU threads; by default, where the passes run our row-invariant kernels, each
     engine chooses them step by step up to torch's count (the cores allowed), fewer while
     other processes take cores (engine/threads.py; the count changes no output).
+    ``tensor_parallel_size`` splits the target over that many processes (model/shard.py:
+    torch.distributed, gloo on CPU, NCCL on one GPU each); this process is rank 0 and runs the
+    engine and the drafter. Under ``torchrun`` the world's ranks are used instead.
     """
 
     def __init__(
@@ -76,10 +80,11 @@ class LLM:
         compile: bool | str = False,
         enable_prefix_caching: bool = True,
         threads: int | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         from specdecode.model.compiled import compile_target, parse_compile
-        from specdecode.model.loader import load_model
         from specdecode.model.quant import describe_kernels, parse_quantization
+        from specdecode.model.tensor_parallel import load_target
 
         spec = parse_spec(speculative_config)  # fail on a bad config before loading anything
         for name, value, least in (("max_model_len", max_model_len, 2), ("max_num_seqs", max_num_seqs, 1),
@@ -88,7 +93,10 @@ class LLM:
                 raise SpecDecodeError(f"{name} must be an integer >= {least}, got {value!r}")
         parse_quantization(quantization)
         compile_mode = parse_compile(compile)
-        self.target = load_model(model, dtype=dtype, device=device, quantization=quantization)
+        self.target, self._tp = load_target(model, dtype, device, quantization, tensor_parallel_size,
+                                            compiled=compile_mode is not None)  # fmt: skip
+        if self._tp is not None:  # the other ranks stop with this object, or at exit
+            weakref.finalize(self, self._tp.close)
         self.kernels = describe_kernels(self.target.model)
         if batch_invariant and self.target.model.embed.weight.device.type == "cuda":
             warnings.warn("batch_invariant on CUDA computes attention position by position, but no CUDA "

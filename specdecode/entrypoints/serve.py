@@ -36,41 +36,48 @@ def run_server(
     limits: ServerLimits | None = None,
     keep_alive_s: int = 5,
     enable_prefix_caching: bool = True,
+    tensor_parallel_size: int = 1,
 ) -> None:
     """Load the model, build the engine and serve until SIGTERM / SIGINT (then drain).
     ``compile`` as for `LLM`: the target's blocks compiled and warmed up before the port opens.
     ``limits``: what one request may ask for (server.ServerLimits); ``keep_alive_s``: an idle
     connection is closed after it (uvicorn's timeout_keep_alive); ``threads``: CPU threads, fixed
-    (None: the engine's thread tuner, engine/threads.py)."""
+    (None: the engine's thread tuner, engine/threads.py); ``tensor_parallel_size``: the target
+    split over that many processes, this one rank 0 (model/tensor_parallel.py)."""
     from specdecode.engine.serving import ServingEngine
     from specdecode.model.compiled import compile_target, parse_compile
-    from specdecode.model.loader import load_model
     from specdecode.model.quant import parse_quantization
+    from specdecode.model.tensor_parallel import load_target
 
     spec = parse_spec(speculative_config)  # bad input fails before the model loads
     parse_quantization(quantization)
     compile_mode = parse_compile(compile)
-    target = load_model(model, dtype=dtype, device=device, quantization=quantization)
-    context = target.config.max_position_embeddings
-    if max_model_len is not None and not 1 < max_model_len <= context:
-        raise SpecDecodeError(f"max_model_len must be in [2, {context}], got {max_model_len}")
-    max_model_len = max_model_len or context
+    target, tp = load_target(model, dtype, device, quantization, tensor_parallel_size, compiled=compile_mode is not None)
+    try:
+        context = target.config.max_position_embeddings
+        if max_model_len is not None and not 1 < max_model_len <= context:
+            raise SpecDecodeError(f"max_model_len must be in [2, {context}], got {max_model_len}")
+        max_model_len = max_model_len or context
 
-    def new_engine() -> ServingEngine:
-        return ServingEngine(target, spec, max_model_len=max_model_len, max_num_seqs=max_num_seqs, quantization=quantization,
-                             enable_prefix_caching=enable_prefix_caching, threads=threads)
+        def new_engine() -> ServingEngine:
+            return ServingEngine(target, spec, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                 quantization=quantization, enable_prefix_caching=enable_prefix_caching,
+                                 threads=threads)  # fmt: skip
 
-    if compile_mode is not None:
-        compile_target(target.model, compile_mode, lambda: [new_engine()])
-    engine = new_engine()
-    app = create_app(engine, target.tokenizer, target.name, max_model_len=max_model_len,
-                     vocab_size=target.config.vocab_size, api_key=api_key, aliases=[model] if model else [],
-                     limits=limits)  # fmt: skip
-    # headers of at most 64 KiB, idle connections closed (a slow body is bounded by read_body's limit)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=keep_alive_s,
-                            h11_max_incomplete_event_size=64 << 10)  # fmt: skip
-    logging.getLogger("uvicorn.error").info(loaded_line(engine, quantization))
-    DrainingServer(config, app.state.server.engine_thread).run()
+        if compile_mode is not None:
+            compile_target(target.model, compile_mode, lambda: [new_engine()])
+        engine = new_engine()
+        app = create_app(engine, target.tokenizer, target.name, max_model_len=max_model_len,
+                         vocab_size=target.config.vocab_size, api_key=api_key, aliases=[model] if model else [],
+                         limits=limits)  # fmt: skip
+        # headers of at most 64 KiB, idle connections closed (a slow body is bounded by read_body's limit)
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=keep_alive_s,
+                                h11_max_incomplete_event_size=64 << 10)  # fmt: skip
+        logging.getLogger("uvicorn.error").info(loaded_line(engine, quantization))
+        DrainingServer(config, app.state.server.engine_thread).run()
+    finally:
+        if tp is not None:  # the other ranks stop after the drain
+            tp.close()
 
 
 def loaded_line(engine: Any, quantization: str | None) -> str:

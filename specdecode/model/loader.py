@@ -24,6 +24,7 @@ from specdecode.model.cpu_int4 import CPU_ISAS, cpu_lib, pick_cpu_kernel
 from specdecode.model.gguf_convert import Int4Groups, converted_folder, gguf_int4_weights, gguf_keeps_blocks
 from specdecode.model.packaged import resolve_source
 from specdecode.model.quant import Int4Linear, Q8Linear, parse_quantization, quantize_model_, set_submodule
+from specdecode.model.shard import Shard, check_tensor_parallel, split_state
 from specdecode.model.transformer import ModelConfig, Transformer
 
 if TYPE_CHECKING:
@@ -121,6 +122,7 @@ def load_model(
     device: str | torch.device = "auto",
     progress: bool = True,
     quantization: str | None = None,
+    shard: Shard | None = None,
 ) -> LoadedModel:
     """Load an HF folder, a .gguf file, an alias (smollm2-135m, gemma3-270m) or None (the default).
 
@@ -132,6 +134,8 @@ def load_model(
     "auto": "gguf" for a .gguf whose blocks all stay quantized, on a CPU our int4 kernel runs
     on (there it is faster than bf16 and exact to the file), else none (vLLM, too,
     keeps a GGUF quantized unless told otherwise). ``.quantization`` says what it became.
+    ``shard``: build only this rank's part of a tensor-parallel model (shard.py), quantized
+    after the cut so that each rank's int4 groups are whole groups of the full model.
     """
     dtype, device = resolve_dtype(dtype), resolve_device(device)  # before any slow conversion
     quant = parse_quantization(quantization)
@@ -147,11 +151,16 @@ def load_model(
     if dtype == torch.float16 and config.architecture in FLOAT16_UNSTABLE:
         raise SpecDecodeError(f"{config.architecture} does not run in float16 (its activations overflow it, as "
                               "vLLM refuses too); use bfloat16 or float32")  # fmt: skip
+    if shard is not None and shard.size > 1:
+        if quant is not None and quant.mode == "gguf":
+            raise SpecDecodeError("tensor parallelism splits float weights: load the .gguf with --quantization none, "
+                                  "int8 or int4")  # fmt: skip
+        check_tensor_parallel(config, shard.size, quant.group_size if quant is not None else None)
     hf_state = read_safetensors(folder)
     config = _tied_as_transformers(config, hf_state)
     if quant is not None and quant.mode == "gguf":  # read (and reject) the blocks before building
         blocks = gguf_int4_weights(source, config.num_heads, config.num_kv_heads)
-    model = build_model(config, hf_state, dtype, device)
+    model = build_model(config, hf_state, dtype, device, shard)
     if quant is not None and quant.mode == "gguf":
         use_gguf_blocks_(model, config, blocks, a8=quant.a8)
     elif quant is not None:
@@ -267,18 +276,21 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def build_model(
-    config: ModelConfig, hf_state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+    config: ModelConfig, hf_state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+    shard: Shard | None = None,
 ) -> Transformer:
-    """Our Transformer with ``hf_state`` (transformers' names) fused and cast, in eval mode."""
+    """Our Transformer with ``hf_state`` (transformers' names) fused and cast, in eval mode;
+    with ``shard``, that rank's part of it."""
     cast: dict[int, torch.Tensor] = {}  # by source tensor, so a tied head is cast once
-    state = {}
-    for k, v in to_our_names(config, hf_state).items():
-        state[k] = cast.setdefault(id(v), v.to(device=device, dtype=dtype))
+    state = to_our_names(config, hf_state)
+    if shard is not None and shard.size > 1:
+        state = split_state(config, state, shard)
+    state = {k: cast.setdefault(id(v), v.to(device=device, dtype=dtype)) for k, v in state.items()}
     with torch.device("meta"):
-        model = Transformer(config)
+        model = Transformer(config, shard)
     check_shapes(state, model.state_dict(), "the checkpoint", "the model its config.json describes")
     model.load_state_dict(state, strict=True, assign=True)
-    if config.tie_embeddings:
+    if config.tie_embeddings and model.shard is None:
         model.lm_head.weight = model.embed.weight
     return model.to(device).eval().requires_grad_(False)
 

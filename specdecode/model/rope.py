@@ -1,8 +1,8 @@
 """Rotary position embeddings: parameters and inverse frequencies, as transformers computes them.
 
-Owns: `RopeConfig` (parsed from transformers' ``rope_parameters``) and
-`rope_frequencies` for the scaling types default, linear, llama3 and yarn.
-Does not own: applying the rotation (transformer.py). Types whose frequencies
+Owns: `RopeConfig` (parsed from transformers' ``rope_parameters``), `rope_frequencies` for
+the scaling types default, linear, llama3 and yarn, and `apply_rope` (the rotation).
+Does not own: the tables a pass rotates by (transformer.py). Types whose frequencies
 depend on the sequence length (dynamic, longrope) are rejected with a clear error.
 """
 
@@ -114,3 +114,11 @@ def _yarn_frequencies(rope: RopeConfig, dim: int) -> tuple[Tensor, float]:
     extrapolation = 1 - ramp
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     return inv_freq, float(attention)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """Rotate-half RoPE on [B, T, heads, D]: ``x * cos + rotate_half(x) * sin``.
+
+    ``sin_signed`` is ``cat(-sin, sin)``, so rotate_half becomes a single roll.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed

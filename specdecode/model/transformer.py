@@ -2,34 +2,38 @@
 
 Owns: the forward pass that writes K/V through a `KVCache`, for every architecture that
 `ModelConfig` (model_config.py, re-exported here) describes by its flags.
-Does not own: attention masks for chains, trees and ragged batches (masks.py), RoPE
-frequency formulas (rope.py), reading checkpoints or tokenizers
-(loader.py), advancing or rolling back the cache (the engine calls `cache.commit` / `cache.truncate`).
+Does not own: attention masks for chains, trees and ragged batches (masks.py), the split and
+per-query attention paths (attention.py), RoPE frequency formulas (rope.py), reading
+checkpoints (loader.py), advancing or rolling back the cache (the engine's `commit` /
+`truncate`), or the cut of a tensor-parallel shard (shard.py: a shard's layers hold its heads
+and sum their row-parallel outputs across ranks).
 
 Architectures as flags: Llama / SmolLM2 / Mistral (plain), Qwen2 (qkv bias), Qwen3
-(qk-norm), Gemma3 text (qk-norm, (1+w) norms, sandwich norms, scaled embeddings,
-gelu_tanh, local sliding-window layers with their own RoPE base, query scalar,
-optional final logit soft-capping). Q/K/V and gate/up are fused Linears so that
-each layer costs few kernel launches; the masks and RoPE tables are built once per
-forward and shared by all layers.
+(qk-norm), Gemma3 text (qk-norm, (1+w) norms, sandwich norms, scaled embeddings, gelu_tanh,
+local sliding-window layers with their own RoPE base, query scalar, optional final logit
+soft-capping). Q/K/V and gate/up are fused Linears (few kernel launches per layer); masks
+and RoPE tables are built once per forward and shared by all layers.
 """
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdecode.cache.kv_cache import ContiguousKVCache, KVCache
+from specdecode.cache.paged_cache import PagedKVCache
 from specdecode.model.cpu_block import MAX_POSITIONS, CpuBlocks
-from specdecode.model import invariant
+from specdecode.model import attention, invariant
 from specdecode.model.cpu_int4 import cpu_rms_norm, fast_cpu_norm
 from specdecode.model.masks import FULL, SLIDING, attention_masks, split_plan, visible_keys
 from specdecode.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
-from specdecode.model.rope import rope_frequencies
+from specdecode.model.rope import apply_rope, rope_frequencies
+from specdecode.model.shard import Shard
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "RMSNorm", "Transformer", "apply_rope"]
 
@@ -52,19 +56,12 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.dim, eps=self.eps) * self.weight
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
-    """Rotate-half RoPE on [B, T, heads, D]: ``x * cos + rotate_half(x) * sin``.
-
-    ``sin_signed`` is ``cat(-sin, sin)``, so rotate_half becomes a single roll.
-    """
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
-
-
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard | None = None) -> None:
         super().__init__()
         self.layer, self.qk_norm, self.kind = layer, cfg.qk_norm, cfg.layer_types[layer]
-        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.heads, self.kv_heads = shard.heads(cfg) if shard else (cfg.num_heads, cfg.num_kv_heads)
+        self.head_dim = cfg.head_dim
         self.group = cfg.num_heads // cfg.num_kv_heads
         self.qkv = nn.Linear(cfg.hidden_size, (self.heads + 2 * self.kv_heads) * self.head_dim, bias=cfg.attention_bias)
         self.o = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=cfg.attention_out_bias)
@@ -85,7 +82,7 @@ class Attention(nn.Module):
         else:  # one RoPE over q and k together
             q, k = apply_rope(qkv[:, :, : H + Hkv], *rope).split((H, Hkv), dim=2)
         out = self._attend(q, k, v, mask, step)
-        return step.linear(self.o, step.pack_rows(out.reshape(B, T, H * D)))
+        return step.reduce(step.linear(self.o, step.pack_rows(out.reshape(B, T, H * D))))
 
     # Eager even inside a compiled block: model/compiled.py marks it so when it first compiles
     # (not here: torch.compiler.disable imports dynamo, slow at every start). The cache's
@@ -100,9 +97,9 @@ class Attention(nn.Module):
         if step.vis is not None:  # our row-invariant kernel (model/invariant.py)
             out = invariant.attend(q, k, v, step.vis[self.kind], self.scale)
         elif step.visible is not None:
-            out = self._attend_rowwise(q, k, v, step.visible[self.kind])
+            out = attention.rowwise(q, k, v, step.visible[self.kind], self.scale)
         elif step.split is not None:
-            out = self._attend_split(q, k, v, step.split, *step.split_masks[self.kind])
+            out = attention.split(q, k, v, step.split, *step.split_masks[self.kind], self.scale)
         elif mask is None and T > 1:  # causal prefill of one row with an empty cache
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k, v, is_causal=True, scale=self.scale, enable_gqa=G > 1
@@ -113,56 +110,29 @@ class Attention(nn.Module):
             out = out.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4)
         return out
 
-    def _attend_split(self, q: Tensor, k: Tensor, v: Tensor, rows: Tensor, first: Tensor, rest: Tensor) -> Tensor:
-        """A padded pass where few rows draft deep: every row's first query in one SDPA, and
-        only the drafting ``rows``' later queries in a second, over those rows' K/V. Each query
-        attends exactly as in the padded SDPA; the padded queries of the other rows are not
-        computed (left 0, dropped by the packed linears). ``first`` [B, 1, G, S] and ``rest``
-        [R, 1, G*(T-1), S] are the folded mask's rows for them."""
-        B, T, _, D = q.shape
-        Hkv, G, R = self.kv_heads, self.group, rows.shape[0]
-        q = q.view(B, T, Hkv, G, D)
-        out = q.new_zeros(B, T, Hkv, G, D)
-        q0 = q[:, 0].reshape(B, Hkv, G, D)
-        out[:, 0] = F.scaled_dot_product_attention(q0, k, v, attn_mask=first, scale=self.scale)
-        qr = q[rows, 1:].permute(0, 2, 3, 1, 4).reshape(R, Hkv, G * (T - 1), D)
-        o = F.scaled_dot_product_attention(qr, k[rows], v[rows], attn_mask=rest, scale=self.scale)
-        out[rows, 1:] = o.view(R, Hkv, G, T - 1, D).permute(0, 3, 1, 2, 4)
-        return out
-
-    def _attend_rowwise(self, q: Tensor, k: Tensor, v: Tensor, visible: list[list[Tensor | slice]]) -> Tensor:
-        """One mask-free SDPA per query over exactly the keys it sees: the same computation
-        whether the query is decoded alone or verified among others (batch invariance)."""
-        B, T, _, D = q.shape
-        Hkv, G = self.kv_heads, self.group
-        out = torch.empty(B, T, Hkv, G, D, dtype=q.dtype, device=q.device)
-        for b in range(B):
-            for t in range(T):
-                keys = visible[b][t]  # [S_bt] slots
-                qt = q[b : b + 1, t].reshape(1, Hkv, G, D)
-                o = F.scaled_dot_product_attention(qt, k[b : b + 1, :, keys], v[b : b + 1, :, keys], scale=self.scale)
-                out[b, t] = o[0]
-        return out
-
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: Shard | None = None) -> None:
         super().__init__()
-        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        inter = shard.intermediate(cfg) if shard else cfg.intermediate_size
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias)
+        self.down = nn.Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = F.silu if cfg.activation == "silu" else lambda h: F.gelu(h, approximate="tanh")
 
     def forward(self, x: Tensor, step: _Step | None = None) -> Tensor:
-        lin = step.linear if step is not None else lambda m, h: m(h)  # noqa: E731
-        gate, up = lin(self.gate_up, x).chunk(2, dim=-1)
-        return lin(self.down, self.act(gate) * up)
+        if step is None:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            return self.down(self.act(gate) * up)
+        gate, up = step.linear(self.gate_up, x).chunk(2, dim=-1)
+        return step.reduce(step.linear(self.down, self.act(gate) * up))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard | None = None) -> None:
         super().__init__()
         norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)  # noqa: E731
-        self.attn_norm, self.attn, self.mlp_norm, self.mlp = norm(), Attention(cfg, layer), norm(), MLP(cfg)
+        self.attn_norm, self.attn, self.mlp_norm = norm(), Attention(cfg, layer, shard), norm()
+        self.mlp = MLP(cfg, shard)
         self.sandwich = cfg.sandwich_norm
         if self.sandwich:
             self.attn_out_norm, self.mlp_out_norm = norm(), norm()
@@ -194,6 +164,10 @@ class _Step:
     # kind the slots each query sees [B·T, S] uint8 for our attention (set by `_layers`)
     exact: bool = False
     vis: dict[str, invariant.Visibility] | None = None
+    shard: Shard | None = None  # tensor parallel: the row-parallel linears' outputs are summed over ranks
+
+    def reduce(self, x: Tensor) -> Tensor:
+        return x if self.shard is None else self.shard.reduce(x)
 
     def linear(self, module: nn.Module, x: Tensor) -> Tensor:
         return invariant.linear(module, x) if self.exact else module(x)
@@ -213,14 +187,20 @@ class _Step:
 
 
 class Transformer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard | None = None) -> None:
+        """``shard``: this rank's part of a tensor-parallel model (shard.py); its heads, its MLP
+        slice and its LM-head rows (embeddings and norms whole)."""
         super().__init__()
         self.config = cfg = config
+        self.shard = shard if shard is not None and shard.size > 1 else None
+        # rank 0 of a tensor-parallel model: tells the other ranks what to run (tensor_parallel.py)
+        self.lead: Any = None
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, self.shard) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
+        vocab = self.shard.vocab_rows(cfg) if self.shard else cfg.vocab_size
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab, bias=False)
+        if cfg.tie_embeddings and self.shard is None:
             self.lm_head.weight = self.embed.weight
         self.cpu_blocks: CpuBlocks | None = None  # set by `use_cpu_blocks` once the weights are final
         # fp32 on CPU even under a meta-device context; the loader moves them with the weights.
@@ -232,8 +212,9 @@ class Transformer(nn.Module):
     def use_cpu_blocks(self, isa: str | None = None) -> bool:
         """Run the blocks through our fused CPU kernel from now on, where it applies (cpu_block.py),
         built for ``isa`` (the int4 kernel its linears use; "auto", "stock" or None: the best this
-        CPU runs). Call it after the weights are loaded, quantized and placed."""
-        self.cpu_blocks = CpuBlocks.build(self, isa)
+        CPU runs). Call it after the weights are loaded, quantized and placed. Not for a
+        tensor-parallel shard: the fused block has no all-reduce inside."""
+        self.cpu_blocks = None if self.shard else CpuBlocks.build(self, isa)
         return self.cpu_blocks is not None
 
     def fused_positions(self, batch_invariant: bool = False) -> int:
@@ -243,10 +224,21 @@ class Transformer(nn.Module):
             return 0
         return sys.maxsize if batch_invariant else MAX_POSITIONS
 
+    @property
+    def kv_heads(self) -> int:  # what this rank's caches hold
+        return self.shard.heads(self.config)[1] if self.shard else self.config.num_kv_heads
+
     def new_cache(self, batch_size: int, capacity: int) -> ContiguousKVCache:
-        w = self.embed.weight
-        c = self.config
-        return ContiguousKVCache(c.num_layers, batch_size, c.num_kv_heads, c.head_dim, capacity, w.dtype, w.device)
+        c, w = self.config, self.embed.weight
+        cache = ContiguousKVCache(c.num_layers, batch_size, self.kv_heads, c.head_dim, capacity, w.dtype, w.device)
+        return cache if self.lead is None else self.lead.mirror(cache, ("contiguous", batch_size, capacity))
+
+    def new_paged_cache(self, num_blocks: int, block_size: int, cls: type[PagedKVCache] = PagedKVCache) -> PagedKVCache:
+        """A `PagedKVCache` (or subclass ``cls``) for this model: its layers, kv heads, head size,
+        activation dtype and device."""
+        c, w = self.config, self.embed.weight
+        cache = cls(c.num_layers, self.kv_heads, c.head_dim, num_blocks, block_size, w.dtype, w.device)
+        return cache if self.lead is None else self.lead.mirror(cache, ("paged", num_blocks, block_size, cls))
 
     def forward(
         self,
@@ -282,9 +274,8 @@ class Transformer(nn.Module):
         ``embeds`` [B, T, H] replaces the token embeddings (``tokens`` is then None): a
         learned drafter feeds the layers its own inputs (EAGLE's fused features).
         ``packed`` returns the logits of the real tokens only, [N, V] in the row-major order of
-        ``valid``'s True entries (all B·T tokens without ``valid``), instead of [B, T, V]: a
-        verify pass with one deep row among 32 would otherwise write 32·T·V zeros that nothing
-        reads.
+        ``valid``'s True entries (all B·T tokens without ``valid``), instead of [B, T, V] (a
+        verify pass with one deep row among 32 would write 32·T·V zeros that nothing reads).
         ``fp32_logits`` False leaves the logits in the head's dtype where no soft cap applies (bf16
         under a bf16 head: a greedy pass that only takes their argmax skips converting them).
         """
@@ -292,18 +283,21 @@ class Transformer(nn.Module):
         B, T = positions.shape
         if packed and logits_at is not None:
             raise ValueError("packed and logits_at are exclusive")
+        bad = [i for i in hidden_layers if not (i == -1 or 0 <= i < cfg.num_layers)]
+        if bad:
+            raise ValueError(f"hidden_layers must be in [0, {cfg.num_layers}) or -1, got {bad}")
+        if self.lead is not None:  # the other ranks run the same pass on their shards
+            self.lead.forward(cache, tokens, positions, block_mask=block_mask, logits_at=logits_at,
+                              batch_invariant=batch_invariant, valid=valid, embeds=embeds, packed=packed)  # fmt: skip
         kv_len = cache.max_length() + T  # a host sync, unless the cache keeps lengths on the host
         slots = cache.lengths[:, None] + torch.arange(T, device=positions.device)
-        step = _Step(cache, slots, kv_len)
+        step = _Step(cache, slots, kv_len, shard=self.shard)
         if valid is not None and B * T > 1 and not bool(valid.all()):
             step.pack = valid.reshape(-1).nonzero()[:, 0]
         x = step.pack_rows(self.embed(tokens) if embeds is None else embeds)
         if cfg.embed_scale != 1.0 and embeds is None:
             x = x * x.new_tensor(cfg.embed_scale)
         want = set(hidden_layers)
-        bad = [i for i in want if not (i == -1 or 0 <= i < cfg.num_layers)]
-        if bad:
-            raise ValueError(f"hidden_layers must be in [0, {cfg.num_layers}) or -1, got {bad}")
         store = None
         if self.cpu_blocks is not None and self.cpu_blocks.applies(x, self, batch_invariant):
             store = cache.storage_index(slots, kv_len)
@@ -318,7 +312,7 @@ class Transformer(nn.Module):
         hiddens[-1] = x
         if logits_at is not None:
             x = step.unpack(x).gather(1, logits_at[:, :, None].expand(-1, -1, x.shape[-1]))
-        logits = self.head_logits(x, fused=store is not None, fp32=fp32_logits, exact=step.exact)
+        logits = self._softcap(self._project(x, store is not None, step.exact), fp32_logits)
         if packed:
             logits = logits.reshape(-1, logits.shape[-1])  # [N, V]
         elif logits_at is None:
@@ -332,10 +326,22 @@ class Transformer(nn.Module):
         architecture caps them); ``fused``: through the fused CPU block's head; ``exact``: through
         our row-invariant GEMM (invariant.py); ``fp32`` False: in the head's own dtype where
         there is no cap (the cap is computed in fp32)."""
+        return self._softcap(self.project_vocab(x, fused, exact), fp32)
+
+    def project_vocab(self, x: Tensor, fused: bool = False, exact: bool = False) -> Tensor:
+        """[..., H] -> [..., V] through the LM head alone (no cap), the whole vocabulary."""
+        if self.lead is not None:  # a drafter borrowing the head: the other ranks compute their rows
+            self.lead.head(x, fused, exact)
+        return self._project(x, fused, exact)
+
+    def _project(self, x: Tensor, fused: bool, exact: bool) -> Tensor:
         if fused and self.cpu_blocks is not None:
             logits = self.cpu_blocks.head(x, self.lm_head)
         else:
             logits = invariant.linear(self.lm_head, x) if exact else self.lm_head(x)
+        return logits if self.shard is None else self.shard.gather_vocab(logits, self.config.vocab_size)
+
+    def _softcap(self, logits: Tensor, fp32: bool) -> Tensor:
         cap = self.config.final_logit_softcap
         if cap is None:
             return logits.float() if fp32 else logits

@@ -14,7 +14,7 @@ import torch
 from specdecode.cache.block_pool import BlockPool, OutOfBlocks
 from specdecode.model.loader import load_model
 from specdecode.model.transformer import Transformer
-from specdecode.cache.paged_cache import PagedKVCache, new_paged_cache
+from specdecode.cache.paged_cache import PagedKVCache
 from specdecode.core.tree import DraftTree, batch_trees, commit_paths
 from tests.tiny import make_tiny_checkpoint
 
@@ -40,7 +40,7 @@ class Twin:
     def __init__(self, model, ids: list, num_blocks: int = 64, capacity: int = 64) -> None:
         self.model, self.ids = model, list(ids)
         self.ref = model.new_cache(len(ids), capacity)
-        self.paged = new_paged_cache(model, num_blocks, BS)
+        self.paged = model.new_paged_cache(num_blocks, BS)
         for sid in ids:
             self.paged.add_sequence(sid)
         self.paged.set_batch(self.ids)
@@ -228,7 +228,7 @@ def test_block_pool():
 
 
 def test_reserve_is_atomic(llama):
-    cache = new_paged_cache(llama, 5, BS)
+    cache = llama.new_paged_cache(5, BS)
     for sid in "abc":
         cache.add_sequence(sid)
     cache.set_batch(["a"])
@@ -247,7 +247,7 @@ def test_rows_that_give_back_their_room_get_the_same_blocks_again(llama):
     """A round reserves room for drafts on every row, and the commit frees what the rejected
     ones held; the next round must hand each row its own blocks back, not its neighbour's (a
     decode batch swapping blocks every step scatters each row's cache and slows its passes)."""
-    cache = new_paged_cache(llama, 32, BS)
+    cache = llama.new_paged_cache(32, BS)
     rows = ["a", "b", "c"]
     for sid in rows:
         cache.add_sequence(sid)
@@ -264,7 +264,7 @@ def test_rows_that_give_back_their_room_get_the_same_blocks_again(llama):
 
 
 def test_write_past_reservation_raises(llama):
-    cache = new_paged_cache(llama, 8, BS)
+    cache = llama.new_paged_cache(8, BS)
     cache.add_sequence("a")
     cache.set_batch(["a"])
     cache.reserve([3])
@@ -277,7 +277,7 @@ def test_write_past_reservation_raises(llama):
 
 
 def test_sequences(llama):
-    cache = new_paged_cache(llama, 8, BS)
+    cache = llama.new_paged_cache(8, BS)
     assert (cache.k.shape, cache.k.dtype) == ((3, 8, BS, 2, 16), torch.float32)
     cache.add_sequence("a")
     cache.add_sequence(7)
@@ -299,6 +299,6 @@ def test_sequences(llama):
 
 def test_new_paged_cache_follows_the_model(llama):
     model = Transformer(llama.config).to(torch.bfloat16)
-    cache = new_paged_cache(model, 4, 8)
+    cache = model.new_paged_cache(4, 8)
     assert isinstance(cache, PagedKVCache) and cache.pool.block_size == 8
     assert cache.k.dtype == torch.bfloat16 and cache.k.shape == (3, 4, 8, 2, 16) == cache.v.shape

@@ -19,7 +19,6 @@ from hypothesis.stateful import (
 )
 
 from specdecode.cache.block_pool import OutOfBlocks
-from specdecode.cache.paged_cache import new_paged_cache
 from specdecode.core.tree import DraftTree, batch_trees, commit_paths
 from tests.cache.test_paged_cache import ATOL, BS, seq_kv, toks
 
@@ -43,7 +42,7 @@ class Lifecycles(RuleBasedStateMachine):
     def __init__(self, model) -> None:
         super().__init__()
         self.model = model
-        self.cache = new_paged_cache(model, self.NUM_BLOCKS, BS)
+        self.cache = model.new_paged_cache(self.NUM_BLOCKS, BS)
         self.live: dict[int, list[int]] = {}  # committed tokens per sequence in the cache
         self.preempted: dict[int, list[int]] = {}
         self.next_id = 0

@@ -15,14 +15,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule, run_state_machine_as_test
 
 from specdecode.cache.block_pool import BlockPool, OutOfBlocks
-from specdecode.cache.paged_cache import new_paged_cache
 from specdecode.cache.prefix_cache import PrefixCachingKVCache
 from tests.cache.test_paged_cache import ATOL, BS, seq_kv, toks
 from tests.cache.test_paged_cache_lifecycles import Lifecycles
 
 
 def cache_for(model, num_blocks: int) -> PrefixCachingKVCache:
-    return new_paged_cache(model, num_blocks, BS, cls=PrefixCachingKVCache)
+    return model.new_paged_cache(num_blocks, BS, cls=PrefixCachingKVCache)
 
 
 @torch.no_grad()

@@ -11,7 +11,6 @@ from specdecode.model.cpu_block import MAX_POSITIONS
 from specdecode.model.cpu_int4 import CPU_ISAS, cpu_lib
 from specdecode.model.loader import load_model
 from specdecode.model.quant import Int4Linear, describe_kernels, quantize_model_
-from specdecode.cache.paged_cache import new_paged_cache
 from tests.tiny import make_tiny_checkpoint, root_path, small_tree
 
 pytestmark = pytest.mark.skipif(cpu_lib() is None, reason="needs our kernels (AVX512-BF16 or AVX2, and a C compiler)")
@@ -54,7 +53,7 @@ class torch_blocks:
 
 def paged(model, lengths: list[int], prompts: torch.Tensor, room: int):
     """A paged cache holding ``prompts[b, :lengths[b]]`` for each row, with ``room`` more slots reserved."""
-    cache = new_paged_cache(model, 64, 4)
+    cache = model.new_paged_cache(64, 4)
     for b in range(len(lengths)):
         cache.add_sequence(b)
     for b, n in enumerate(lengths):
