@@ -104,6 +104,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--threads", type=int, default=None, help="CPU threads, fixed (default: the cores allowed, fewer while other processes take cores)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     _add_tensor_parallel(s)
+    s.add_argument("--replicas", type=int, default=None,
+                   help="run this many engine replicas on Ray Serve behind the same routes, a conversation kept on "
+                        "one replica (needs: pip install 'specdecode[ray]')")
+    s.add_argument("--max-replicas", type=int, default=None,
+                   help="with --replicas: autoscale up to this many replicas on queue length")
 
 
 def _add_tensor_parallel(p: argparse.ArgumentParser) -> None:
@@ -346,6 +351,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             pass
     except OSError as e:
         raise SpecDecodeError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    if args.replicas is not None:
+        return _serve_replicas(args)
     from specdecode.entrypoints.serve import run_server
     from specdecode.entrypoints.server import ServerLimits
 
@@ -355,6 +362,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
                compile=_compile(args), enable_prefix_caching=args.prefix_caching, threads=args.threads,
                tensor_parallel_size=args.tensor_parallel_size, limits=ServerLimits(max_body_bytes=args.max_request_bytes,
                                                            max_stop=args.max_stop, max_tokens_limit=args.max_tokens_limit))  # fmt: skip
+    return 0
+
+
+def _serve_replicas(args: argparse.Namespace) -> int:
+    from specdecode.entrypoints import deploy
+
+    if args.replicas < 1:
+        raise SpecDecodeError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.max_replicas is not None and args.max_replicas < args.replicas:
+        raise SpecDecodeError(f"--max-replicas must be >= --replicas ({args.replicas}), got {args.max_replicas}")
+    if args.tensor_parallel_size > 1 or _compile(args):
+        raise SpecDecodeError("--replicas runs whole models: drop --tensor-parallel-size and --compile")
+    deploy.require_ray()
+    options = dict(model=args.model, speculative_config=args.speculative_config, dtype=args.dtype, device=args.device,
+                   quantization=args.quantization, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                   threads=args.threads, enable_prefix_caching=args.prefix_caching, api_key=args.api_key,
+                   replicas=args.replicas, max_replicas=args.max_replicas)  # fmt: skip
+    deploy.run(options, args.host, args.port)
     return 0
 
 

@@ -79,6 +79,9 @@ class EngineThread:
     def start(self) -> None:
         self._thread.start()
 
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
     @property
     def draining(self) -> bool:
         return self._draining

@@ -44,8 +44,7 @@ def run_server(
     connection is closed after it (uvicorn's timeout_keep_alive); ``threads``: CPU threads, fixed
     (None: the engine's thread tuner, engine/threads.py); ``tensor_parallel_size``: the target
     split over that many processes, this one rank 0 (model/tensor_parallel.py)."""
-    from specdecode.engine.serving import ServingEngine
-    from specdecode.model.compiled import compile_target, parse_compile
+    from specdecode.model.compiled import parse_compile
     from specdecode.model.quant import parse_quantization
     from specdecode.model.tensor_parallel import load_target
 
@@ -54,30 +53,42 @@ def run_server(
     compile_mode = parse_compile(compile)
     target, tp = load_target(model, dtype, device, quantization, tensor_parallel_size, compiled=compile_mode is not None)
     try:
-        context = target.config.max_position_embeddings
-        if max_model_len is not None and not 1 < max_model_len <= context:
-            raise SpecDecodeError(f"max_model_len must be in [2, {context}], got {max_model_len}")
-        max_model_len = max_model_len or context
-
-        def new_engine() -> ServingEngine:
-            return ServingEngine(target, spec, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                                 quantization=quantization, enable_prefix_caching=enable_prefix_caching,
-                                 threads=threads)  # fmt: skip
-
-        if compile_mode is not None:
-            compile_target(target.model, compile_mode, lambda: [new_engine()])
-        engine = new_engine()
-        app = create_app(engine, target.tokenizer, target.name, max_model_len=max_model_len,
-                         vocab_size=target.config.vocab_size, api_key=api_key, aliases=[model] if model else [],
-                         limits=limits)  # fmt: skip
+        app = build_app(target, spec, model=model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                        quantization=quantization, enable_prefix_caching=enable_prefix_caching, threads=threads,
+                        compile_mode=compile_mode, api_key=api_key, limits=limits)  # fmt: skip
         # headers of at most 64 KiB, idle connections closed (a slow body is bounded by read_body's limit)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=keep_alive_s,
                                 h11_max_incomplete_event_size=64 << 10)  # fmt: skip
-        logging.getLogger("uvicorn.error").info(loaded_line(engine, quantization))
+        logging.getLogger("uvicorn.error").info(loaded_line(app.state.server.engine_thread.engine, quantization))
         DrainingServer(config, app.state.server.engine_thread).run()
     finally:
         if tp is not None:  # the other ranks stop after the drain
             tp.close()
+
+
+def build_app(target: Any, spec: Any, *, model: str | None, max_model_len: int | None, max_num_seqs: int,
+              quantization: str | None, enable_prefix_caching: bool, threads: int | None, compile_mode: Any = None,
+              api_key: str | None = None, limits: ServerLimits | None = None) -> Any:  # fmt: skip
+    """The OpenAI app over a new engine for the loaded ``target`` (the single server's, and each
+    replica's under Ray Serve); its engine thread starts with the app's lifespan."""
+    from specdecode.engine.serving import ServingEngine
+    from specdecode.model.compiled import compile_target
+
+    context = target.config.max_position_embeddings
+    if max_model_len is not None and not 1 < max_model_len <= context:
+        raise SpecDecodeError(f"max_model_len must be in [2, {context}], got {max_model_len}")
+    max_model_len = max_model_len or context
+
+    def new_engine() -> ServingEngine:
+        return ServingEngine(target, spec, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                             quantization=quantization, enable_prefix_caching=enable_prefix_caching,
+                             threads=threads)  # fmt: skip
+
+    if compile_mode is not None:
+        compile_target(target.model, compile_mode, lambda: [new_engine()])
+    return create_app(new_engine(), target.tokenizer, target.name, max_model_len=max_model_len,
+                      vocab_size=target.config.vocab_size, api_key=api_key, aliases=[model] if model else [],
+                      limits=limits)  # fmt: skip
 
 
 def loaded_line(engine: Any, quantization: str | None) -> str:
@@ -88,8 +99,10 @@ def loaded_line(engine: Any, quantization: str | None) -> str:
     method = "none (plain decoding)" if spec is None else f"{spec.method}, num_speculative_tokens {spec.num_speculative_tokens}"
     if getattr(engine, "auto_choice", None):
         method = engine.auto_choice
+    shard = getattr(engine.model, "shard", None)
+    split = f", tensor parallel over {shard.size} ranks" if shard is not None else ""
     return (f"specdecode: model {target.name} ({target.config.num_layers} layers, {engine.model.embed.weight.dtype}, "
-            f"{engine.device}); weights {target.quantization or quantization or 'as stored'}; kernels "
+            f"{engine.device}{split}); weights {target.quantization or quantization or 'as stored'}; kernels "
             f"{describe_kernels(engine.model)}; batch-invariant passes {'on' if engine.batch_invariant else 'off'}; "
             f"speculative method {method}; prefix caching {'on' if getattr(engine, 'prefix_caching', False) else 'off'}")  # fmt: skip
 

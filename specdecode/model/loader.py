@@ -140,8 +140,9 @@ def load_model(
     dtype, device = resolve_dtype(dtype), resolve_device(device)  # before any slow conversion
     quant = parse_quantization(quantization)
     source, name = resolve_source(path)
-    if quant is not None and quant.mode == "auto":
-        quant = parse_quantization("gguf" if keeps_gguf_blocks(path, device) else None)
+    sharded = shard is not None and shard.size > 1
+    if quant is not None and quant.mode == "auto":  # a shard cuts float weights: the blocks are dequantized
+        quant = parse_quantization("gguf" if keeps_gguf_blocks(path, device) and not sharded else None)
     if quant is not None and quant.a8 and (device.type != "cpu" or cpu_lib() is None):
         raise SpecDecodeError(f"quantization '{quant}' (int8 activations) needs our CPU kernel: AVX2 and a C compiler")
     if source.is_dir() and quant is not None and quant.mode == "gguf":
@@ -151,7 +152,7 @@ def load_model(
     if dtype == torch.float16 and config.architecture in FLOAT16_UNSTABLE:
         raise SpecDecodeError(f"{config.architecture} does not run in float16 (its activations overflow it, as "
                               "vLLM refuses too); use bfloat16 or float32")  # fmt: skip
-    if shard is not None and shard.size > 1:
+    if sharded:
         if quant is not None and quant.mode == "gguf":
             raise SpecDecodeError("tensor parallelism splits float weights: load the .gguf with --quantization none, "
                                   "int8 or int4")  # fmt: skip

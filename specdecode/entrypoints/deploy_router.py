@@ -1,0 +1,132 @@
+"""The Ray side of the replicas (imported only where Ray is installed): the ingress and engine
+deployments, the session-affine request router and the actor the replicas leave their metrics with.
+
+Owns: `Ingress` (the HTTP routes: every request forwarded whole to an engine replica, chosen
+by its session; ``/metrics`` merged), `Engine` (one replica: the single server's app over its
+own engine, run in process), `SessionAffinityRouter`, `MetricsHub`.
+Does not own: the application's wiring, the session key or the metrics merge (deploy.py).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, AsyncIterator
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from specdecode.entrypoints.deploy import (
+    HUB, REPLICA_HEADER, call_asgi, lost_replica, merge_metrics, rank_by_session, rest_of_stream, session_key,
+)  # fmt: skip
+
+
+@ray.remote(num_cpus=0)
+class MetricsHub:
+    """Each replica's latest Prometheus text, by replica."""
+
+    def __init__(self) -> None:
+        self.texts: dict[str, str] = {}
+
+    def put(self, replica: str, text: str) -> None:
+        self.texts[replica] = text
+
+    def get(self) -> dict[str, str]:
+        return dict(self.texts)
+
+
+class SessionAffinityRouter(RequestRouter):
+    """A request with a session goes to the replicas in that session's rendezvous order, the
+    first with room first; one without goes to the less loaded of two at random."""
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        key = (pending_request.kwargs or {}).get("session") if pending_request is not None else None
+        room = self.select_available_replicas(candidate_replicas) or candidate_replicas
+        if key is None:
+            return [random.sample(room, min(2, len(room)))]
+        order = rank_by_session(key, [r.replica_id.unique_id for r in candidate_replicas])
+        has_room = {r.replica_id for r in room}
+        ranked = [candidate_replicas[i] for i in order]
+        return [[r] for r in ranked if r.replica_id in has_room] + [[r] for r in ranked if r.replica_id not in has_room]
+
+
+@serve.ingress()
+class Ingress:
+    """The routes in front of the engine replicas."""
+
+    def __init__(self, engine: Any, affinity: bool) -> None:
+        self.engine, self.affinity = engine, affinity
+        self.hub = MetricsHub.options(name=HUB, namespace="serve", get_if_exists=True, lifetime="detached").remote()
+
+    def __serve_build_asgi_app__(self) -> Any:
+        api = FastAPI(title="specdecode (Ray Serve)")
+
+        @api.get("/metrics")
+        async def metrics() -> Response:
+            return Response(merge_metrics(await self.hub.get.remote()), media_type="text/plain; version=0.0.4")
+
+        @api.api_route("/{path:path}", methods=["GET", "POST"])
+        async def forward(path: str, request: Request) -> Response:
+            body = await request.body()
+            headers = [(k, v) for k, v in request.headers.items() if k.lower() not in ("host", "content-length")]
+            session = session_key(body) if self.affinity else None
+            stream = self.engine.options(stream=True).handle.remote(
+                request.method, "/" + path, request.url.query, headers, body, session=session)
+            try:
+                status, out_headers = await stream.__anext__()
+            except Exception as e:  # the replica died before it answered
+                return JSONResponse(lost_replica(e), status_code=503)
+            return StreamingResponse(rest_of_stream(stream), status_code=status, headers=dict(out_headers))
+
+        return api
+
+
+class Engine:
+    """One replica: loads the model and serves the OpenAI app in process (server.py)."""
+
+    def __init__(self, options: dict) -> None:
+        import torch
+
+        from specdecode.drafters.registry import parse_spec
+        from specdecode.entrypoints.serve import build_app
+        from specdecode.model.loader import load_model
+
+        torch.set_num_threads(int(options.get("threads") or 1))
+        target = load_model(options.get("model"), dtype=options.get("dtype", "auto"), device=options.get("device", "auto"),
+                            quantization=options.get("quantization", "auto"), progress=False)  # fmt: skip
+        self.app = build_app(
+            target, parse_spec(options.get("speculative_config", "auto")), model=options.get("model"),
+            max_model_len=options.get("max_model_len"), max_num_seqs=int(options.get("max_num_seqs", 8)),
+            quantization=options.get("quantization", "auto"), threads=options.get("threads"),
+            enable_prefix_caching=options.get("enable_prefix_caching", True), api_key=options.get("api_key"),
+        )  # fmt: skip
+        self.engine_thread = self.app.state.server.engine_thread
+        self.engine_thread.start()
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        self.hub = MetricsHub.options(name=HUB, namespace="serve", get_if_exists=True, lifetime="detached").remote()
+
+    async def handle(self, method: str, path: str, query: str, headers: list[tuple[str, str]], body: bytes,
+                     session: str | None = None) -> AsyncIterator[Any]:  # fmt: skip
+        """The app's answer: (status, headers) with this replica's id, then the body's chunks."""
+        try:
+            async for item in call_asgi(self.app, method, path, query, headers, body):
+                if isinstance(item, tuple):
+                    item = (item[0], item[1] + [(REPLICA_HEADER, self.replica)])
+                yield item
+        finally:
+            await self._report()
+
+    async def _report(self) -> None:
+        chunks = [c async for c in call_asgi(self.app, "GET", "/metrics", "", [], b"") if isinstance(c, bytes)]
+        self.hub.put.remote(self.replica, b"".join(chunks).decode())
+
+    async def check_health(self) -> None:  # Ray Serve's health check: the engine thread is alive
+        if not self.engine_thread.is_alive():
+            raise RuntimeError("the engine thread stopped")
+
+    def __del__(self) -> None:  # after Ray Serve's graceful wait: whatever is still admitted finishes
+        self.engine_thread.stop(timeout=600)
