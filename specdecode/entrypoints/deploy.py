@@ -167,7 +167,8 @@ def build_app(options: dict) -> Any:
         request_router_config=RequestRouterConfig(request_router_class="specdecode.entrypoints.deploy_router:SessionAffinityRouter"),
         **scale,
     ).bind(options)  # fmt: skip
-    return serve.deployment(Ingress, name="Ingress", ray_actor_options={"num_cpus": 0}).bind(engine, affinity)
+    return serve.deployment(Ingress, name="Ingress", ray_actor_options={"num_cpus": 0},
+                            graceful_shutdown_timeout_s=600).bind(engine, affinity)  # open streams finish too
 
 
 def lost_replica(e: BaseException) -> dict:
@@ -193,14 +194,14 @@ def run(options: dict, host: str, port: int) -> None:
 
     app = build_app(options)
     ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, whose handlers abort the process
+        signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(app, name="specdecode", route_prefix="/")
         print(f"specdecode: serving on http://{host}:{port} with {options.get('replicas', 1)} replica(s) on Ray Serve",
               flush=True)  # fmt: skip
-        stop = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
         stop.wait()
         serve.delete("specdecode")  # each replica finishes what it admitted (graceful_shutdown_timeout_s)
     finally:
