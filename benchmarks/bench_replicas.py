@@ -26,9 +26,10 @@ CONFIGS = {"1 server": (1, True), "2 replicas, affinity": (2, True), "2 replicas
 def measure(base: str, reps: int, prompts: list[str], max_tokens: int) -> dict:
     reached = accepted = drafts = tokens = 0
     seconds = 0.0
+    model = httpx.get(base + "/v1/models", timeout=60).json()["data"][0]["id"]
     for _ in range(reps):
         for prompt in prompts:
-            body = {"model": "default", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
                     "temperature": 0}  # fmt: skip
             start = time.perf_counter()
             r = httpx.post(base + "/v1/chat/completions", json=body, timeout=300)

@@ -95,8 +95,8 @@ class LLM:
         compile_mode = parse_compile(compile)
         self.target, self._tp = load_target(model, dtype, device, quantization, tensor_parallel_size,
                                             compiled=compile_mode is not None)  # fmt: skip
-        if self._tp is not None:  # the other ranks stop with this object, or at exit
-            weakref.finalize(self, self._tp.close)
+        if self._tp is not None:  # the other ranks stop with the model (which copies share), or at exit
+            weakref.finalize(self.target, self._tp.close)
         self.kernels = describe_kernels(self.target.model)
         if batch_invariant and self.target.model.embed.weight.device.type == "cuda":
             warnings.warn("batch_invariant on CUDA computes attention position by position, but no CUDA "

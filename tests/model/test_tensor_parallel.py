@@ -162,10 +162,12 @@ def test_greedy_speculative_equals_unsplit_plain(world, method):
     assert engine.stats().kv_blocks_used == 0
 
 
-def test_cli_refuses_a_size_that_does_not_divide_the_heads(world):
+def test_generate_and_serve_refuse_a_size_that_does_not_divide_the_heads(world):
     _, path, _ = world
-    for size, says in (("3", "does not divide the model's 4 attention heads"), ("0", "must be >= 1")):
-        out = subprocess.run([sys.executable, "-m", "specdecode.entrypoints.cli", "generate", "Hi", "--model", path,
+    cases = [(cmd, size, says) for cmd in (["generate", "Hi"], ["serve", "--port", "0"])
+             for size, says in (("3", "does not divide the model's 4 attention heads"), ("0", "must be >= 1"))]
+    for cmd, size, says in cases:
+        out = subprocess.run([sys.executable, "-m", "specdecode.entrypoints.cli", *cmd, "--model", path,
                               "--tensor-parallel-size", size], capture_output=True, text=True, timeout=120)  # fmt: skip
         assert out.returncode == 2, out.stderr
         assert says in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
