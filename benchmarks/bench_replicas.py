@@ -20,7 +20,9 @@ import httpx
 from args import out_path, positive_int, run, write_results
 from bench_suffix import PROMPTS
 
-CONFIGS = {"1 server": (1, True), "2 replicas, affinity": (2, True), "2 replicas, no affinity": (2, False)}
+from specdecode.entrypoints.deploy import build_app as build
+
+CONFIGS = {"1 replica": (1, True), "2 replicas, affinity": (2, True), "2 replicas, no affinity": (2, False)}
 
 
 def measure(base: str, reps: int, prompts: list[str], max_tokens: int) -> dict:
@@ -42,17 +44,17 @@ def measure(base: str, reps: int, prompts: list[str], max_tokens: int) -> dict:
 
 
 def main() -> int:
-    import ray
-    from ray import serve
-
-    from specdecode.entrypoints.deploy import build_app
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=positive_int, default=4)
     parser.add_argument("--prompts", type=positive_int, default=10)
     parser.add_argument("--max-tokens", type=positive_int, default=64)
     parser.add_argument("--results", type=out_path, default=None, help="write the table into this results page")
     args = parser.parse_args()
+    apps = {label: build(dict(speculative_config={"method": "suffix"}, threads=1, replicas=replicas,
+                              session_affinity=affinity)) for label, (replicas, affinity) in CONFIGS.items()}  # fmt: skip
+    import ray
+    from ray import serve
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -60,10 +62,8 @@ def main() -> int:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     rows = ["| configuration | α | τ | tokens/s |", "|---|---|---|---|"]
     try:
-        for label, (replicas, affinity) in CONFIGS.items():
-            options = dict(speculative_config={"method": "suffix"}, threads=1, replicas=replicas,
-                           session_affinity=affinity)  # fmt: skip
-            serve.run(build_app(options), name="bench", route_prefix="/")
+        for label, app in apps.items():
+            serve.run(app, name="bench", route_prefix="/")
             r = measure(f"http://127.0.0.1:{port}", args.reps, PROMPTS[: args.prompts], args.max_tokens)
             rows.append(f"| {label} | {r['alpha']:.2f} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} |")
             print(rows[-1], flush=True)
