@@ -366,7 +366,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _serve_replicas(args: argparse.Namespace) -> int:
-    from specdecode.entrypoints import deploy
+    from specdecode.entrypoints.routing import require_ray
 
     if args.replicas < 1:
         raise SpecDecodeError(f"--replicas must be >= 1, got {args.replicas}")
@@ -374,7 +374,9 @@ def _serve_replicas(args: argparse.Namespace) -> int:
         raise SpecDecodeError(f"--max-replicas must be >= --replicas ({args.replicas}), got {args.max_replicas}")
     if args.tensor_parallel_size > 1 or _compile(args):
         raise SpecDecodeError("--replicas runs whole models: drop --tensor-parallel-size and --compile")
-    deploy.require_ray()
+    require_ray()
+    from specdecode.entrypoints import deploy
+
     options = dict(model=args.model, speculative_config=args.speculative_config, dtype=args.dtype, device=args.device,
                    quantization=args.quantization, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                    threads=args.threads, enable_prefix_caching=args.prefix_caching, api_key=args.api_key,

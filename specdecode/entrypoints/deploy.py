@@ -1,138 +1,150 @@
 """Replicas on Ray Serve: N engines behind the same OpenAI routes, a conversation kept on one replica.
 
-Owns: `build_app` (the Ray Serve application: an ingress deployment in front of an engine
-deployment of N replicas, fixed or autoscaled on queue length), `SessionAffinityRouter` (Ray
-Serve's request-router interface: a request's session goes to the same replica while that
-replica has room), the per-replica metrics merged under one ``/metrics``, and `run` (what
-``specdecode serve --replicas N`` does: a local Ray cluster, the app, a drain on the first
-signal).
+Owns: `build_app` (the Ray Serve application: an `Ingress` deployment that forwards each HTTP
+request whole to one of N `Engine` replicas, fixed or autoscaled on queue length),
+`SessionAffinityRouter` (Ray Serve's request-router interface: a request's session goes to the
+same replica while that replica has room), `MetricsHub` (where the replicas leave their
+metrics; ``/metrics`` merges them) and `run` (what ``specdecode serve --replicas N`` does: a
+local Ray cluster, the app, a drain on the first signal).
 Does not own: the OpenAI routes, validation and streaming (server.py: each replica runs the
-single server's app in process, so both serve the same bytes), the engine.
+single server's app in process, so both serve the same bytes), the session key, the metrics
+merge and the in-process HTTP call (routing.py), the engine.
 
 Why affinity: a replica's prefix cache, its suffix trees and its datastore hits hold the
-history of the conversations it served. The session is the request's ``user`` field, or else
-its first messages (the system prompt and the first user turn) or the prompt's first 256
-characters. Each session ranks the replicas by rendezvous hashing (no shared state: every
-ingress agrees, and removing a replica moves only its own sessions); a full replica passes the
-request to the next in that order.
+history of the conversations it served. Each session ranks the replicas by rendezvous hashing
+(no shared state: every ingress agrees, and removing a replica moves only its own sessions); a
+full replica passes the request to the next in that order.
 
 Ray is an optional extra: ``pip install 'specdecode[ray]'``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import hashlib
-import json
 import os
+import random
 import signal
 import threading
 from typing import Any, AsyncIterator
 
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
 from specdecode.config import SpecDecodeError
-
-REPLICA_HEADER = "x-specdecode-replica"
-HUB = "specdecode-metrics"  # the named actor the replicas leave their metrics with
-
-
-def require_ray() -> None:
-    try:
-        import ray  # noqa: F401
-        from ray import serve  # noqa: F401
-    except ImportError:
-        raise SpecDecodeError("--replicas runs the engines on Ray Serve, which is not installed: "
-                              "pip install 'specdecode[ray]'") from None  # fmt: skip
+from specdecode.entrypoints.routing import (
+    HUB, REPLICA_HEADER, call_asgi, lost_replica, merge_metrics, rank_by_session, rest_of_stream, session_key,
+)  # fmt: skip
 
 
-def session_key(body: bytes) -> str | None:
-    """The conversation a request belongs to: its ``user``, else its opening, hashed."""
-    try:
-        request = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(request, dict):
-        return None
-    if isinstance(request.get("user"), str) and request["user"]:
-        return "user:" + request["user"]
-    messages = request.get("messages")
-    if isinstance(messages, list) and messages:
-        opening = json.dumps(messages[:2], sort_keys=True, default=str)
-    elif isinstance(request.get("prompt"), str):
-        opening = request["prompt"][:256]
-    else:
-        return None
-    return "open:" + hashlib.sha1(opening.encode()).hexdigest()
+@ray.remote(num_cpus=0)
+class MetricsHub:
+    """Each replica's latest Prometheus text, by replica."""
+
+    def __init__(self) -> None:
+        self.texts: dict[str, str] = {}
+
+    def put(self, replica: str, text: str) -> None:
+        self.texts[replica] = text
+
+    def get(self) -> dict[str, str]:
+        return dict(self.texts)
 
 
-def rank_by_session(key: str, replica_ids: list[str]) -> list[int]:
-    """Indices of ``replica_ids`` in rendezvous-hashing order for ``key`` (highest weight first)."""
-    weight = [hashlib.sha1(f"{key}|{rid}".encode()).digest() for rid in replica_ids]
-    return sorted(range(len(replica_ids)), key=lambda i: weight[i], reverse=True)
+class SessionAffinityRouter(RequestRouter):
+    """A request with a session goes to the replicas in that session's rendezvous order, the
+    first with room first; one without goes to the less loaded of two at random."""
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        key = (pending_request.kwargs or {}).get("session") if pending_request is not None else None
+        room = self.select_available_replicas(candidate_replicas) or candidate_replicas
+        if key is None:
+            return [random.sample(room, min(2, len(room)))]
+        order = rank_by_session(key, [r.replica_id.unique_id for r in candidate_replicas])
+        has_room = {r.replica_id for r in room}
+        ranked = [candidate_replicas[i] for i in order]
+        return [[r] for r in ranked if r.replica_id in has_room] + [[r] for r in ranked if r.replica_id not in has_room]
 
 
-def merge_metrics(texts: dict[str, str]) -> str:
-    """Each replica's Prometheus text, one family per metric, every sample labelled by replica."""
-    from prometheus_client import CollectorRegistry, generate_latest
-    from prometheus_client.metrics_core import Metric
-    from prometheus_client.parser import text_string_to_metric_families
-    from prometheus_client.samples import Sample
+@serve.ingress()
+class Ingress:
+    """The routes in front of the engine replicas."""
 
-    families: dict[str, Metric] = {}
-    for replica, text in sorted(texts.items()):
-        for family in text_string_to_metric_families(text):
-            merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
-            for s in family.samples:
-                merged.samples.append(Sample(s.name, {**s.labels, "replica": replica}, s.value, s.timestamp))
+    def __init__(self, engine: Any, affinity: bool) -> None:
+        self.engine, self.affinity = engine, affinity
+        self.hub = MetricsHub.options(name=HUB, namespace="serve", get_if_exists=True, lifetime="detached").remote()
 
-    class Merged:
-        def collect(self) -> list[Metric]:
-            return list(families.values())
+    def __serve_build_asgi_app__(self) -> Any:
+        api = FastAPI(title="specdecode (Ray Serve)")
 
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(Merged())
-    return generate_latest(registry).decode()
+        @api.get("/metrics")
+        async def metrics() -> Response:
+            return Response(merge_metrics(await self.hub.get.remote()), media_type="text/plain; version=0.0.4")
+
+        @api.api_route("/{path:path}", methods=["GET", "POST"])
+        async def forward(path: str, request: Request) -> Response:
+            body = await request.body()
+            headers = [(k, v) for k, v in request.headers.items() if k.lower() not in ("host", "content-length")]
+            session = session_key(body) if self.affinity else None
+            stream = self.engine.options(stream=True).handle.remote(
+                request.method, "/" + path, request.url.query, headers, body, session=session)
+            try:
+                status, out_headers = await stream.__anext__()
+            except Exception as e:  # the replica died before it answered
+                return JSONResponse(lost_replica(e), status_code=503)
+            return StreamingResponse(rest_of_stream(stream), status_code=status, headers=dict(out_headers))
+
+        return api
 
 
-async def call_asgi(app: Any, method: str, path: str, query: str, headers: list[tuple[str, str]],
-                    body: bytes) -> AsyncIterator[Any]:  # fmt: skip
-    """Run one HTTP request through the ASGI ``app`` in process: yields (status, headers), then
-    the body's chunks as the app sends them. Closing the iterator tells the app the client left."""
-    sent: asyncio.Queue = asyncio.Queue()
-    left = asyncio.Event()
-    asked = False
+class Engine:
+    """One replica: loads the model and serves the OpenAI app in process (server.py)."""
 
-    async def receive() -> dict:
-        nonlocal asked
-        if not asked:
-            asked = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await left.wait()
-        return {"type": "http.disconnect"}
+    def __init__(self, options: dict) -> None:
+        import torch
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
-             "path": path, "raw_path": path.encode(), "query_string": query.encode(), "root_path": "",
-             "headers": [(k.lower().encode(), v.encode()) for k, v in headers],
-             "client": ("127.0.0.1", 0), "server": ("replica", 80)}  # fmt: skip
-    task = asyncio.create_task(app(scope, receive, sent.put))
-    try:
-        while True:
-            getter = asyncio.ensure_future(sent.get())
-            await asyncio.wait([getter, task], return_when=asyncio.FIRST_COMPLETED)
-            if not getter.done():
-                getter.cancel()
-                task.result()  # the app ended without finishing its response: raise what it raised
-                return
-            message = getter.result()
-            if message["type"] == "http.response.start":
-                yield message["status"], [(k.decode(), v.decode()) for k, v in message.get("headers", [])]
-            elif message["type"] == "http.response.body":
-                if message.get("body"):
-                    yield message["body"]
-                if not message.get("more_body"):
-                    return
-    finally:
-        left.set()
-        await asyncio.wait([task], timeout=30)
+        from specdecode.drafters.registry import parse_spec
+        from specdecode.entrypoints.serve import build_app as server_app
+        from specdecode.model.loader import load_model
+
+        torch.set_num_threads(int(options.get("threads") or 1))
+        target = load_model(options.get("model"), dtype=options.get("dtype", "auto"), device=options.get("device", "auto"),
+                            quantization=options.get("quantization", "auto"), progress=False)  # fmt: skip
+        self.app = server_app(
+            target, parse_spec(options.get("speculative_config", "auto")), model=options.get("model"),
+            max_model_len=options.get("max_model_len"), max_num_seqs=int(options.get("max_num_seqs", 8)),
+            quantization=options.get("quantization", "auto"), threads=options.get("threads"),
+            enable_prefix_caching=options.get("enable_prefix_caching", True), api_key=options.get("api_key"),
+        )  # fmt: skip
+        self.engine_thread = self.app.state.server.engine_thread
+        self.engine_thread.start()
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        self.hub = MetricsHub.options(name=HUB, namespace="serve", get_if_exists=True, lifetime="detached").remote()
+
+    async def handle(self, method: str, path: str, query: str, headers: list[tuple[str, str]], body: bytes,
+                     session: str | None = None) -> AsyncIterator[Any]:  # fmt: skip
+        """The app's answer: (status, headers) with this replica's id, then the body's chunks."""
+        try:
+            async for item in call_asgi(self.app, method, path, query, headers, body):
+                if isinstance(item, tuple):
+                    item = (item[0], item[1] + [(REPLICA_HEADER, self.replica)])
+                yield item
+        finally:
+            await self._report()
+
+    async def _report(self) -> None:
+        chunks = [c async for c in call_asgi(self.app, "GET", "/metrics", "", [], b"") if isinstance(c, bytes)]
+        self.hub.put.remote(self.replica, b"".join(chunks).decode())
+
+    async def check_health(self) -> None:  # Ray Serve's health check: the engine thread is alive
+        if not self.engine_thread.is_alive():
+            raise RuntimeError("the engine thread stopped")
+
+    def __del__(self) -> None:  # after Ray Serve's graceful wait: whatever is still admitted finishes
+        self.engine_thread.stop(timeout=600)
 
 
 def build_app(options: dict) -> Any:
@@ -141,10 +153,7 @@ def build_app(options: dict) -> Any:
     of `run_server` (model, speculative_config, max_num_seqs, threads, ...) and ``replicas``
     (default 1), ``max_replicas`` (autoscale from ``replicas`` up to it on queue length),
     ``session_affinity`` (default True; False routes every request to the less loaded of two)."""
-    from ray import serve
     from ray.serve.config import RequestRouterConfig
-
-    from specdecode.entrypoints.deploy_router import Engine, Ingress
 
     options = dict(options)
     for name in ("replicas", "max_replicas", "threads", "max_num_seqs", "max_model_len"):  # `serve run`'s are strings
@@ -164,34 +173,16 @@ def build_app(options: dict) -> Any:
         Engine, name="Engine", ray_actor_options={"num_cpus": threads},
         max_ongoing_requests=4 * int(options.get("max_num_seqs", 8)),
         graceful_shutdown_timeout_s=600,  # admitted requests finish before a replica goes
-        request_router_config=RequestRouterConfig(request_router_class="specdecode.entrypoints.deploy_router:SessionAffinityRouter"),
+        request_router_config=RequestRouterConfig(request_router_class="specdecode.entrypoints.deploy:SessionAffinityRouter"),
         **scale,
     ).bind(options)  # fmt: skip
     return serve.deployment(Ingress, name="Ingress", ray_actor_options={"num_cpus": 0},
                             graceful_shutdown_timeout_s=600).bind(engine, affinity)  # open streams finish too
 
 
-def lost_replica(e: BaseException) -> dict:
-    return {"error": {"message": f"the replica serving this request stopped: {type(e).__name__}", "type": "server_error",
-                      "param": None, "code": "replica_lost"}}  # fmt: skip
-
-
-async def rest_of_stream(stream: Any) -> AsyncIterator[bytes]:
-    """The body's chunks; a replica lost mid-stream ends the stream with an error event."""
-    try:
-        async for chunk in stream:
-            yield chunk
-    except Exception as e:
-        yield f"data: {json.dumps(lost_replica(e))}\n\ndata: [DONE]\n\n".encode()
-
-
 def run(options: dict, host: str, port: int) -> None:
     """``specdecode serve --replicas N``: a local Ray cluster (or ``RAY_ADDRESS``'s), the app on
     ``host:port``, until SIGTERM / SIGINT; then every replica drains and the cluster stops."""
-    require_ray()
-    import ray
-    from ray import serve
-
     app = build_app(options)
     ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
     stop = threading.Event()

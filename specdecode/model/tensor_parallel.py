@@ -1,6 +1,6 @@
 """Tensor parallelism of the target: starting the ranks, and rank 0 telling the others what to run.
 
-Owns: `launch` (spawn the other ranks as processes on this machine, or join a ``torchrun``
+Owns: `launch` (spawn the other ranks as local processes, or join a ``torchrun``
 world), the `Lead` that rank 0's model carries (each target pass, each borrowed use of the LM
 head and each change to a cache is sent to the other ranks before rank 0 runs its own part),
 `follow` (the loop of the other ranks) and `TensorParallel.close`.
@@ -255,7 +255,7 @@ def launch(
 
     Under ``torchrun`` (``WORLD_SIZE`` set) the ranks are torchrun's: on a rank other than 0
     this call follows rank 0 and then ends the process. Otherwise it spawns ``size - 1``
-    processes on this machine. Backends: gloo on CPU, NCCL on CUDA (one GPU per rank).
+    local processes. Backends: gloo on CPU, NCCL on CUDA (one GPU per rank).
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and size not in (1, world):

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from specdecode.entrypoints.deploy import merge_metrics, rank_by_session, session_key
+from specdecode.entrypoints.routing import merge_metrics, rank_by_session, session_key
 from tests.tiny import make_tiny_checkpoint
 
 
