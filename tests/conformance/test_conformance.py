@@ -40,6 +40,7 @@ from tests.engine.checks import (
     greedy,
     joint_chisquare,
     sampling_target,
+    serve_all,
 )
 from tests.tiny import make_tiny_checkpoint
 
@@ -107,18 +108,8 @@ def test_serving_with_joins_preemption_and_aborts(target, specs, method, variant
     probe = ServingEngine(plain.target, spec, max_model_len=64, block_size=4)
     per_seq = -(-(64 + probe.round_room) // 4)
     engine = ServingEngine(plain.target, spec, max_model_len=64, max_num_seqs=6, block_size=4, num_blocks=per_seq + 2)
-    outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    for i, (p, n) in enumerate(zip(prompts, lengths)):
-        engine.add_request(str(i), p, greedy(n))
-    steps = 0
-    while engine.has_unfinished():
-        for e in engine.step():
-            outputs[e.request_id] += e.new_token_ids
-        steps += 1
-        if steps == 6:
-            engine.abort("2")
-        assert steps < 2000
-    assert [outputs[str(i)] for i in range(len(prompts)) if i != 2] == [w for i, w in enumerate(want) if i != 2]
+    outputs = serve_all(engine, prompts, [greedy(n) for n in lengths], abort_at=6)
+    assert [o for i, o in enumerate(outputs) if i != 2] == [w for i, w in enumerate(want) if i != 2]
     assert engine.stats().num_preempted_total > 0
     assert engine.stats().kv_blocks_used == 0
 

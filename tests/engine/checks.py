@@ -149,12 +149,22 @@ def assert_greedy_matches_plain(llm: LLM, plain: LLM, prompts: list[list[int]], 
     return batch
 
 
-def serve_all(engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
-    """Run ``prompts`` through a `ServingEngine` together; each one's output tokens, in order."""
+def serve_all(engine, prompts: list[list[int]], params: list[SamplingParams], abort_at: int | None = None,
+              accepted: list[int] | None = None) -> list[list[int]]:  # fmt: skip
+    """Run ``prompts`` through a `ServingEngine` together; each one's output tokens, in order.
+    ``abort_at``: request "2" is aborted after that many steps; ``accepted`` gets each finished
+    request's accepted draft tokens."""
     outputs: list[list[int]] = [[] for _ in prompts]
     for i, (prompt, sp) in enumerate(zip(prompts, params)):
         engine.add_request(str(i), prompt, sp)
+    steps = 0
     while engine.has_unfinished():
         for e in engine.step():
             outputs[int(e.request_id)] += e.new_token_ids
+            if e.finish_reason is not None and accepted is not None:
+                accepted.append(e.stats.num_accepted_tokens)
+        steps += 1
+        if steps == abort_at:
+            engine.abort("2")
+        assert steps < 2000
     return outputs

@@ -18,7 +18,7 @@ from specdecode.model.shard import Shard, check_tensor_parallel, split_state
 from specdecode.model.tensor_parallel import launch
 from tests.conformance.builders import method_specs
 from tests.conformance.test_conformance import PROMPTS, TARGET
-from tests.engine.checks import greedy
+from tests.engine.checks import greedy, serve_all
 from tests.tiny import make_tiny_checkpoint
 
 
@@ -120,22 +120,8 @@ def world(tmp_path_factory):
 
 
 def run(engine: ServingEngine, prompts: list[list[int]], lengths: list[int], abort_at: int | None = None,
-        accepted: list[int] | None = None) -> list:  # fmt: skip
-    """Each request's greedy output; ``accepted`` gets each finished request's accepted drafts."""
-    outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    for i, (p, n) in enumerate(zip(prompts, lengths)):
-        engine.add_request(str(i), p, greedy(n))
-    steps = 0
-    while engine.has_unfinished():
-        for e in engine.step():
-            outputs[e.request_id] += e.new_token_ids
-            if e.finish_reason is not None and accepted is not None:
-                accepted.append(e.stats.num_accepted_tokens)
-        steps += 1
-        if steps == abort_at:
-            engine.abort("2")
-        assert steps < 2000
-    return [outputs[str(i)] for i in range(len(prompts))]
+        accepted: list[int] | None = None) -> list[list[int]]:  # fmt: skip
+    return serve_all(engine, prompts, [greedy(n) for n in lengths], abort_at, accepted)
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle"])
