@@ -52,6 +52,11 @@ class MetricsHub:
         return dict(self.texts)
 
 
+def metrics_hub() -> Any:
+    """The one hub of the application, whoever asks first creates it."""
+    return MetricsHub.options(name=HUB, namespace="serve", get_if_exists=True, lifetime="detached").remote()
+
+
 class SessionAffinityRouter(RequestRouter):
     """A request with a session goes to the replicas in that session's rendezvous order, the
     first with room first; one without goes to the less loaded of two at random."""
@@ -75,7 +80,7 @@ class Ingress:
 
     def __init__(self, engine: Any, affinity: bool) -> None:
         self.engine, self.affinity = engine, affinity
-        self.hub = MetricsHub.options(name=HUB, namespace="serve", get_if_exists=True, lifetime="detached").remote()
+        self.hub = metrics_hub()
 
     def __serve_build_asgi_app__(self) -> Any:
         api = FastAPI(title="specdecode (Ray Serve)")
@@ -122,7 +127,7 @@ class Engine:
         self.engine_thread = self.app.state.server.engine_thread
         self.engine_thread.start()
         self.replica = serve.get_replica_context().replica_id.unique_id
-        self.hub = MetricsHub.options(name=HUB, namespace="serve", get_if_exists=True, lifetime="detached").remote()
+        self.hub = metrics_hub()
 
     async def handle(self, method: str, path: str, query: str, headers: list[tuple[str, str]], body: bytes,
                      session: str | None = None) -> AsyncIterator[Any]:  # fmt: skip

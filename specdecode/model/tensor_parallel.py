@@ -187,7 +187,7 @@ class TensorParallel:
 
     lead: Lead
     size: int
-    processes: list = None  # the spawned ranks (none under torchrun)
+    processes: list | None = None  # the spawned ranks (None under torchrun)
 
     def close(self) -> None:
         """Stop the other ranks and leave the process group (idempotent)."""
