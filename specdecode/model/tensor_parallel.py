@@ -48,26 +48,26 @@ MUTATORS = ("add_sequence", "free_sequence", "free_all", "set_batch", "reserve",
 _CALLBACK = "<callback>"  # a callable argument, replayed from its recorded answers
 
 
+def _walk(x: Any, tensor: Callable[[torch.Tensor], Any], other: Callable[[Any], Any] = lambda v: v) -> Any:
+    """``x`` with each tensor in its lists, tuples and dicts mapped by ``tensor``, anything else by ``other``."""
+    if isinstance(x, torch.Tensor):
+        return tensor(x)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_walk(v, tensor, other) for v in x)
+    if isinstance(x, dict):
+        return {k: _walk(v, tensor, other) for k, v in x.items()}
+    return other(x)
+
+
 def _snapshot(x: Any) -> Any:
     """A picklable copy, taken now: tensors on the CPU, lists copied (the engine keeps growing
     a sequence's token list), callables replaced by a marker."""
-    if isinstance(x, torch.Tensor):
-        return x.detach().to("cpu", copy=True)
-    if isinstance(x, (list, tuple)):
-        return type(x)(_snapshot(v) for v in x)
-    if isinstance(x, dict):
-        return {k: _snapshot(v) for k, v in x.items()}
-    return _CALLBACK if callable(x) and not isinstance(x, type) else x
+    return _walk(x, lambda t: t.detach().to("cpu", copy=True),
+                 lambda v: _CALLBACK if callable(v) and not isinstance(v, type) else v)  # fmt: skip
 
 
 def _to(x: Any, device: torch.device) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.to(device)
-    if isinstance(x, (list, tuple)):
-        return type(x)(_to(v, device) for v in x)
-    if isinstance(x, dict):
-        return {k: _to(v, device) for k, v in x.items()}
-    return x
+    return _walk(x, lambda t: t.to(device))
 
 
 class Lead:
