@@ -157,3 +157,12 @@ def test_generate_and_serve_refuse_a_size_that_does_not_divide_the_heads(world):
                               "--tensor-parallel-size", size], capture_output=True, text=True, timeout=120)  # fmt: skip
         assert out.returncode == 2, out.stderr
         assert says in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_layer_skip_is_refused_on_a_split_model(world):
+    """It would run the target's own first layers, which a split model holds in pieces."""
+    from specdecode.config import SpecDecodeError
+
+    _, _, loaded = world
+    with pytest.raises(SpecDecodeError, match="layer_skip runs the target's first layers"):
+        ServingEngine(loaded, parse_spec({"method": "layer_skip"}), max_model_len=64)
