@@ -112,13 +112,14 @@ class Engine:
         import torch
 
         from specdecode.drafters.registry import parse_spec
-        from specdecode.entrypoints.serve import build_app as server_app
+        from specdecode.entrypoints.serve import build_server_app
         from specdecode.model.loader import load_model
 
         torch.set_num_threads(int(options.get("threads") or 1))
-        target = load_model(options.get("model"), dtype=options.get("dtype", "auto"), device=options.get("device", "auto"),
-                            quantization=options.get("quantization", "auto"), progress=False)  # fmt: skip
-        self.app = server_app(
+        target = load_model(options.get("model"), dtype=options.get("dtype", "auto"),
+                            device=options.get("device", "auto"), quantization=options.get("quantization", "auto"),
+                            progress=False)  # fmt: skip
+        self.app = build_server_app(
             target, parse_spec(options.get("speculative_config", "auto")), model=options.get("model"),
             max_model_len=options.get("max_model_len"), max_num_seqs=int(options.get("max_num_seqs", 8)),
             quantization=options.get("quantization", "auto"), threads=options.get("threads"),

@@ -51,11 +51,12 @@ def run_server(
     spec = parse_spec(speculative_config)  # bad input fails before the model loads
     parse_quantization(quantization)
     compile_mode = parse_compile(compile)
-    target, tp = load_target(model, dtype, device, quantization, tensor_parallel_size, compiled=compile_mode is not None)
+    target, tp = load_target(model, dtype, device, quantization, tensor_parallel_size,
+                             compiled=compile_mode is not None)  # fmt: skip
     try:
-        app = build_app(target, spec, model=model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                        quantization=quantization, enable_prefix_caching=enable_prefix_caching, threads=threads,
-                        compile_mode=compile_mode, api_key=api_key, limits=limits)  # fmt: skip
+        app = build_server_app(target, spec, model=model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                               quantization=quantization, enable_prefix_caching=enable_prefix_caching, threads=threads,
+                               compile_mode=compile_mode, api_key=api_key, limits=limits)  # fmt: skip
         # headers of at most 64 KiB, idle connections closed (a slow body is bounded by read_body's limit)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=keep_alive_s,
                                 h11_max_incomplete_event_size=64 << 10)  # fmt: skip
@@ -66,9 +67,10 @@ def run_server(
             tp.close()
 
 
-def build_app(target: Any, spec: Any, *, model: str | None, max_model_len: int | None, max_num_seqs: int,
-              quantization: str | None, enable_prefix_caching: bool, threads: int | None, compile_mode: Any = None,
-              api_key: str | None = None, limits: ServerLimits | None = None) -> Any:  # fmt: skip
+def build_server_app(target: Any, spec: Any, *, model: str | None, max_model_len: int | None, max_num_seqs: int,
+                     quantization: str | None, enable_prefix_caching: bool, threads: int | None,
+                     compile_mode: Any = None, api_key: str | None = None,
+                     limits: ServerLimits | None = None) -> Any:  # fmt: skip
     """The OpenAI app over a new engine for the loaded ``target`` (the single server's, and each
     replica's under Ray Serve); its engine thread starts with the app's lifespan."""
     from specdecode.engine.serving import ServingEngine
@@ -81,7 +83,7 @@ def build_app(target: Any, spec: Any, *, model: str | None, max_model_len: int |
 
     def new_engine() -> ServingEngine:
         return ServingEngine(target, spec, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                             quantization=quantization, enable_prefix_caching=enable_prefix_caching,
+                                    quantization=quantization, enable_prefix_caching=enable_prefix_caching,
                              threads=threads)  # fmt: skip
 
     if compile_mode is not None:

@@ -153,10 +153,7 @@ def load_model(
         raise SpecDecodeError(f"{config.architecture} does not run in float16 (its activations overflow it, as "
                               "vLLM refuses too); use bfloat16 or float32")  # fmt: skip
     if sharded:
-        if quant is not None and quant.mode == "gguf":
-            raise SpecDecodeError("tensor parallelism splits float weights: load the .gguf with --quantization none, "
-                                  "int8 or int4")  # fmt: skip
-        check_tensor_parallel(config, shard.size, quant.group_size if quant is not None else None)
+        check_tensor_parallel(config, shard.size, quant)
     hf_state = read_safetensors(folder)
     config = _tied_as_transformers(config, hf_state)
     if quant is not None and quant.mode == "gguf":  # read (and reject) the blocks before building

@@ -3,7 +3,7 @@
 Owns: `Shard` (this rank, the world size, the process group, and the two collectives a
 sharded forward needs: the all-reduce after each row-parallel linear and the all-gather of
 the vocabulary-split LM head), `check_tensor_parallel` (sizes that split by whole heads and
-whole quantization groups) and `split_state` (a full checkpoint, in our parameter names, cut
+whole quantization groups, weights that can be cut) and `split_state` (a full checkpoint, in our parameter names, cut
 down to one rank's rows and columns).
 Does not own: the forward pass (transformer.py reads the shard's sizes and calls its
 collectives), starting ranks or telling the other ranks what to run (tensor_parallel.py).
@@ -27,6 +27,7 @@ from specdecode.config import SpecDecodeError
 
 if TYPE_CHECKING:
     from specdecode.model.model_config import ModelConfig
+    from specdecode.model.quant import Quantization
 
 
 @dataclass(frozen=True)
@@ -62,9 +63,10 @@ class Shard:
         return torch.cat(parts, dim=-1)[..., :vocab_size]
 
 
-def check_tensor_parallel(cfg: ModelConfig, size: int, group_size: int | None = None) -> None:
-    """One line when ``size`` ranks cannot split ``cfg`` by whole heads (or, with int4
-    ``group_size``, the row-parallel linears by whole quantization groups)."""
+def check_tensor_parallel(cfg: ModelConfig, size: int, quant: Quantization | None = None) -> None:
+    """One line when ``size`` ranks cannot split ``cfg`` by whole heads, or cannot split weights
+    quantized as ``quant``: a .gguf's own blocks, or int4 groups that the row-parallel inputs
+    would cut."""
     if size < 1:
         raise SpecDecodeError(f"tensor parallel size must be at least 1, got {size}")
     if cfg.num_heads % size or cfg.num_kv_heads % size:
@@ -74,6 +76,10 @@ def check_tensor_parallel(cfg: ModelConfig, size: int, group_size: int | None = 
         )
     if cfg.intermediate_size % size:
         raise SpecDecodeError(f"tensor parallel size {size} does not divide the MLP size {cfg.intermediate_size}")
+    if quant is not None and quant.mode == "gguf" and size > 1:
+        raise SpecDecodeError("tensor parallelism splits float weights: load the .gguf with --quantization none, "
+                              "int8 or int4")  # fmt: skip
+    group_size = quant.group_size if quant is not None else None
     if group_size and size > 1:
         for name, inner in (("attention output", cfg.num_heads * cfg.head_dim), ("MLP down", cfg.intermediate_size)):
             if (inner // size) % group_size:

@@ -262,8 +262,7 @@ def launch(
         raise SpecDecodeError(f"--tensor-parallel-size {size} differs from torchrun's {world} processes")
     size = max(size, world)
     config, _ = load_config(path, progress=False)
-    quant = parse_quantization(quantization) if quantization != "auto" else None
-    check_tensor_parallel(config, size, quant.group_size if quant is not None else None)
+    check_tensor_parallel(config, size, parse_quantization(quantization))  # before any rank starts
     load = {"path": path, "dtype": dtype, "device": device, "quantization": quantization}
     where = resolve_device(device)
     if where.type == "cuda" and torch.cuda.device_count() < size and world == 1:

@@ -14,6 +14,7 @@ import torch
 from specdecode.drafters.registry import parse_spec
 from specdecode.engine.serving import ServingEngine
 from specdecode.model.loader import load_model
+from specdecode.model.quant import parse_quantization
 from specdecode.model.shard import Shard, check_tensor_parallel, split_state
 from specdecode.model.tensor_parallel import launch
 from tests.conformance.builders import method_specs
@@ -107,13 +108,16 @@ def test_split_state_cuts_whole_heads():
     with pytest.raises(Exception, match="does not divide"):
         check_tensor_parallel(cfg, 3)
     with pytest.raises(Exception, match="whole int4 groups"):
-        check_tensor_parallel(cfg, 2, group_size=32)
+        check_tensor_parallel(cfg, 2, parse_quantization("int4"))
+    with pytest.raises(Exception, match="load the .gguf with --quantization none"):
+        check_tensor_parallel(cfg, 2, parse_quantization("gguf"))
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
-    path = str(make_tiny_checkpoint(root / "target", TARGET["arch"], **{k: v for k, v in TARGET.items() if k != "arch"}))
+    arch, overrides = TARGET["arch"], {k: v for k, v in TARGET.items() if k != "arch"}
+    path = str(make_tiny_checkpoint(root / "target", arch, **overrides))
     loaded, tp = launch(2, path, dtype="float32", device="cpu")
     yield root, path, loaded
     tp.close()
