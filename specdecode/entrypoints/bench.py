@@ -174,10 +174,13 @@ def measure(llm: Any, plain_llm: Any, name: str, prompts: list[BenchPrompt], opt
                 for start in range(0, len(items), batch):
                     group = items[start : start + batch]
                     ids = [encode_prompt(llm, p) for p in group]
-                    params = [SamplingParams(temperature=temperature, max_tokens=opts["max_tokens"], seed=start + i,
-                                             structured=p.structured) for i, p in enumerate(group)]  # fmt: skip
                     logs = []
                     for r in range(repeats):  # alternating order: a drift in the machine's speed cancels
+                        # sampled, each run draws other texts (both configurations the same seeds): a
+                        # prompt's ratio then averages over the texts' lengths and repetitiveness too
+                        params = [SamplingParams(temperature=temperature, max_tokens=opts["max_tokens"],
+                                                 seed=start + i + 1000 * r * (temperature > 0),
+                                                 structured=p.structured) for i, p in enumerate(group)]  # fmt: skip
                         if r % 2 == 0:
                             base, t_plain = timed_generate(plain_llm, ids, params, speculative=False)
                         if timer is not None:
@@ -188,7 +191,8 @@ def measure(llm: Any, plain_llm: Any, name: str, prompts: list[BenchPrompt], opt
                         n_spec, n_plain = sum(len(o.token_ids) for o in outs), sum(len(o.token_ids) for o in base)
                         logs.append(math.log((n_spec / t_spec) / (n_plain / t_plain)))
                         tokens, seconds, plain_seconds = tokens + n_spec, seconds + t_spec, plain_seconds + t_plain
-                    ratios.append(math.exp(statistics.fmean(logs)))  # a prompt's runs differ by noise only
+                    # the median run: one run slowed by another process does not move a prompt's ratio
+                    ratios.append(math.exp(statistics.median(logs)))
                     if temperature == 0:
                         identical &= all(a.token_ids == b.token_ids for a, b in zip(outs, base))
                     for o in outs:
@@ -358,8 +362,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 f"{opts['repeats']} run(s) each in alternating order (suffix, which learns from earlier requests, "
                 f"once), prefix caching off; at most {opts['max_tokens']} new tokens, "
                 f"{len(prompts)} prompts. Speedup: output tokens/s (prefill included) against plain decoding, "
-                "geometric mean over prompts with its 95% interval; predicted: Leviathan's formula from the "
-                "measured α and draft cost c. Threads: "
+                "geometric mean over prompts (each prompt's median run; sampled, each run draws other texts) "
+                "with its 95% interval; predicted: Leviathan's formula from the measured α and draft cost c. Threads: "
                 + (f"{args.threads}, fixed." if args.threads else "chosen by each engine (engine/threads.py).")
                 + (" Busy: that many CPU-bound processes ran beside the measurement." if any(opts["busy"]) else ""))
         lines = "".join(f"\n{line}.\n" for line in busy_lines(rows))
