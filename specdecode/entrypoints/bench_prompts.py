@@ -34,6 +34,10 @@ CHAT = [
     "Why do leaves change colour in autumn?",
     "What should I consider when choosing a first programming language?",
     "Suggest a name for a small bakery and explain why it works.",
+    "How can I keep a houseplant alive while I travel for two weeks?",
+    "What is a polite way to decline an invitation to a party?",
+    "Describe how a bicycle's gears make climbing a hill easier.",
+    "Which questions should I ask before adopting a dog?",
 ]
 RAG_QUESTIONS = ["Which of these functions would you use, and why?", "What do the documents say about errors?"]
 MATH = "A shop sells {a} pencils for {b} dollars. How much do {c} pencils cost? Think step by step, then give the answer."
@@ -44,12 +48,14 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "paramete
 
 def _functions() -> list[tuple[str, Callable]]:
     """Small, documented standard-library functions, in a fixed order."""
+    import base64
     import fnmatch
     import posixpath
     import shlex
+    import shutil
 
     out = []
-    for module in (textwrap, shlex, fnmatch, posixpath, json):
+    for module in (textwrap, shlex, fnmatch, posixpath, json, base64, shutil):
         for name, f in sorted(inspect.getmembers(module, inspect.isfunction)):
             if not name.startswith("_") and f.__module__ == module.__name__ and f.__doc__:
                 try:
@@ -66,13 +72,18 @@ def _functions() -> list[tuple[str, Callable]]:
 def _docs() -> list[tuple[str, str]]:
     """(name, documentation) of standard-library modules, long enough to summarise."""
     import argparse
+    import ast
+    import copy
     import csv
     import difflib
     import heapq
     import pickle
+    import tempfile
+    import tokenize
     import zipfile
 
-    return [(m.__name__, inspect.getdoc(m)[:2400]) for m in (difflib, heapq, argparse, csv, pickle, zipfile)]
+    modules = (difflib, heapq, argparse, csv, pickle, zipfile, copy, tokenize, ast, tempfile)
+    return [(m.__name__, inspect.getdoc(m)[:2400]) for m in modules]
 
 
 def _user(text: str) -> list[dict[str, Any]]:
@@ -86,7 +97,7 @@ def chat(n: int) -> list[BenchPrompt]:
 def code(n: int) -> list[BenchPrompt]:
     fs = _functions()
     return [BenchPrompt("code", _user("Add type hints to this function and return the whole function:\n\n```python\n"
-                                      f"{textwrap.dedent(inspect.getsource(fs[i][1]))}```"))
+                                      f"{textwrap.dedent(inspect.getsource(fs[i % len(fs)][1]))}```"))
             for i in range(n)]  # fmt: skip
 
 
@@ -98,8 +109,9 @@ def summarization(n: int) -> list[BenchPrompt]:
 
 def qa(n: int) -> list[BenchPrompt]:
     fs = _functions()[::-1]
-    return [BenchPrompt("qa", _user(f"{inspect.getdoc(fs[i][1])}\n\nQuestion: according to this text, what does "
-                                    f"{fs[i][0].split('.')[-1]} do and what does it return?")) for i in range(n)]  # fmt: skip
+    return [BenchPrompt("qa", _user(f"{inspect.getdoc(f)}\n\nQuestion: according to this text, what does "
+                                    f"{name.split('.')[-1]} do and what does it return?"))
+            for name, f in (fs[i % len(fs)] for i in range(n))]  # fmt: skip
 
 
 def math(n: int) -> list[BenchPrompt]:
@@ -126,9 +138,9 @@ def translation(n: int) -> list[BenchPrompt]:
 def structured(n: int) -> list[BenchPrompt]:
     fs = _functions()[1::2]
     return [BenchPrompt("structured", _user(f"Extract the function's name, its parameters and a one-line summary "
-                                            f"as JSON:\n\n{fs[i][0]}{inspect.signature(fs[i][1])}\n"
-                                            f"{inspect.getdoc(fs[i][1])}"), StructuredOutput("json", SCHEMA))
-            for i in range(n)]  # fmt: skip
+                                            f"as JSON:\n\n{name}{inspect.signature(f)}\n{inspect.getdoc(f)}"),
+                        StructuredOutput("json", SCHEMA))
+            for name, f in (fs[i % len(fs)] for i in range(n))]  # fmt: skip
 
 
 CATEGORIES: dict[str, Callable[[int], list[BenchPrompt]]] = {
