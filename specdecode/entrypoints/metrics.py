@@ -14,7 +14,7 @@ Names: vLLM v1's, with its ``vllm:`` prefix and ``model_name`` label, e.g.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -27,7 +27,9 @@ RATE_WINDOW_S = 1.0  # the tokens/s gauge is refreshed at most this often
 class ServerMetrics:
     """Every metric of one server. Call `observe_step` from the engine thread only."""
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, model_name: str, registry: CollectorRegistry | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r, label = self.registry, ["model_name"]
 
@@ -66,7 +68,8 @@ class ServerMetrics:
                                   f"Generated tokens per second over the last ~{RATE_WINDOW_S:g} s.")  # fmt: skip
         self.model_name = model_name
         self._last_preempted = self._last_queries = self._last_hits = 0
-        self._rate_start, self._rate_tokens = time.monotonic(), 0
+        self.clock = clock  # the tokens/s window's (injectable: tests count steps, not seconds)
+        self._rate_start, self._rate_tokens = clock(), 0
 
     # -- engine thread --------------------------------------------------------------------
 
@@ -101,7 +104,7 @@ class ServerMetrics:
             self.prefix_hits.inc(hits - self._last_hits)
             self._last_queries, self._last_hits = queries, hits
         self._rate_tokens += new_tokens
-        now = time.monotonic()
+        now = self.clock()
         if now - self._rate_start >= RATE_WINDOW_S:
             self.tokens_per_s.set(self._rate_tokens / (now - self._rate_start))
             self._rate_start, self._rate_tokens = now, 0

@@ -1,6 +1,6 @@
 """Automatic prefix caching in the paged KV cache: matching, sharing, copy on write, eviction.
 
-The unit tests pin the pool's and the cache's rules; `SharedLifecycles` runs the paged
+The unit tests pin the cache's rules (the pool's: test_block_pool.py); `SharedLifecycles` runs the paged
 cache's random lifecycles (test_paged_cache_lifecycles.py) with sharing: sequences join
 from prefixes of earlier ones, blocks are published at random moments, rolled back into,
 evicted, and every live sequence's K/V must still equal a fresh prefill.
@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule, run_state_machine_as_test
 
-from specdecode.cache.block_pool import BlockPool, OutOfBlocks
+from specdecode.cache.block_pool import OutOfBlocks
 from specdecode.cache.prefix_cache import PrefixCachingKVCache
 from tests.cache.test_paged_cache import ATOL, BS, seq_kv, toks
 from tests.cache.test_paged_cache_lifecycles import Lifecycles
@@ -43,48 +43,6 @@ def fresh_kv(model, tokens: list[int]):
     with torch.no_grad():
         model(torch.tensor([tokens]), torch.arange(len(tokens))[None], ref)
     return ref.k[:, 0].transpose(1, 2), ref.v[:, 0].transpose(1, 2)
-
-
-def test_pool_keeps_released_cached_blocks_until_it_needs_them():
-    pool = BlockPool(4, BS)
-    a = pool.allocate(3)
-    pool.register(a[0], "k0")
-    pool.register(a[1], "k1")
-    pool.free(a)  # a[2] is free again; a[0], a[1] wait, evictable
-    assert (pool.num_free, pool.num_used, pool.num_cached) == (4, 0, 2)
-    assert pool.lookup("k0") == (a[0], 0) and pool.lookup("k1") == (a[1], 1)
-    pool.share(a[0])  # held again: no longer evictable
-    assert (pool.refs(a[0]), pool.num_free) == (1, 3)
-    got = pool.allocate(3)  # two free, then the oldest released cached block: a[1] (a[0] is held)
-    assert a[1] in got and a[0] not in got and pool.lookup("k1") is None and pool.num_cached == 1
-    with pytest.raises(OutOfBlocks):
-        pool.allocate(1)
-    pool.free([a[0]])
-    pool.free(got)
-    with pytest.raises(ValueError, match="double free"):
-        pool.free([a[0]])
-
-
-def test_pool_evicts_a_sequence_tail_before_its_prefix():
-    pool = BlockPool(3, BS)
-    blocks = pool.allocate(3)
-    for i, b in enumerate(blocks):
-        pool.register(b, i)
-    pool.free(blocks)
-    (first,) = pool.allocate(1)
-    assert first == blocks[2] and pool.lookup(0) is not None and pool.lookup(2) is None
-
-
-def test_register_keeps_the_first_block_of_a_key():
-    pool = BlockPool(3, BS)
-    a, b = pool.allocate(2)
-    uid = pool.register(a, "k")
-    assert pool.register(b, "k", extra="features") == uid and not pool.is_registered(b)
-    assert pool.extra(a) == "features"  # filled in where the first had none
-    with pytest.raises(ValueError, match="free"):
-        pool.register(2, "other")
-    with pytest.raises(ValueError, match="not cached"):
-        pool.share(b)
 
 
 def test_a_shared_prompt_is_computed_once_and_reads_the_same_kv(llama):
