@@ -6,7 +6,8 @@ RNG-free special case for all-greedy batches (`greedy_verify`); the same two for
 trees (`tree_rejection_sample`, `tree_greedy_verify`), which also return the accepted
 path's node indices. All return, per row, the accepted draft tokens followed by one
 recovered or bonus token. Also the one LOSSY opt-in, Medusa's typical acceptance of a
-chain (`typical_verify`), which the engine flags on every request it decides.
+chain (`typical_verify`, and `TypicalAcceptance`, the rule a drafter hands the engine with
+its draft), which the engine flags on every request it decides.
 Does not own: turning logits into p and q (sampling.py), proposing drafts (drafters/),
 tree shapes and masks (tree.py), or rolling back caches after a rejection (engine/).
 
@@ -17,6 +18,7 @@ draft was accepted. Each row emits ``num_accepted + 1`` tokens per step.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -325,6 +327,21 @@ def _per_row(generator: torch.Generator | Sequence[torch.Generator | None] | Non
     if len(generators) != B:
         raise ValueError(f"need one generator per row: {B} rows, {len(generators)} generators")
     return generators
+
+
+@dataclass(frozen=True)
+class TypicalAcceptance:
+    """Medusa's typical acceptance with its (ε, δ), as a draft carries it (`Draft.acceptance`):
+    the engine calls it in place of rejection sampling. LOSSY: the engine flags the requests."""
+
+    posterior_threshold: float  # ε
+    posterior_alpha: float  # δ
+    lossy = True
+
+    def __call__(
+        self, p: Tensor, draft_tokens: Tensor, generator: Sequence[torch.Generator | None] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        return typical_verify(p, draft_tokens, self.posterior_threshold, self.posterior_alpha, generator)
 
 
 def typical_verify(

@@ -44,16 +44,18 @@ class Draft:
     length of the matched n-gram; on the serving benchmark's input-reuse prompts a round after
     a rejection accepted 1.4 of 8 tokens after a 2-gram match and 6.4 after a 5-gram one).
 
-    ``typical`` = (ε, δ) asks for Medusa's typical acceptance of a chain instead of
-    rejection sampling (`specdecode.core.verify.typical_verify`). It is LOSSY: the output no
-    longer follows the target's distribution, and the engine flags the requests ``lossy``.
+    ``acceptance`` (chains, optional) is a drafter's own acceptance rule, called in place of
+    rejection sampling with the target's p [B, γ+1, V], the draft tokens and the rows'
+    generators; a rule whose ``lossy`` is true (Medusa's typical acceptance,
+    `specdecode.core.verify.TypicalAcceptance`) no longer gives the target's distribution,
+    and the engine flags the requests it decides ``lossy``.
     """
 
     tokens: torch.Tensor
     q: torch.Tensor | None = None
     tree: "TreeBatch | None" = None
     aux: "AuxBranch | None" = None  # extra nodes that ride along in the verify pass (needs a tree)
-    typical: tuple[float, float] | None = None  # LOSSY opt-in: (posterior_threshold ε, posterior_alpha δ)
+    acceptance: "Acceptance | None" = None  # a chain's own acceptance rule (LOSSY opt-in: typical acceptance)
     confidence: torch.Tensor | None = None  # [B, γ] in (0, 1): the drafter's acceptance estimates (chains)
     evidence: list[int] | None = None  # [B]: how each row's proposal was found (chains)
 
@@ -67,6 +69,16 @@ class Draft:
         if self.tree is not None:
             return (self.tree.depth * self.tree.valid).amax(dim=1)
         return (self.tokens >= 0).cumprod(dim=1).sum(dim=1)
+
+
+class Acceptance(Protocol):
+    """A drafter's own acceptance rule for its chains (see `Draft.acceptance`)."""
+
+    lossy: bool
+
+    def __call__(
+        self, p: torch.Tensor, draft_tokens: torch.Tensor, generator: "list[torch.Generator | None]"
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -130,7 +142,11 @@ class Drafter(Protocol):
         its tokens but the newest (``token_ids[:-1]``), whose K/V the target cache holds."""
         ...
 
-    def propose(self, batch: "Batch", num_tokens: int) -> Draft: ...
+    def propose(self, batch: "Batch", num_tokens: int) -> Draft:
+        """The round's draft, ``num_tokens`` deep (a tree: its depth). A drafter whose ``Options``
+        take `LookupKeys` (lookup.py) also takes ``copies``: row b's copied draft ([] where this
+        drafter drafts), for the wrapper that copies beside it."""
+        ...
 
     def on_verified(
         self,

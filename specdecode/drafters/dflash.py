@@ -18,9 +18,9 @@ back into the block (they are drawn in parallel), which q_k accounts for: q_k is
 distribution d_k was actually drawn from.
 
 With ``prompt_lookup_max`` or ``datastore`` a row whose context occurred before drafts the copy
-instead (lookup.py); the block then runs ``num_steps`` deep (default γ) and not at all in a
-round where every row copies. The cache needs nothing from a round's drafts: what it is handed
-comes from the target's pass, whichever source drafted.
+instead (lookup.py's wrapper); the block then drafts the other rows (``copies``), ``num_steps``
+deep (default γ), and runs not at all in a round where every row copies. The cache needs nothing
+from a round's drafts: what it is handed comes from the target's pass, whichever source drafted.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from specdecode.drafters.dflash_net import DFlashNet
 from specdecode.drafters.draft_cache import DraftKVCache
 from specdecode.drafters.draft_vocab import check_confidence_threshold, stop_after_unsure
 from specdecode.drafters.learned import load_net, resolve_weights
-from specdecode.drafters.lookup import LookupKeys, copies_only, look_up, model_rows, nothing_to_draft, splice_chains
+from specdecode.drafters.lookup import LookupKeys, drafting_rows
 from specdecode.core.batch import Batch
 from specdecode.core.logits_process import row_states
 
@@ -81,12 +81,11 @@ class DFlashDrafter:
                 f"{what} is {self.steps}{default}: set it to at most {self.net.block_size}{hint}"
             )
         self.hidden_layers: tuple[int, ...] = self.net.hidden_layers
-        self.lookup = spec.options.lookup(ctx.target)
         self.ctx = ctx
         self.cache = DraftKVCache(self.net.body)
 
     def max_draft_tokens(self, num_tokens: int) -> int:
-        return num_tokens if self.lookup else min(num_tokens, self.net.block_size)  # a copy may run to γ
+        return min(num_tokens, self.net.block_size)
 
     def prefill(self, batch: Batch, rows: list[int], hidden: list[Tensor] | None = None) -> None:
         assert hidden is not None, "dflash reads target features: the engine hands them with hidden_layers"
@@ -105,16 +104,9 @@ class DFlashDrafter:
             cache.append(layer, k, v, slots, kv_len)
         cache.commit(counts)
 
-    def propose(self, batch: Batch, num_tokens: int) -> Draft:
-        found, matched = look_up(batch, self.lookup, self.gamma)  # found[b] = [] where the block drafts
-        if nothing_to_draft(batch, found):  # every row copies: no block pass
-            return copies_only(found, matched, self.ctx.device)
-        draft = self._block(batch, min(num_tokens, self.steps, self.net.block_size), found)
-        return draft if self.lookup is None else splice_chains(draft, found, matched)
-
-    def _block(self, batch: Batch, gamma: int, found: list[list[int]]) -> Draft:
-        """One block pass: every row's γ draft tokens (a copying row's are scratch, replaced by
-        its copy)."""
+    def propose(self, batch: Batch, num_tokens: int, copies: list[list[int]] | None = None) -> Draft:
+        """One block pass: every row's draft tokens (a copying row's are scratch, replaced by its copy)."""
+        gamma = min(num_tokens, self.steps, self.net.block_size)
         roots = torch.tensor([s.token_ids[-1] for s in batch.seqs], dtype=torch.long, device=self.ctx.device)
         at = torch.arange(gamma, device=roots.device).expand(len(batch), -1)  # [B, γ]
         logits = self.net.block_logits(roots, self.cache, logits_at=at)  # [B, γ, Vd] over the draft vocabulary
@@ -125,7 +117,7 @@ class DFlashDrafter:
         if batch.all_greedy:  # one-hot q: the verifier needs no distribution
             tokens = head.greedy(logits, V, states)
         else:  # a copying row draws from scratch: its own stream is for its own drafts
-            drafting = model_rows(found, self.ctx.device) if self.lookup is not None else None
+            drafting = drafting_rows(copies, batch, self.ctx.device)
             tokens, q = head.sample(logits, batch, V, 0, drafting, states)  # [B, γ], [B, γ, V]
         confidence = None
         if self.threshold > 0 or self.report_confidence:

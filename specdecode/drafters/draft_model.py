@@ -3,9 +3,8 @@
 Owns the draft model's own KV cache. Invariant between rounds: the draft cache holds a
 prefix of each row's committed tokens; after verification it is rolled back to at most
 ``len(tokens) - 1`` (everything it holds up to there is known to match), and the next
-``propose`` in which the model drafts for some row first feeds the committed tokens it has
-not seen (a round where every row copies its draft, with ``prompt_lookup_max`` or a
-datastore, runs no draft pass).
+``propose`` first feeds the committed tokens it has not seen (beside a lookup, a round where
+every row copies its draft calls no ``propose``: lookup.py).
 
 Chains (``topk = 1``) sample each draft token from q, which the verifier then uses.
 Trees (``topk > 1``) grow EAGLE-2 style: each level expands the ``topk`` frontier nodes
@@ -27,16 +26,7 @@ from specdecode.config import SpecConfig, SpecDecodeError, is_int
 from specdecode.drafters.base import Draft, DrafterContext
 from specdecode.drafters.draft_cache import DraftKVCache
 from specdecode.drafters.draft_tree import fill_static_tree, grow_tree
-from specdecode.drafters.lookup import (
-    Lookup,
-    LookupKeys,
-    copies_only,
-    look_up,
-    model_rows,
-    nothing_to_draft,
-    splice_chains,
-    trees_with_lookup,
-)
+from specdecode.drafters.lookup import LookupKeys, drafting_rows, tree_limits
 from specdecode.core.batch import Batch, pad_right
 from specdecode.cache.kv_cache import KVCache
 from specdecode.model.loader import keeps_gguf_blocks, load_model
@@ -97,8 +87,7 @@ class DraftModelDrafter:
         self.ctx = ctx
         self.gamma = spec.num_speculative_tokens
         self.topk: int = spec.options.topk
-        self.lookup: Lookup | None = spec.options.lookup(ctx.target)
-        self.steps: int = spec.options.steps(self.gamma)  # the model's depth (γ is the lookup's)
+        self.steps: int = spec.options.steps(self.gamma)  # the model's depth (beside a lookup, γ is the lookup's)
         self.budget: int = spec.options.num_draft_tokens or self.steps * self.topk
         tree = spec.options.speculative_token_tree
         vocab = ctx.target.config.vocab_size  # the draft's too (check_same_vocab)
@@ -120,8 +109,7 @@ class DraftModelDrafter:
     def max_draft_tokens(self, num_tokens: int) -> int:
         if self.topk == 1 and self.static_tree is None:
             return num_tokens
-        nodes = self.static_tree.num_nodes - 1 if self.static_tree is not None else self.budget
-        return max(nodes, num_tokens) if self.lookup else nodes  # a lookup row's chain: γ nodes
+        return self.static_tree.num_nodes - 1 if self.static_tree is not None else self.budget
 
     def _feed(self, rows: list[list[int]], cache: KVCache) -> torch.Tensor:
         """Run the draft on each row's pending tokens and commit them in ``cache``; return logits
@@ -138,30 +126,27 @@ class DraftModelDrafter:
         with self.cache.only(self.cache.join_rows(len(rows))):
             self._feed([batch.seqs[r].token_ids[:-1] for r in rows], self.cache)
 
-    def propose(self, batch: Batch, num_tokens: int) -> Draft:
-        found, matched = look_up(batch, self.lookup, self.gamma)  # found[b] = [] where the model drafts
-        if nothing_to_draft(batch, found):  # the tokens the draft has not seen wait for a round it drafts in
-            return copies_only(found, matched, self.ctx.device)
+    def propose(self, batch: Batch, num_tokens: int, copies: list[list[int]] | None = None) -> Draft:
         roots = [s.token_ids[-1] for s in batch.seqs]
         depth = min(num_tokens, self.steps)
-        tree = self.static_tree is not None or self.topk > 1
         seen = self.cache.lengths.tolist()
         logits = self._feed([s.token_ids[n:] for s, n in zip(batch.seqs, seen)], self.cache)
-        if tree:
-            def grow(limits: list[int] | None) -> Draft:
-                if self.static_tree is not None:  # its own shape; a lookup row's is replaced
-                    return fill_static_tree(self._score_block, logits, roots, self.static_tree)
-                return grow_tree(self._score_block, logits, roots, depth, self.topk, self.budget, limits=limits)
-
-            return trees_with_lookup(grow, batch, roots, depth, found, self.ctx.device)
+        if self.static_tree is not None:  # its own shape (a copying row's is replaced by its chain)
+            return fill_static_tree(self._score_block, logits, roots, self.static_tree)
+        if self.topk > 1:
+            limits = tree_limits(batch, depth, copies)
+            return grow_tree(self._score_block, logits, roots, depth, self.topk, self.budget, limits=limits)
         drafts, qs = [], []
-        alive = model_rows(found, self.ctx.device)
+        drafting = drafting_rows(copies, batch, self.ctx.device)  # None: every row
+        alive = torch.ones(len(batch), dtype=torch.bool, device=self.ctx.device) if drafting is None else drafting
         # q as plain decoding would process p (penalties, bias, masks, grammar), each draft position
         # seeing the drafts before it: likelier drafts; exactness does not depend on it
         states = row_states(batch.seqs, self.ctx.target.config.eos_token_ids)
         # a copying row's draft cache takes its copy, not the model's scratch tokens: what it
         # accepts is kept as entries for the next round (the model's tokens there were stale)
-        copies, copied = pad_right([f[: depth - 1] for f in found], self.ctx.device) if any(found) else (None, None)
+        copied_ids = copied = None
+        if drafting is not None and copies is not None:
+            copied_ids, copied = pad_right([c[: depth - 1] for c in copies], self.ctx.device)
         for k in range(depth):
             if states is not None:
                 so_far = torch.stack(drafts, dim=1).tolist() if drafts else [[]] * len(batch)
@@ -171,18 +156,17 @@ class DraftModelDrafter:
             else:  # a lookup row's draws are scratch: its own stream is for its own drafts
                 q = logits_to_probs(logits[:, None], batch.temperature, batch.top_k, batch.top_p, batch.min_p)
                 q = q[:, 0]  # [B, V]
-                token = sample(q, batch.draft_generators(k, alive if self.lookup is not None else None))
+                token = sample(q, batch.draft_generators(k, drafting))
                 qs.append(q)
             drafts.append(torch.where(alive, token, -1))
-            if k + 1 == depth or (self.lookup is not None and not bool(alive.any())):  # no sync without lookup
+            if k + 1 == depth:
                 break
             fed = token
-            if copies is not None and k < copies.shape[1]:  # [B, <= depth - 1], [B]
-                fed = torch.where(copied > k, copies[:, k], token)
+            if copied_ids is not None and k < copied_ids.shape[1]:  # [B, <= depth - 1], [B]
+                fed = torch.where(copied > k, copied_ids[:, k], token)
             logits = self._feed_one(fed)  # the last draft token is fed next round, if accepted
         q_all = torch.stack(qs, dim=1) if qs else None  # [B, γ, V]
-        draft = Draft(tokens=torch.stack(drafts, dim=1), q=q_all)
-        return draft if self.lookup is None else splice_chains(draft, found, matched)
+        return Draft(tokens=torch.stack(drafts, dim=1), q=q_all)
 
     def _score_block(
         self, tokens: torch.Tensor, depths: torch.Tensor, mask: torch.Tensor, at: torch.Tensor, _states: None

@@ -22,7 +22,7 @@ Under an adaptive budget a chain also reports each token's confidence: the net's
 head where it has one, else that same draft probability.
 
 With ``prompt_lookup_max`` rows whose recent tokens occurred before draft the copy instead
-(lookup.py).
+(lookup.py's wrapper): the net drafts the others (``copies``), ``num_steps`` deep.
 """
 
 from __future__ import annotations
@@ -39,16 +39,7 @@ from specdecode.drafters.draft_tree import grow_tree
 from specdecode.drafters.draft_vocab import check_confidence_threshold
 from specdecode.drafters.eagle_net import FeatureNet
 from specdecode.drafters.learned import PendingFeatures, load_net, resolve_weights
-from specdecode.drafters.lookup import (
-    Lookup,
-    LookupKeys,
-    copies_only,
-    look_up,
-    model_rows,
-    nothing_to_draft,
-    splice_chains,
-    trees_with_lookup,
-)
+from specdecode.drafters.lookup import LookupKeys, drafting_rows, tree_limits
 from specdecode.core.batch import Batch, Sequence, pad_right
 from specdecode.core.logits_process import row_states
 from specdecode.core.tree import check_node_budget
@@ -92,8 +83,7 @@ class EagleDrafter:
         self.device = ctx.device
         self.gamma = spec.num_speculative_tokens
         self.topk: int = spec.options.topk
-        self.lookup: Lookup | None = spec.options.lookup(ctx.target)
-        self.steps: int = spec.options.steps(self.gamma)  # the net's depth (γ is the lookup's)
+        self.steps: int = spec.options.steps(self.gamma)  # the net's depth (beside a lookup, γ is the lookup's)
         self.budget: int = spec.options.num_draft_tokens or self.steps * self.topk
         self.threshold: float = float(spec.options.confidence_threshold)
         # an adaptive budget plans on per-token confidences: a trained head's, else the draft's own
@@ -103,9 +93,7 @@ class EagleDrafter:
         self.cache = DraftKVCache(self.net.body)
 
     def max_draft_tokens(self, num_tokens: int) -> int:
-        if self.topk == 1:
-            return num_tokens
-        return max(self.budget, num_tokens) if self.lookup else self.budget  # a lookup row's chain: γ nodes
+        return num_tokens if self.topk == 1 else self.budget
 
     def prefill(self, batch: Batch, rows: list[int], hidden: list[torch.Tensor] | None = None) -> None:
         assert hidden is not None, "eagle reads the target's features"
@@ -148,26 +136,30 @@ class EagleDrafter:
         self.cache.commit(at[:, 0] + 1)
         return logits[:, 0], out[:, 0]
 
-    def propose(self, batch: Batch, num_tokens: int) -> Draft:
-        found, matched = look_up(batch, self.lookup, self.gamma)  # found[b] = [] where the net drafts
-        if nothing_to_draft(batch, found):  # every row copies: the features owed wait for a round
-            # the net drafts in (fed then in one pass: each entry's output is the same, the fused
-            # block computes every token alone). A run of copied rounds costs no net pass.
-            return copies_only(found, matched, self.device)
-        logits, out = self._feed_pending(batch)  # every row's, lookup rows' too: the cache stays whole
+    def propose(self, batch: Batch, num_tokens: int, copies: list[list[int]] | None = None) -> Draft:
+        # Every row's owed features, copying rows' too: the cache stays whole. In rounds where every
+        # row copies (propose is not called) they wait, and are fed here in one pass: each entry's
+        # output is the same, the fused block computes every token alone.
+        logits, out = self._feed_pending(batch)
         depth = min(num_tokens, self.steps)
         if self.topk > 1:
-            return self._tree(batch, logits, out, [s.token_ids[-1] for s in batch.seqs], depth, found)
-        draft = self._chain(batch, logits, out, depth, model_rows(found, self.device))
-        return draft if self.lookup is None else splice_chains(draft, found, matched)
+            roots = [s.token_ids[-1] for s in batch.seqs]
+            return grow_tree(self._score_block, logits, roots, depth, self.topk, self.budget, root_states=out,
+                             vocab_ids=self.net.head.vocab_ids, limits=tree_limits(batch, depth, copies))  # fmt: skip
+        return self._chain(batch, logits, out, depth, drafting_rows(copies, batch, self.device))
 
-    def _chain(self, batch: Batch, logits: torch.Tensor, out: torch.Tensor, depth: int, alive: torch.Tensor) -> Draft:
-        """The net's chains, ``depth`` long, for the rows ``alive`` [B] (the others' are -1)."""
+    def _chain(
+        self, batch: Batch, logits: torch.Tensor, out: torch.Tensor, depth: int, alive: torch.Tensor | None
+    ) -> Draft:
+        """The net's chains, ``depth`` long, for the rows ``alive`` [B] (the others' are -1; None:
+        every row)."""
         drafts, qs, confs = [], [], []
         states = row_states(batch.seqs, self.eos_ids)  # q processed as p is (penalties, masks, grammar)
         head_confidence = self.report_confidence and self.net.confidence is not None
         own_confidence = self.report_confidence and self.net.confidence is None  # the draft probability instead
-        stoppable = self.threshold > 0 or self.lookup is not None  # else every row drafts on: no device syncs
+        stoppable = self.threshold > 0 or alive is not None  # else every row drafts on: no device syncs
+        if alive is None:
+            alive = torch.ones(len(batch), dtype=torch.bool, device=self.device)
         for k in range(depth):
             if head_confidence:  # from the feature that gives d_k's logits
                 confs.append(torch.sigmoid(self.net.confidence(out).float())[:, 0])
@@ -199,17 +191,6 @@ class EagleDrafter:
         q_all = torch.stack(qs, dim=1) if qs else None  # [B, k, V], k <= γ when every row stopped early
         confidence = torch.stack(confs, dim=1) if confs else None  # [B, k]
         return Draft(tokens=torch.stack(drafts, dim=1), q=q_all, confidence=confidence)
-
-    def _tree(
-        self, batch: Batch, logits: torch.Tensor, out: torch.Tensor, roots: list[int], depth: int,
-        found: list[list[int]],
-    ) -> Draft:  # fmt: skip
-        """EAGLE-2 trees ``depth`` deep; a lookup row's tree is its chain."""
-        def grow(limits: list[int] | None) -> Draft:
-            return grow_tree(self._score_block, logits, roots, depth, self.topk, self.budget, root_states=out,
-                             vocab_ids=self.net.head.vocab_ids, limits=limits)  # fmt: skip
-
-        return trees_with_lookup(grow, batch, roots, depth, found, self.device)
 
     def _score_block(
         self, tokens: torch.Tensor, depths: torch.Tensor, mask: torch.Tensor, at: torch.Tensor,

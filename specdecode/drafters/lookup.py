@@ -1,10 +1,11 @@
 """Lookup beside a model drafter (`eagle`, `eagle3`, `mtp`, `medusa`, `dflash`, `draft_model`, `layer_skip`): copies
 from the row's own text (prompt lookup) and from a datastore of the target's answers (REST).
 
-Owns: the keys (`LookupKeys`, a base of those drafters' options), which rows copy this round
-(`Lookup`, `look_up`, `model_rows`) and splicing their copies into the model's draft
-(`splice_chains`, `trees_with_lookup`; `nothing_to_draft` and `copies_only` where no row needs
-the model).
+Owns: the keys (`LookupKeys`, a base of those drafters' options), `LookupDrafter` (the wrapper
+the registry puts around such a drafter when its keys ask for a lookup), which rows copy this
+round (`Lookup`, `look_up`) and putting their copies into the drafter's draft (`splice_chains`,
+`chains_in_trees`; `copies_only` where no row needs the drafter), and what a wrapped drafter
+reads of the copies (`drafting_rows`, `tree_limits`).
 Does not own: the lookups themselves (ngram.py, datastore.py) or the model's drafting.
 
 With ``prompt_lookup_max`` a row whose last n tokens occurred earlier (``prompt_lookup_min`` <=
@@ -17,23 +18,25 @@ matched, where at least ``datastore_min_prob`` of the occurrences go on with its
 rows draft with the model, ``num_steps`` deep (Arctic Inference pairs suffix decoding with its
 speculator the same way). Copies are long and cheap; the model covers the rest. A lookup draft is
 a deterministic function of the history and the store (one-hot q), so a round stays lossless
-whichever source each row took. In a round where some row drafts with the model, the model runs
-on every row (its cache stays whole); where every row copies, it runs on none, and what it is owed
-waits for the next round it drafts in (`copies_only`). Its draws for a lookup row come from a
-scratch stream (`Batch.draft_generators`), so a seeded row's samples do not depend on its
-neighbours.
+whichever source each row took.
+
+The contract with the wrapped drafter (`Drafter.propose`'s ``copies``): in a round where some row
+copies, it is asked to draft with ``copies`` (row b's copy, [] where it drafts): it runs on every
+row (its cache stays whole) and its tokens for the copying rows are scratch, drawn from scratch
+streams (`Batch.draft_generators`), so a seeded row's samples do not depend on its neighbours. In
+a round where every row copies, its ``propose`` is not called at all; its ``on_verified`` always is,
+and what it is owed waits for the next round it drafts in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from specdecode.config import SpecDecodeError, is_int
-from specdecode.drafters.base import Draft
+from specdecode.drafters.base import Draft, Drafter
 from specdecode.drafters.datastore import DEFAULT_MIN_PROB, Datastore, check_datastore_keys, fill_rows, open_datastore
 from specdecode.drafters.ngram import NgramOptions, lookup_rows
 from specdecode.core.batch import Batch
@@ -127,12 +130,21 @@ def look_up(batch: Batch, lookup: Lookup | None, gamma: int) -> tuple[list[list[
     return lookup.rows(batch, batch.draft_limits or [gamma] * len(batch))
 
 
-def model_rows(found: list[list[int]], device: torch.device) -> torch.Tensor:
-    """[B] bool: the rows that draft with the model this round (every row where none copies, made
-    on the device: no host-to-device copy on the hot path when lookup is off or finds nothing)."""
-    if not any(found):
-        return torch.ones(len(found), dtype=torch.bool, device=device)
-    return torch.tensor([not f for f in found], dtype=torch.bool, device=device)
+def drafting_rows(copies: list[list[int]] | None, batch: Batch, device: torch.device) -> torch.Tensor | None:
+    """[B] bool: the rows a wrapped drafter drafts for (those without a copy); None where no row
+    copies (every row drafts: no host-to-device copy on the hot path)."""
+    if copies is None or not any(copies):
+        return None
+    return torch.tensor([not c for c in copies], dtype=torch.bool, device=device)
+
+
+def tree_limits(batch: Batch, depth: int, copies: list[list[int]] | None) -> list[int] | None:
+    """Per-row depth limits for a wrapped drafter's trees: 0 for a copying row (its tree is
+    replaced by its chain), the row's draft limit for the others; None where neither limits."""
+    if copies is None or not any(copies):
+        return batch.draft_limits
+    limits = batch.draft_limits or [depth] * len(batch)
+    return [0 if c else n for c, n in zip(copies, limits)]
 
 
 def splice_chains(draft: Draft, found: list[list[int]], matched: list[int]) -> Draft:
@@ -162,24 +174,17 @@ def splice_chains(draft: Draft, found: list[list[int]], matched: list[int]) -> D
     return Draft(tokens=tokens, q=q, confidence=confidence, evidence=matched)
 
 
-def trees_with_lookup(
-    grow: Callable[[list[int] | None], Draft], batch: Batch, roots: list[int], depth: int, found: list[list[int]],
-    device: torch.device,
-) -> Draft:  # fmt: skip
-    """The model's trees, ``grow(limits)`` (per-row depth limits or None), with each lookup row's
-    tree replaced by its chain; the model grows none where every row copies."""
+def chains_in_trees(draft: Draft, found: list[list[int]]) -> Draft:
+    """The model's trees with each lookup row's tree replaced by its chain."""
+    assert draft.tree is not None
     if not any(found):
-        return grow(batch.draft_limits)
-    tokens, parents = [[r] for r in roots], [[-1] for _ in roots]
-    if not all(found):
-        limits = batch.draft_limits or [depth] * len(roots)
-        tree = grow([0 if f else n for f, n in zip(found, limits)]).tree  # a lookup row grows nothing
-        assert tree is not None
-        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        return draft
+    tokens, parents = draft.tree.tokens.tolist(), draft.tree.parents.tolist()
     for b, chain in enumerate(found):
         if chain:
-            tokens[b], parents[b] = [roots[b], *chain], list(range(-1, len(chain)))
+            tokens[b], parents[b] = [tokens[b][0], *chain], list(range(-1, len(chain)))
     N = max(map(len, tokens))
+    device = draft.tokens.device
     padded = (torch.tensor([r + [-1] * (N - len(r)) for r in rows], device=device) for rows in (tokens, parents))
     return Draft.from_tree(TreeBatch.from_parents(*padded))
 
@@ -197,3 +202,36 @@ def copies_only(found: list[list[int]], matched: list[int], device: torch.device
     chain anyway, and building it costs host time every round). The model's pending input waits for
     the next round it drafts in, fed then in one pass."""
     return splice_chains(Draft(torch.empty(len(found), 0, dtype=torch.long, device=device)), found, matched)
+
+
+class LookupDrafter:
+    """A drafter whose rows copy where the lookup finds a copy: ``inner`` drafts the others
+    (the contract: the module's docstring). γ is the lookup's; the inner drafter's own depth
+    is its ``num_steps``."""
+
+    def __init__(self, inner: Drafter, lookup: Lookup, gamma: int, device: torch.device) -> None:
+        self.inner, self.lookup, self.gamma, self.device = inner, lookup, gamma, device
+        self.hidden_layers: tuple[int, ...] = inner.hidden_layers
+        self.learns_from_other_requests: bool = getattr(inner, "learns_from_other_requests", False)
+
+    def max_draft_tokens(self, num_tokens: int) -> int:
+        return max(self.inner.max_draft_tokens(num_tokens), num_tokens)  # a lookup row's chain: γ nodes
+
+    def prefill(self, batch: Batch, rows: list[int], hidden: list[torch.Tensor] | None = None) -> None:
+        self.inner.prefill(batch, rows, hidden)
+
+    def propose(self, batch: Batch, num_tokens: int) -> Draft:
+        found, matched = look_up(batch, self.lookup, self.gamma)  # found[b] = [] where the inner drafter drafts
+        if nothing_to_draft(batch, found):  # a run of copied rounds costs no model pass
+            return copies_only(found, matched, self.device)
+        draft = self.inner.propose(batch, num_tokens, copies=found)
+        return chains_in_trees(draft, found) if draft.tree is not None else splice_chains(draft, found, matched)
+
+    def on_verified(
+        self, batch: Batch, num_accepted: torch.Tensor, aux_logits: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
+        self.inner.on_verified(batch, num_accepted, aux_logits, hidden)
+
+    def select_rows(self, rows: list[int]) -> None:
+        self.inner.select_rows(rows)

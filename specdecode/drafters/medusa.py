@@ -21,8 +21,8 @@ are the heads' argmax and a draft is kept if the target gives it enough probabil
 (`specdecode.core.verify.typical_verify`); requests decoded with it are flagged ``lossy``.
 
 With ``prompt_lookup_max`` or ``datastore`` (exact acceptance) a row whose context occurred
-before drafts the copy instead (lookup.py); the heads then draft ``num_steps`` deep (default γ)
-and run not at all in a round where every row copies.
+before drafts the copy instead (lookup.py's wrapper); the heads then draft the other rows
+(``copies``), ``num_steps`` deep (default γ), and run not at all in a round where every row copies.
 """
 
 from __future__ import annotations
@@ -38,20 +38,13 @@ from specdecode.config import SpecConfig, SpecDecodeError, is_int
 from specdecode.drafters.base import Draft, DrafterContext
 from specdecode.drafters.draft_vocab import DraftVocabHead
 from specdecode.drafters.learned import TrainBatch, label_rows, load_net, resolve_weights
-from specdecode.drafters.lookup import (
-    LookupKeys,
-    copies_only,
-    look_up,
-    model_rows,
-    nothing_to_draft,
-    splice_chains,
-    trees_with_lookup,
-)
+from specdecode.drafters.lookup import LookupKeys, drafting_rows
 from specdecode.core.batch import Batch
 from specdecode.model.transformer import Transformer
 from specdecode.core.logits_process import row_states
 from specdecode.core.sampling import argmax
 from specdecode.core.tree import MAX_TREE_NODES, TreeBatch, TreeShape, parse_token_tree
+from specdecode.core.verify import TypicalAcceptance
 
 ACCEPTANCE = ("exact", "typical")
 DEFAULT_TREE = "default"  # Medusa's mc_sim_7b_63 tree, cut to γ levels
@@ -218,39 +211,34 @@ class MedusaDrafter:
             what = f"a tree {self.depth} deep" if self.tree is not None else f"{name} {self.depth}"
             hint = f"; with a lookup, set num_steps to at most {have}" if opts.lookup_on and not opts.num_steps else ""
             raise SpecDecodeError(f"medusa: {what} needs {self.depth} heads, but {path} has {have} heads{hint}")
-        self.lookup = opts.lookup(ctx.target)  # after the checks: a datastore takes a second to load
         self.device = ctx.device
-        self.typical = (opts.posterior_threshold, opts.posterior_alpha) if opts.acceptance == "typical" else None
+        typical = opts.acceptance == "typical"
+        self.typical = TypicalAcceptance(opts.posterior_threshold, opts.posterior_alpha) if typical else None
         self.last = torch.zeros(0, self.target.config.hidden_size, dtype=ctx.dtype, device=ctx.device)  # [B, H]
 
     def max_draft_tokens(self, num_tokens: int) -> int:
-        own = self.tree.num_nodes - 1 if self.tree is not None else min(num_tokens, self.depth)
-        return max(own, num_tokens) if self.lookup else own  # a lookup row's chain: γ nodes
+        return self.tree.num_nodes - 1 if self.tree is not None else min(num_tokens, self.depth)
 
     def prefill(self, batch: Batch, rows: list[int], hidden: list[Tensor] | None = None) -> None:
         assert hidden is not None and len(hidden) == len(rows)
         newest = [h[-1] if len(h) else self.last.new_zeros(self.last.shape[1]) for h in hidden]  # [H] each
         self.last = torch.cat([self.last, torch.stack(newest).to(self.last.dtype)])
 
-    def propose(self, batch: Batch, num_tokens: int) -> Draft:
-        found, matched = look_up(batch, self.lookup, self.gamma)  # found[b] = [] where the heads draft
-        if nothing_to_draft(batch, found):  # every row copies: no head runs
-            return copies_only(found, matched, self.device)
-        roots = [s.token_ids[-1] for s in batch.seqs]
+    def propose(self, batch: Batch, num_tokens: int, copies: list[list[int]] | None = None) -> Draft:
         K = self.depth if self.tree is not None else min(num_tokens, self.depth)
         logits = self.net.logits(self.net(self.last, K))  # [B, K, Vd]: head k at index k - 1
-        if self.tree is not None:  # a lookup row's tree is its chain
-            return trees_with_lookup(lambda _: self._fill_tree(batch, logits), batch, roots, K, found, self.device)
+        if self.tree is not None:  # (a copying row's tree is replaced by its chain)
+            return self._fill_tree(batch, logits)
         V = self.target.config.vocab_size
         states = row_states(batch.seqs, self.eos_ids)  # drafts processed as p is (penalties, masks, grammar)
         if batch.all_greedy or self.typical is not None:
             tokens = self.net.head.greedy(logits, V, states)  # [B, K], q one-hot
-            draft = Draft(tokens=tokens, typical=self.typical)
+            draft = Draft(tokens=tokens, acceptance=self.typical)
         else:  # a copying row draws from scratch: its own stream is for its own drafts
-            drafting = model_rows(found, self.device) if self.lookup is not None else None
+            drafting = drafting_rows(copies, batch, self.device)
             tokens, q = self.net.head.sample(logits, batch, V, 0, drafting, states)  # [B, K], [B, K, V]
             draft = Draft(tokens=tokens, q=q)
-        return draft if self.lookup is None else splice_chains(draft, found, matched)
+        return draft
 
     def _fill_tree(self, batch: Batch, logits: Tensor) -> Draft:
         """The static tree: node i at depth d is head d's ``rank[i]``-th likeliest token (a

@@ -50,7 +50,15 @@ def drafter_class(method: object) -> type[Drafter]:
 
 
 def create_drafter(spec: SpecConfig, ctx: DrafterContext) -> Drafter:
-    return drafter_class(spec.method)(spec, ctx)
+    """The method's drafter; wrapped in lookup.py's `LookupDrafter` where its keys ask for prompt
+    lookup or a datastore beside it."""
+    drafter = drafter_class(spec.method)(spec, ctx)
+    if not getattr(spec.options, "lookup_on", False):
+        return drafter
+    from specdecode.drafters.lookup import LookupDrafter
+
+    lookup = spec.options.lookup(ctx.target)  # after the drafter's own checks: a datastore takes a second to load
+    return LookupDrafter(drafter, lookup, spec.num_speculative_tokens, ctx.device)
 
 
 def parse_spec(value: "str | Mapping[str, Any] | SpecConfig | AutoSpec | None") -> "SpecConfig | AutoSpec | None":

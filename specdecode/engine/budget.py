@@ -109,7 +109,7 @@ def apply_budgets(draft: Draft, budgets: torch.Tensor) -> Draft:
     is truncated; a tree loses its nodes deeper than the budget. q and aux nodes are kept."""
     if draft.tree is None:
         keep = torch.arange(draft.tokens.shape[1], device=draft.tokens.device)[None, :] < budgets[:, None]
-        return dataclasses.replace(draft, tokens=torch.where(keep, draft.tokens, -1))  # q, typical kept
+        return dataclasses.replace(draft, tokens=torch.where(keep, draft.tokens, -1))  # q, acceptance kept
     tree = draft.tree
     if bool((tree.depth <= budgets[:, None]).all()):
         return draft
@@ -120,8 +120,8 @@ def apply_budgets(draft: Draft, budgets: torch.Tensor) -> Draft:
 def shadow_chains(proposed: Draft, batch: Batch) -> torch.Tensor | None:
     """[B, w] the proposed chains (before budgets), -1 padded, for the budget's shadow rounds;
     rows of NOT_SHADOWED where the generated tokens matching a draft is not its acceptance:
-    a sampled row's draft whose q is not one-hot. None for trees and typical acceptance."""
-    if proposed.tree is not None or proposed.typical is not None:
+    a sampled row's draft whose q is not one-hot. None for trees and a drafter's own acceptance rule."""
+    if proposed.tree is not None or proposed.acceptance is not None:
         return None
     if proposed.q is None:
         return proposed.tokens

@@ -278,7 +278,7 @@ class ServingEngine(Prefill, Engine):
         if int(budgets.max()) > 0 or (want > 0 and not cheap and proposed.aux is not None):
             draft = apply_budgets(proposed, budgets)
         shadow = shadow_chains(proposed, self.batch)
-        self._shadows = self._shadows and shadow is not None  # trees and typical acceptance give none
+        self._shadows = self._shadows and shadow is not None  # trees and a drafter's own acceptance rule give none
         return draft, draft_seconds, depth, shadow
 
     def _reserve(self, room: list[int], prefill: bool = False) -> None:

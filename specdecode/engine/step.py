@@ -36,7 +36,7 @@ from specdecode.model.loader import LoadedModel
 from specdecode.engine import processing
 from specdecode.core.sampling import Logprob, argmax, logits_to_probs
 from specdecode.core.tree import commit_paths
-from specdecode.core.verify import greedy_verify, rejection_sample, tree_greedy_verify, tree_rejection_sample, typical_verify
+from specdecode.core.verify import greedy_verify, rejection_sample, tree_greedy_verify, tree_rejection_sample
 
 
 @dataclass
@@ -155,16 +155,17 @@ class Engine:
         raw, hidden = self._target(tokens, positions, cache, valid=valid, packed=True,
                                    fp32_logits=not greedy or processing.wants_logprobs(batch.seqs))  # fmt: skip
         logits = processing.process(batch.seqs, self.eos_ids, raw, processing.chain_contexts, draft_tokens, num_draft)
-        if draft.typical is not None:  # LOSSY opt-in (Medusa's typical acceptance): flag the requests it bent
-            # a greedy row's p is one-hot, where typical acceptance is greedy verification (exact), and
-            # a row without drafts samples from p alone
+        rule = draft.acceptance  # the drafter's own acceptance rule, if it brought one
+        if rule is not None and rule.lossy:  # LOSSY opt-in (typical acceptance): flag the requests it bent
+            # a greedy row's p is one-hot, where such a rule is greedy verification (exact), and a
+            # row without drafts samples from p alone
             for seq, n in zip(batch.seqs, num_draft.tolist()):
                 seq.stats.lossy |= n > 0 and not seq.params.greedy
         if greedy:
             out, num_accepted = greedy_verify(_argmax_at(logits, valid), draft_tokens)
-        elif draft.typical is not None:
-            p = _probs_at(logits, valid, batch, zero_padding=True)  # typical reads every position's entropy
-            out, num_accepted = typical_verify(p, draft_tokens, *draft.typical, batch.generators)
+        elif rule is not None:
+            p = _probs_at(logits, valid, batch, zero_padding=True)  # the rule may read every position (entropy)
+            out, num_accepted = rule(p, draft_tokens, batch.generators)
         else:
             out, num_accepted = rejection_sample(_probs_at(logits, valid, batch), q, draft_tokens, batch.generators)
         cache.commit(num_accepted + 1)

@@ -1,7 +1,8 @@
 """The conformance suite: every method in the registry, in its default configuration and as
 a tree where it drafts trees, gets these checks by being registered (tiny fp32 models):
 
-- greedy output equals plain greedy output, each prompt alone and all together;
+- greedy output equals plain greedy output, each prompt alone and all together, with rounds cut
+  by max_tokens;
 - under continuous batching with joins, preemption and an abort, every finished request's
   output equals plain greedy alone, and no KV block is left held;
 - a seeded sampled request gives the same tokens alone and beside other requests;
@@ -13,6 +14,10 @@ a tree where it drafts trees, gets these checks by being registered (tiny fp32 m
   allowed_token_ids, logprobs), alone and combined: greedy output and logprobs equal plain
   decoding's, and the sampled joint distribution is the processed target's;
 - an unknown key in its configuration is one line naming the key.
+
+A method whose options take the lookup keys (drafters/lookup.py) is also run with prompt lookup
+beside it (variant "lookup"): greedy alone, together and under continuous batching, seeded
+sampling alone and crowded, and the sampled joint distribution.
 
 A method's own test file covers only what is special about it.
 """
@@ -28,7 +33,8 @@ import pytest
 from specdecode import LLM, SamplingParams, StructuredOutput
 from specdecode.drafters.registry import parse_spec
 from specdecode.config import SpecDecodeError
-from specdecode.drafters.registry import method_names
+from specdecode.drafters.lookup import LookupKeys
+from specdecode.drafters.registry import drafter_class, method_names
 from specdecode.engine.serving import ServingEngine
 from tests.conformance.builders import BUILDERS, method_specs
 from tests.engine.checks import (
@@ -60,6 +66,17 @@ def cases() -> list[tuple[str, str]]:
 
 
 TREES = {"ngram", "layer_skip", "draft_model", "eagle", "eagle3", "mtp", "medusa"}
+LOOKUP = {"prompt_lookup_max": 3, "num_steps": 1}  # copies run γ deep, the method's own drafts one step
+
+
+def lookup_cases() -> list[tuple[str, str]]:
+    """(method, "lookup") for every registered method whose options take the lookup keys."""
+    return [(m, "lookup") for m in method_names() if issubclass(drafter_class(m).Options, LookupKeys)]
+
+
+def variant_spec(built: dict[str, dict], variant: str) -> dict:
+    """A method's configuration for ``variant``: its builder's, or its default with prompt lookup."""
+    return {**built["default"], **LOOKUP} if variant == "lookup" else built[variant]
 
 
 def test_every_registered_method_has_a_builder():
@@ -83,20 +100,21 @@ def specs(target):
     def get(method: str, variant: str) -> dict:
         if method not in built:
             built[method] = method_specs(method, root / method, path)
-        return built[method][variant]
+        return variant_spec(built[method], variant)
 
     return get
 
 
-@pytest.mark.parametrize("method,variant", cases())
+@pytest.mark.parametrize("method,variant", cases() + lookup_cases())
 def test_greedy_equals_plain(target, specs, method, variant):
     _, path, plain = target
     llm = LLM(model=path, speculative_config=specs(method, variant), dtype="float32", device="cpu")
-    out = assert_greedy_matches_plain(llm, plain, PROMPTS, 24, (method, variant))
+    for max_tokens in (1, 2, 24):  # a round cut by max_tokens at once, after one token, and far in
+        out = assert_greedy_matches_plain(llm, plain, PROMPTS, max_tokens, (method, variant))
     assert sum(o.metrics.num_drafts for o in out) > 0, "the drafter never proposed: nothing was verified"
 
 
-@pytest.mark.parametrize("method,variant", cases())
+@pytest.mark.parametrize("method,variant", cases() + lookup_cases())
 def test_serving_with_joins_preemption_and_aborts(target, specs, method, variant):
     """Six requests through a pool that holds about one sequence: rows join as others leave,
     the newest is preempted and recomputed; one request is aborted midway."""
@@ -164,7 +182,7 @@ def test_prefix_caching_keeps_outputs(target, specs, method, variant):
         assert engine.stats().prefix_cache_hits > before
 
 
-@pytest.mark.parametrize("method,variant", cases())
+@pytest.mark.parametrize("method,variant", cases() + lookup_cases())
 def test_seeded_sampling_alone_equals_crowded(target, specs, method, variant):
     _, _, plain = target
     spec = parse_spec(specs(method, variant))
@@ -175,7 +193,8 @@ def test_seeded_sampling_alone_equals_crowded(target, specs, method, variant):
         if getattr(engine.drafter, "learns_from_other_requests", False):
             pytest.skip("drafts from other requests' outputs: the sample depends on the traffic (README)")
         for i in range(others):
-            engine.add_request(f"o{i}", PROMPTS[i], SamplingParams(temperature=1.0, max_tokens=12, seed=i, ignore_eos=True))
+            other = SamplingParams(temperature=1.0, max_tokens=12, seed=i, ignore_eos=True)
+            engine.add_request(f"o{i}", PROMPTS[i], other)
         engine.step()  # the others are decoding when it joins
         engine.add_request("x", PROMPTS[3], sampled)
         out: list[int] = []
@@ -203,12 +222,12 @@ def sampling(tmp_path_factory):
     def get(method: str, variant: str) -> tuple[str, dict]:
         if method not in built:
             built[method] = method_specs(method, root / method, path)
-        return path, built[method][variant]
+        return path, variant_spec(built[method], variant)
 
     return get
 
 
-@pytest.mark.parametrize("method,variant", cases())
+@pytest.mark.parametrize("method,variant", cases() + lookup_cases())
 def test_sampled_joint_distribution_is_the_targets(sampling, method, variant):
     path, spec = sampling(method, variant)
     llm = LLM(model=path, speculative_config=spec, dtype="float32", device="cpu")
@@ -306,7 +325,8 @@ def test_sampled_grammar_follows_the_masked_target(sampling, method, variant):
     a '0'): the mask at a draft position depends on the drafts before it."""
     path, spec = sampling(method, variant)
     llm = LLM(model=path, speculative_config=spec, dtype="float32", device="cpu")
-    base = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, structured=StructuredOutput("regex", "(0|10)+[01]{4}"))
+    grammar = StructuredOutput("regex", "(0|10)+[01]{4}")
+    base = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, structured=grammar)
     prompt = [4, 5, 4, 4, 5, 4, 4, 5, 4, 5, 4]  # "01001001010": drafts from it can pass the grammar
     want = exact_joint(llm, prompt, 3, 0, 0, params=base)
     outs = llm.generate([prompt] * 1000, [dataclasses.replace(base, seed=s) for s in range(1000)])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -18,6 +19,9 @@ from specdecode.drafters.registry import parse_spec
 from specdecode.config import SamplingParams, SpecDecodeError
 from specdecode.drafters.dflash_net import DFlashNet
 from specdecode.drafters.eagle_net import FeatureNet
+from specdecode.drafters import registry
+from specdecode.drafters.base import Draft
+from specdecode.drafters.lookup import LookupDrafter, LookupKeys
 from specdecode.drafters.medusa import MedusaNet
 from specdecode.engine.serving import ServingEngine
 from specdecode.cache.kv_cache import NoCache
@@ -54,9 +58,10 @@ def setup(tmp_path_factory):
 
 
 def count_sources(drafter, monkeypatch) -> dict[str, int]:
-    """Counts the rows each round gave to lookup and to the model (wraps the drafter module's
-    `look_up`), and checks that each copying row's proposal is its copy (wraps `propose`);
+    """Counts the rows each round gave to lookup and to the model (wraps the lookup wrapper
+    module's `look_up`), and checks that each copying row's proposal is its copy (wraps `propose`);
     "mixed" counts the rounds in which both kinds of row drafted."""
+    assert isinstance(drafter, LookupDrafter), type(drafter)
     seen = {"lookup": 0, "model": 0, "mixed": 0}
     module = sys.modules[type(drafter).propose.__module__]
     look_up, propose, last = module.look_up, drafter.propose, []
@@ -138,8 +143,8 @@ def test_rounds_where_every_row_copies_run_no_net_pass_and_draft_as_if_fed(setup
     runs = []
     for eager in (False, True):
         llm = LLM(model=target, speculative_config=spec, dtype="float32", device="cpu")
-        drafter, passes, drafted_from = llm.engine.drafter, [0], []
-        net_forward, propose, feed = drafter.net.forward, drafter.propose, drafter._feed_pending
+        wrapper, drafter, passes, drafted_from = llm.engine.drafter, llm.engine.drafter.inner, [0], []
+        net_forward, propose, feed = drafter.net.forward, wrapper.propose, drafter._feed_pending
 
         def counted(*args, forward=net_forward, passes=passes, **kwargs):
             passes[0] += 1
@@ -158,7 +163,7 @@ def test_rounds_where_every_row_copies_run_no_net_pass_and_draft_as_if_fed(setup
 
         monkeypatch.setattr(drafter.net, "forward", counted)
         monkeypatch.setattr(drafter, "_feed_pending", recorded)
-        monkeypatch.setattr(drafter, "propose", round_)
+        monkeypatch.setattr(wrapper, "propose", round_)
         for prompts in ([PROMPTS[1]], PROMPTS):
             assert_greedy_matches_plain(llm, plain, prompts, 40, shape)
         runs.append((drafted_from, passes[0]))
@@ -176,8 +181,8 @@ def test_a_row_that_may_draft_nothing_does_not_make_the_net_run(setup, monkeypat
     spec = {"method": "eagle", "model": models["eagle"], "num_speculative_tokens": 4, "num_steps": 1,
             "prompt_lookup_max": 3, **shape}  # fmt: skip
     engine = LLM(model=target, speculative_config=spec, dtype="float32", device="cpu").engine
-    drafter, passes, netless = engine.drafter, [0], []
-    net_forward, propose = drafter.net.forward, drafter.propose
+    wrapper, drafter, passes, netless = engine.drafter, engine.drafter.inner, [0], []
+    net_forward, propose = drafter.net.forward, wrapper.propose
 
     def counted(*args, **kwargs):
         passes[0] += 1
@@ -190,7 +195,7 @@ def test_a_row_that_may_draft_nothing_does_not_make_the_net_run(setup, monkeypat
         return draft
 
     monkeypatch.setattr(drafter.net, "forward", counted)
-    monkeypatch.setattr(drafter, "propose", round_)
+    monkeypatch.setattr(wrapper, "propose", round_)
     params = greedy(24)
     engine.add_request("copy", PROMPTS[3], params)
     engine.add_request("none", PROMPTS[1], params, spec_override={"num_speculative_tokens": 0})
@@ -212,8 +217,8 @@ def test_a_draft_model_beside_copies_drafts_from_the_committed_tokens(setup, mon
     spec = {"method": "draft_model", "model": models["draft_model"], "num_speculative_tokens": 4,
             "num_steps": steps, "prompt_lookup_max": 3}  # fmt: skip
     llm = LLM(model=target, speculative_config=spec, dtype="float32", device="cpu")
-    drafter, checked, proposing = llm.engine.drafter, [], []
-    feed, propose = drafter._feed, drafter.propose
+    wrapper, drafter, checked, proposing = llm.engine.drafter, llm.engine.drafter.inner, [], []
+    feed, propose = drafter._feed, wrapper.propose
 
     def fed(rows, cache):
         logits = feed(rows, cache)
@@ -233,7 +238,7 @@ def test_a_draft_model_beside_copies_drafts_from_the_committed_tokens(setup, mon
 
     unfed: list[bool] = []
     monkeypatch.setattr(drafter, "_feed", fed)
-    monkeypatch.setattr(drafter, "propose", round_)
+    monkeypatch.setattr(wrapper, "propose", round_)
     assert_greedy_matches_plain(llm, plain, PROMPTS, 40, steps)
     assert checked and all(checked), checked
     assert any(unfed) and not all(unfed), unfed  # rounds that copied ran no draft pass; the others did
@@ -332,8 +337,8 @@ def test_rounds_where_every_row_copies_run_no_block_or_heads(setup, monkeypatch,
     spec = {"method": method, "model": models[method], "num_speculative_tokens": 4, "num_steps": 2,
             "prompt_lookup_max": 3}  # fmt: skip
     llm = LLM(model=target, speculative_config=spec, dtype="float32", device="cpu")
-    drafter = llm.engine.drafter
-    module = sys.modules[type(drafter).propose.__module__]
+    wrapper, drafter = llm.engine.drafter, llm.engine.drafter.inner
+    module = sys.modules[type(wrapper).propose.__module__]
     count = {"copies only": 0, "model": 0, "passes": 0}
     look_up = module.look_up
 
@@ -410,3 +415,55 @@ def test_num_steps_past_gamma_gets_one_line(setup, method):
             "prompt_lookup_max": 3}  # fmt: skip
     with pytest.raises(SpecDecodeError, match=r"num_steps \(3\) must be at most num_speculative_tokens \(2\)"):
         LLM(model=target, speculative_config=spec, dtype="float32", device="cpu")
+
+
+@dataclass(frozen=True)
+class RepeatOptions(LookupKeys):
+    pass
+
+
+class RepeatDrafter:
+    """A new method in one class: drafts the newest token again, for the rows that do not copy."""
+
+    Options = RepeatOptions
+    default_num_speculative_tokens = 3
+    hidden_layers = ()
+
+    def __init__(self, spec, ctx):
+        self.steps, self.device, self.asked = spec.options.steps(spec.num_speculative_tokens), ctx.device, []
+
+    def max_draft_tokens(self, num_tokens):
+        return num_tokens
+
+    def prefill(self, batch, rows, hidden=None):
+        pass
+
+    def propose(self, batch, num_tokens, copies=None):
+        self.asked.append(copies)
+        depth = min(num_tokens, self.steps)
+        rows = [[-1] * depth if copies and copies[b] else [s.token_ids[-1]] * depth for b, s in enumerate(batch.seqs)]
+        return Draft(tokens=torch.tensor(rows, device=self.device))
+
+    def on_verified(self, batch, num_accepted, aux_logits=None, hidden=None):
+        pass
+
+    def select_rows(self, rows):
+        pass
+
+
+def test_a_new_method_gets_lookup_from_the_registry_alone(setup, monkeypatch):
+    """Options that take `LookupKeys` and a ``propose`` that reads ``copies`` are all a method
+    needs: the registry wraps it, copying rows never reach it, and greedy stays exact."""
+    target, _, plain = setup
+    monkeypatch.setitem(registry._METHODS, "repeat", f"{__name__}:RepeatDrafter")
+    llm = LLM(model=target, speculative_config={"method": "repeat", "prompt_lookup_max": 3, "num_steps": 1},
+              dtype="float32", device="cpu")  # fmt: skip
+    assert isinstance(llm.engine.drafter, LookupDrafter)
+    inner = llm.engine.drafter.inner
+    seen = count_sources(llm.engine.drafter, monkeypatch)
+    batch = assert_greedy_matches_plain(llm, plain, PROMPTS, 40, "repeat")
+    assert seen["lookup"] > 0 and seen["mixed"] > 0, seen
+    assert any(c and any(c) for c in inner.asked) and any(c and not any(c) for c in inner.asked)
+    assert any(len(o.metrics.accepted_per_position) > 1 and o.metrics.accepted_per_position[1] > 0 for o in batch)
+    plain_method = LLM(model=target, speculative_config={"method": "repeat"}, dtype="float32", device="cpu")
+    assert isinstance(plain_method.engine.drafter, RepeatDrafter)  # no lookup asked: no wrapper

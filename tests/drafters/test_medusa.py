@@ -17,7 +17,7 @@ from specdecode.model.transformer import ModelConfig, Transformer
 from specdecode.core.batch import Batch
 from specdecode.cache.kv_cache import NoCache
 from specdecode.model.loader import load_model
-from specdecode.core.verify import greedy_verify, typical_verify
+from specdecode.core.verify import TypicalAcceptance, greedy_verify, typical_verify
 from tests.learned import fit
 from tests.tiny import make_tiny_checkpoint
 
@@ -181,3 +181,9 @@ def test_typical_verify():
     peaked = torch.tensor([[[0.96, 0.01, 0.01, 0.01, 0.01]] * 2])
     out, n = typical_verify(peaked, torch.tensor([[2]]), 0.09, 0.3, torch.Generator().manual_seed(0))
     assert n.tolist() == [0] and out[0, 1].item() == -1
+    # as the rule a draft carries: the same decision, flagged lossy
+    rule = TypicalAcceptance(0.09, 0.3)
+    assert rule.lossy
+    got = rule(flat, torch.tensor([[4, 3]]), [torch.Generator().manual_seed(0)])
+    want = typical_verify(flat, torch.tensor([[4, 3]]), 0.09, 0.3, torch.Generator().manual_seed(0))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
