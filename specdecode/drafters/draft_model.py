@@ -134,7 +134,7 @@ class DraftModelDrafter:
         if self.static_tree is not None:  # its own shape (a copying row's is replaced by its chain)
             return fill_static_tree(self._score_block, logits, roots, self.static_tree)
         if self.topk > 1:
-            limits = tree_limits(batch, depth, copies)
+            limits = tree_limits(copies, batch, depth)
             return grow_tree(self._score_block, logits, roots, depth, self.topk, self.budget, limits=limits)
         drafts, qs = [], []
         drafting = drafting_rows(copies, batch, self.ctx.device)  # None: every row

@@ -145,7 +145,7 @@ class EagleDrafter:
         if self.topk > 1:
             roots = [s.token_ids[-1] for s in batch.seqs]
             return grow_tree(self._score_block, logits, roots, depth, self.topk, self.budget, root_states=out,
-                             vocab_ids=self.net.head.vocab_ids, limits=tree_limits(batch, depth, copies))  # fmt: skip
+                             vocab_ids=self.net.head.vocab_ids, limits=tree_limits(copies, batch, depth))  # fmt: skip
         return self._chain(batch, logits, out, depth, drafting_rows(copies, batch, self.device))
 
     def _chain(

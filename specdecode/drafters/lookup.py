@@ -138,7 +138,7 @@ def drafting_rows(copies: list[list[int]] | None, batch: Batch, device: torch.de
     return torch.tensor([not c for c in copies], dtype=torch.bool, device=device)
 
 
-def tree_limits(batch: Batch, depth: int, copies: list[list[int]] | None) -> list[int] | None:
+def tree_limits(copies: list[list[int]] | None, batch: Batch, depth: int) -> list[int] | None:
     """Per-row depth limits for a wrapped drafter's trees: 0 for a copying row (its tree is
     replaced by its chain), the row's draft limit for the others; None where neither limits."""
     if copies is None or not any(copies):
