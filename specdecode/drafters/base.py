@@ -72,7 +72,9 @@ class Draft:
 
 
 class Acceptance(Protocol):
-    """A drafter's own acceptance rule for its chains (see `Draft.acceptance`)."""
+    """A drafter's own acceptance rule for its chains (see `Draft.acceptance`). On a one-hot p
+    (a greedy row in a mixed batch) it must decide as greedy verification does, as typical
+    acceptance does: the engine flags only sampled rows ``lossy``."""
 
     lossy: bool
 

@@ -157,8 +157,8 @@ class Engine:
         logits = processing.process(batch.seqs, self.eos_ids, raw, processing.chain_contexts, draft_tokens, num_draft)
         rule = draft.acceptance  # the drafter's own acceptance rule, if it brought one
         if rule is not None and rule.lossy:  # LOSSY opt-in (typical acceptance): flag the requests it bent
-            # a greedy row's p is one-hot, where such a rule is greedy verification (exact), and a
-            # row without drafts samples from p alone
+            # a greedy row's p is one-hot, where a rule decides as greedy verification (its contract,
+            # drafters/base.Acceptance), and a row without drafts samples from p alone
             for seq, n in zip(batch.seqs, num_draft.tolist()):
                 seq.stats.lossy |= n > 0 and not seq.params.greedy
         if greedy:
