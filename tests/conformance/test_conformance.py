@@ -33,7 +33,7 @@ import pytest
 from specdecode import LLM, SamplingParams, StructuredOutput
 from specdecode.drafters.registry import parse_spec
 from specdecode.config import SpecDecodeError
-from specdecode.drafters.lookup import LookupKeys
+from specdecode.drafters.lookup import LookupDrafter, LookupKeys
 from specdecode.drafters.registry import drafter_class, method_names
 from specdecode.engine.serving import ServingEngine
 from tests.conformance.builders import BUILDERS, method_specs
@@ -66,7 +66,7 @@ def cases() -> list[tuple[str, str]]:
 
 
 TREES = {"ngram", "layer_skip", "draft_model", "eagle", "eagle3", "mtp", "medusa"}
-LOOKUP = {"prompt_lookup_max": 3, "num_steps": 1}  # copies run γ deep, the method's own drafts one step
+LOOKUP = {"prompt_lookup_max": 3, "num_speculative_tokens": 4, "num_steps": 1}  # copies 4 deep, own drafts 1
 
 
 def lookup_cases() -> list[tuple[str, str]]:
@@ -112,6 +112,9 @@ def test_greedy_equals_plain(target, specs, method, variant):
     for max_tokens in (1, 2, 24):  # a round cut by max_tokens at once, after one token, and far in
         out = assert_greedy_matches_plain(llm, plain, PROMPTS, max_tokens, (method, variant))
     assert sum(o.metrics.num_drafts for o in out) > 0, "the drafter never proposed: nothing was verified"
+    if variant == "lookup":  # the wrapper copied: drafts past the method's own one step were accepted
+        assert isinstance(llm.engine.drafter, LookupDrafter)
+        assert any(sum(o.metrics.accepted_per_position[1:]) > 0 for o in out), [o.metrics for o in out]
 
 
 @pytest.mark.parametrize("method,variant", cases() + lookup_cases())
