@@ -30,6 +30,7 @@ and what it is owed waits for the next round it drafts in.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -151,6 +152,8 @@ def splice_chains(draft: Draft, found: list[list[int]], matched: list[int]) -> D
     """The model's chains with the lookup rows' chains in their place: one-hot q, no confidence
     (NaN: an adaptive budget plans those rows on its own estimates), ``matched`` as evidence
     (0: the model's draft)."""
+    if not any(found):  # no row copies: the model's draft as it is (no copy of q on the hot path)
+        return dataclasses.replace(draft, evidence=matched)
     B, w = draft.tokens.shape
     device = draft.tokens.device
     rows = [b for b, f in enumerate(found) if f]

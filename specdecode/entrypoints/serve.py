@@ -83,7 +83,7 @@ def build_server_app(target: Any, spec: Any, *, model: str | None, max_model_len
 
     def new_engine() -> ServingEngine:
         return ServingEngine(target, spec, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                                    quantization=quantization, enable_prefix_caching=enable_prefix_caching,
+                             quantization=quantization, enable_prefix_caching=enable_prefix_caching,
                              threads=threads)  # fmt: skip
 
     if compile_mode is not None:

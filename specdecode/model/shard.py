@@ -3,8 +3,8 @@
 Owns: `Shard` (this rank, the world size, the process group, and the two collectives a
 sharded forward needs: the all-reduce after each row-parallel linear and the all-gather of
 the vocabulary-split LM head), `check_tensor_parallel` (sizes that split by whole heads and
-whole quantization groups, weights that can be cut) and `split_state` (a full checkpoint, in our parameter names, cut
-down to one rank's rows and columns).
+whole quantization groups, weights that can be cut) and `split_state` (a full checkpoint, in
+our parameter names, cut down to one rank's rows and columns).
 Does not own: the forward pass (transformer.py reads the shard's sizes and calls its
 collectives), starting ranks or telling the other ranks what to run (tensor_parallel.py).
 
